@@ -1,0 +1,97 @@
+"""8-bit wire formats and per-group scale encodings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class WireFormat:
+    """One 8-bit element format of the compressed payload.
+
+    Attributes:
+      name: "e4m3", "e5m2" or "int8".
+      dtype: the JAX dtype of the payload.
+      max_value: largest finite magnitude; values are clipped to it before the cast
+        because JAX's FP8 casts are not saturating (out of range becomes NaN).
+      is_integer: symmetric integer grid (round half to even) instead of a float grid.
+    """
+
+    name: str
+    dtype: np.dtype
+    max_value: float
+    is_integer: bool
+
+
+WIRE_FORMATS: dict[str, WireFormat] = {
+    "e4m3": WireFormat("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, False),
+    "e5m2": WireFormat("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, False),
+    "int8": WireFormat("int8", jnp.dtype(jnp.int8), 127.0, True),
+}
+
+# Bytes per group on the wire for each scale encoding:
+#   dual   the authors' format: pre-scale a and quantization scale s, both float32;
+#   single one float32 dequantization scale s / a (enough: the transform is linear);
+#   e8m0   one byte holding a power-of-two dequantization scale (OCP MX style).
+SCALE_FORMATS: dict[str, int] = {"dual": 8, "single": 4, "e8m0": 1}
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+# Codes 1..254: 2**-126 .. 2**127. Code 0 (2**-127) is a float32 subnormal, which
+# flush-to-zero backends would turn into a zero scale, so it is never produced.
+E8M0_MIN_CODE = 1
+E8M0_MAX_CODE = 254
+
+
+def wire_format(name: str) -> WireFormat:
+    """Look up a wire format by name.
+
+    Args:
+      name: "e4m3", "e5m2" or "int8".
+
+    Returns:
+      The `WireFormat`.
+
+    Raises:
+      ValueError: unknown format name.
+    """
+    try:
+        return WIRE_FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown wire format {name!r}; expected one of {sorted(WIRE_FORMATS)}"
+        ) from None
+
+
+def cast_to_wire(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """Round float32 values (already divided by their scale) onto the 8-bit grid.
+
+    Round to nearest, ties to even, after clipping to +-max_value. NaN stays NaN in the
+    float formats; int8 has no NaN, so callers carry NaN through the group's scale.
+    """
+    clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
+    if fmt.is_integer:
+        clipped = jnp.round(clipped)
+    return clipped.astype(fmt.dtype)
+
+
+def encode_e8m0(scale: jnp.ndarray) -> jnp.ndarray:
+    """Encode positive float32 scales as uint8 power-of-two exponents, rounding up.
+
+    Rounding the scale up (never down) keeps every value of the group inside the
+    element format's range. NaN or Inf scales encode as the NaN code.
+    """
+    mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    ceil_log2 = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    code = jnp.clip(ceil_log2 + E8M0_BIAS, E8M0_MIN_CODE, E8M0_MAX_CODE)
+    return jnp.where(jnp.isfinite(scale), code, E8M0_NAN).astype(jnp.uint8)
+
+
+def decode_e8m0(code: jnp.ndarray) -> jnp.ndarray:
+    """Decode uint8 exponent codes to float32 scales (the NaN code gives NaN)."""
+    exponent = code.astype(jnp.int32) - E8M0_BIAS
+    scale = jnp.ldexp(jnp.ones(code.shape, jnp.float32), exponent)
+    return jnp.where(code == E8M0_NAN, jnp.nan, scale)

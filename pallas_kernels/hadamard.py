@@ -1,0 +1,50 @@
+"""Walsh-Hadamard transform over groups of the last axis (reference implementation)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(size: int) -> np.ndarray:
+    """The unnormalized Sylvester Hadamard matrix of +-1 entries.
+
+    Args:
+      size: a power of two.
+
+    Returns:
+      A (size, size) float32 numpy array H with H @ H.T == size * I. It is symmetric, so
+      the normalized transform H / sqrt(size) is its own inverse.
+
+    Raises:
+      ValueError: size is not a power of two.
+    """
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    matrix = np.ones((1, 1), np.float32)
+    while matrix.shape[0] < size:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    matrix.setflags(write=False)
+    return matrix
+
+
+def hadamard_transform(groups: jax.Array) -> jax.Array:
+    """Normalized Walsh-Hadamard transform of the last axis (its own inverse).
+
+    Args:
+      groups: float32 array (..., G), G a power of two.
+
+    Returns:
+      H @ g / sqrt(G) for every group g, float32, same shape.
+    """
+    size = groups.shape[-1]
+    matrix = jnp.asarray(hadamard_matrix(size))
+    # The +-1 matrix is exact; HIGHEST keeps the f32 dot out of TF32/bf16 passes.
+    transformed = jnp.einsum(
+        "...g,gh->...h", groups, matrix, precision=jax.lax.Precision.HIGHEST
+    )
+    return transformed * np.float32(1.0 / np.sqrt(size))

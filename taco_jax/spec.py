@@ -1,0 +1,128 @@
+"""Quantizer specifications and the TACO configuration with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pallas_kernels.formats import SCALE_FORMATS, WIRE_FORMATS
+
+MODES = ("off", "fp8", "taco")
+DEFAULT_MIN_BYTES = 8 << 20  # the authors' threshold: smaller messages stay uncompressed
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How one direction of a tensor-parallel collective is quantized.
+
+    Attributes:
+      fmt: element format on the wire: "e4m3", "e5m2" or "int8".
+      group_size: G, contiguous elements of the last axis sharing one scale; a power of
+        two (the Hadamard transform needs one), at least 2.
+      hadamard: apply the adaptive-scale Walsh-Hadamard transform per group.
+      scales: per-group scale encoding: "dual" (the authors' FP32 pre-scale and
+        quantization scale, 8 bytes/group), "single" (one FP32 s/a, 4 bytes) or "e8m0"
+        (one byte, a power-of-two scale).
+    """
+
+    fmt: str = "e4m3"
+    group_size: int = 128
+    hadamard: bool = True
+    scales: str = "dual"
+
+    def __post_init__(self) -> None:
+        if self.fmt not in WIRE_FORMATS:
+            raise ValueError(f"unknown format {self.fmt!r}; expected one of {sorted(WIRE_FORMATS)}")
+        if self.scales not in SCALE_FORMATS:
+            raise ValueError(
+                f"unknown scale format {self.scales!r}; expected one of {sorted(SCALE_FORMATS)}"
+            )
+        size = self.group_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size & (size - 1):
+            raise ValueError(f"group_size must be a power of two >= 2, got {size!r}")
+        if not isinstance(self.hadamard, bool):
+            raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
+
+    @property
+    def scale_bytes(self) -> int:
+        """Wire bytes of one group's scales."""
+        return SCALE_FORMATS[self.scales]
+
+
+@dataclasses.dataclass(frozen=True)
+class TacoConfig:
+    """Compression settings for the tensor-parallel collectives of a model.
+
+    Attributes:
+      forward: spec for forward-pass messages (activations).
+      backward: spec for backward-pass messages (activation gradients); DSQ keeps the
+        two separate.
+      min_bytes: messages smaller than this (in the input dtype) stay uncompressed.
+      mode: "off" (plain collectives), "fp8" (per-group absmax, no transform, no
+        reshaping: the naive baseline) or "taco" (transform and calibrated reshaping).
+    """
+
+    forward: QuantSpec = QuantSpec()
+    backward: QuantSpec = QuantSpec()
+    min_bytes: int = DEFAULT_MIN_BYTES
+    mode: str = "taco"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; expected one of {list(MODES)}")
+        for name in ("forward", "backward"):
+            if not isinstance(getattr(self, name), QuantSpec):
+                raise ValueError(f"TacoConfig.{name} must be a QuantSpec, got {getattr(self, name)!r}")
+        if self.mode == "fp8" and (self.forward.hadamard or self.backward.hadamard):
+            raise ValueError("mode 'fp8' is the no-transform baseline: set hadamard=False in both specs")
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any collective is compressed."""
+        return self.mode != "off"
+
+    def compresses(self, nbytes: int) -> bool:
+        """Whether a message of `nbytes` (input dtype) is sent compressed."""
+        return self.enabled and nbytes >= self.min_bytes
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> TacoConfig:
+        """A named configuration.
+
+        Args:
+          name: "off", "fp8", "taco" or "taco+" (see `PRESETS`).
+          **overrides: fields to replace, e.g. `min_bytes=0`.
+
+        Returns:
+          The `TacoConfig`.
+
+        Raises:
+          ValueError: unknown preset name or field.
+        """
+        try:
+            config = PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown TACO preset {name!r}; expected one of {sorted(PRESETS)}") from None
+        try:
+            return dataclasses.replace(config, **overrides)
+        except TypeError as error:
+            raise ValueError(f"bad override for preset {name!r}: {error}") from None
+
+
+_NAIVE_FP8 = QuantSpec(fmt="e4m3", group_size=128, hadamard=False, scales="single")
+_TACO = QuantSpec(fmt="e4m3", group_size=128, hadamard=True, scales="dual")
+_INT8_HADAMARD = QuantSpec(fmt="int8", group_size=128, hadamard=True, scales="single")
+
+PRESETS: dict[str, TacoConfig] = {
+    # Plain bf16/f32 collectives.
+    "off": TacoConfig(_NAIVE_FP8, _NAIVE_FP8, mode="off"),
+    # Per-group absmax E4M3, no transform: the naive baseline.
+    "fp8": TacoConfig(_NAIVE_FP8, _NAIVE_FP8, mode="fp8"),
+    # The authors' method: E4M3, G=128, adaptive-scale Hadamard, dual FP32 scales.
+    "taco": TacoConfig(_TACO, _TACO, mode="taco"),
+    # INT8 after the Hadamard transform with one FP32 scale per group: same byte count,
+    # lower error on measured TP tensors (benchmarks/codec_error.py, README).
+    "taco+": TacoConfig(_INT8_HADAMARD, _INT8_HADAMARD, mode="taco"),
+}

@@ -1,0 +1,267 @@
+"""The codec against an independent float64 numpy implementation of the same math."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import taco_jax as tj
+from pallas_kernels import formats
+from tests import reference as ref
+
+FMTS = ["e4m3", "e5m2", "int8"]
+SCALES = ["dual", "single", "e8m0"]
+# Worst relative error per group on the y grid, by format (half an ulp of the mantissa;
+# for int8, half a step of absmax/127 spread over the group).
+REL_BOUND = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+
+
+def _random(shape, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * rng.lognormal(0, 1.5, size=shape[-1])
+    return (x * scale).astype(np.float32)
+
+
+def _group_rel_error(out, x, group_size):
+    out = ref.as_float64(out).reshape(*x.shape[:-1], -1, group_size)
+    x = ref.as_float64(x).reshape(*x.shape[:-1], -1, group_size)
+    num = np.linalg.norm(out - x, axis=-1)
+    den = np.linalg.norm(x, axis=-1)
+    return np.where(den > 0, num / np.where(den > 0, den, 1), num)
+
+
+def _group_bound(spec, dtype):
+    if spec.fmt == "int8":
+        steps = 2 if spec.scales == "e8m0" else 1  # a power-of-two scale can double the step
+        fmt_bound = 0.5 * steps * np.sqrt(spec.group_size) / 127
+    else:
+        fmt_bound = REL_BOUND[spec.fmt]
+    return fmt_bound + float(jnp.finfo(dtype).eps) + 1e-5
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+def test_matches_float64_reference(fmt, scales, hadamard):
+    spec = tj.QuantSpec(fmt=fmt, group_size=64, hadamard=hadamard, scales=scales)
+    x = _random((3, 5, 256), seed=hash((fmt, scales, hadamard)) % 2**31)
+    c = jax.jit(tj.compress, static_argnums=1)(x, spec)
+    codes, a, s, multiplier = ref.compress(x, fmt, 64, hadamard, scales)
+
+    got_codes = ref.as_float64(c.payload).reshape(codes.shape)
+    mismatch = got_codes != codes
+    # f32 vs f64 arithmetic can only flip values lying within f32 rounding of a tie.
+    assert mismatch.mean() < 2e-3
+    step = np.maximum(np.abs(codes), 1.0) * (2.0**-3 if fmt != "int8" else 1.0)
+    assert np.all(np.abs(got_codes - codes)[mismatch] <= step[mismatch] + 1e-12)
+
+    scales_arr = np.asarray(c.scales, np.float64)
+    if scales == "dual":
+        np.testing.assert_allclose(scales_arr[..., 0], a[..., 0], rtol=1e-6)
+        np.testing.assert_allclose(scales_arr[..., 1], s[..., 0], rtol=2e-6)
+    elif scales == "single":
+        np.testing.assert_allclose(scales_arr, multiplier[..., 0], rtol=2e-6)
+    else:
+        np.testing.assert_array_equal(2.0 ** (scales_arr - 127), multiplier[..., 0])
+
+    out = jax.jit(tj.decompress)(c)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    expected = ref.decompress(got_codes, multiplier, hadamard, 64).reshape(x.shape)
+    np.testing.assert_allclose(ref.as_float64(out), expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_float_cast_rounds_to_nearest_even(fmt):
+    fmax, mbits, emin, _ = ref.FORMATS[fmt]
+    rng = np.random.default_rng(1)
+    values = rng.uniform(-1.2 * fmax, 1.2 * fmax, 20000) * 2.0 ** rng.integers(-20, 1, 20000)
+    quantum_at_one = 2.0**-mbits
+    ties = np.array([1 + quantum_at_one / 2, 1 + 1.5 * quantum_at_one, -(1 + quantum_at_one / 2)])
+    subnormal_ties = 2.0 ** (emin - mbits) * np.array([0.5, 1.5, 2.5])
+    values = np.concatenate([values, ties, subnormal_ties, [fmax * 1.01, -fmax * 50]]).astype(np.float32)
+    got = ref.as_float64(formats.cast_to_wire(jnp.asarray(values), formats.WIRE_FORMATS[fmt]))
+    np.testing.assert_array_equal(got, ref.round_to_grid(values.astype(np.float64), fmt))
+    np.testing.assert_array_equal(got[-len(subnormal_ties) - 2 - len(ties) : -len(subnormal_ties) - 2], [1.0, 1 + 2 * quantum_at_one, -1.0])
+
+
+def test_int8_cast_rounds_half_to_even_and_clips():
+    values = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.4, 300.0, -1e9], np.float32)
+    got = np.asarray(formats.cast_to_wire(jnp.asarray(values), formats.WIRE_FORMATS["int8"]))
+    np.testing.assert_array_equal(got, [0, 2, 2, 0, -2, 126, 127, 127, -127])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("magnitude", [1e-9, 1e-30, 1.0, 1e12, 1e30], ids=lambda m: f"{m:g}")
+def test_round_trip_any_magnitude(fmt, scales, magnitude):
+    spec = tj.QuantSpec(fmt=fmt, group_size=128, hadamard=True, scales=scales)
+    x = _random((4, 256), seed=7, scale=magnitude)
+    out = tj.decompress(tj.compress(x, spec))
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert _group_rel_error(out, x, 128).max() <= _group_bound(spec, jnp.float32)
+
+
+def test_huge_values_near_float32_max_do_not_overflow():
+    x = np.full((2, 128), 3e38, np.float32)
+    x[1, ::2] = -3e38
+    spec = tj.QuantSpec(fmt="e4m3", group_size=128, hadamard=True, scales="single")
+    out = np.asarray(tj.decompress(tj.compress(x, spec)), np.float64)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, x, rtol=2.0**-4)
+
+
+def test_zero_tensor_is_exact():
+    for scales in SCALES:
+        out = tj.decompress(tj.compress(jnp.zeros((2, 256), jnp.bfloat16), tj.QuantSpec(scales=scales)))
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+def test_nonfinite_propagates_to_its_group_only(fmt, scales, bad, hadamard):
+    spec = tj.QuantSpec(fmt=fmt, group_size=64, hadamard=hadamard, scales=scales)
+    x = _random((2, 256), seed=3)
+    x[1, 70] = bad
+    out = np.asarray(jax.jit(lambda v: tj.decompress(tj.compress(v, spec)))(x))
+    bad_group = np.zeros(out.shape, bool)
+    bad_group[1, 64:128] = True
+    assert np.all(~np.isfinite(out[bad_group]))
+    assert np.all(np.isfinite(out[~bad_group]))
+    assert _group_rel_error(out[0], x[0], 64).max() <= _group_bound(spec, jnp.float32)
+
+
+def test_values_beyond_fp8_range_never_become_nan():
+    # An out-of-range FP8 cast gives NaN; the clip before the cast must prevent that even
+    # when one element dominates its group.
+    x = np.ones((1, 128), np.float32) * 1e-6
+    x[0, 3] = 1e20
+    for fmt in FMTS:
+        for scales in SCALES:
+            out = np.asarray(tj.decompress(tj.compress(x, tj.QuantSpec(fmt=fmt, hadamard=False, scales=scales))))
+            assert np.all(np.isfinite(out))
+            np.testing.assert_allclose(out[0, 3], 1e20, rtol=2.0**-3)
+
+
+def test_rounding_survives_jit():
+    """XLA must not keep excess precision: the jitted round trip equals the eager one."""
+    x = _random((8, 512), seed=11)
+    spec = tj.QuantSpec(fmt="e4m3", hadamard=False, scales="single")
+    eager = np.asarray(tj.decompress(tj.compress(x, spec)))
+    jitted = np.asarray(jax.jit(lambda v: tj.decompress(tj.compress(v, spec)))(x))
+    np.testing.assert_allclose(eager, jitted, rtol=1e-6)  # fusion may reorder f32 ops by an ulp
+    assert not np.array_equal(jitted, x)
+    # Every reconstructed value is a payload code times its group's scale.
+    codes = jitted.reshape(8, 4, 128) / np.asarray(tj.compress(x, spec).scales)[..., None]
+    np.testing.assert_allclose(codes, ref.round_to_grid(codes.astype(np.float64), "e4m3"), rtol=1e-6)
+
+
+def test_payload_is_one_byte_per_element_in_compiled_hlo():
+    x = jnp.ones((16, 256), jnp.bfloat16)
+    for fmt, hlo_type in [("e4m3", "f8e4m3fn[16,256]"), ("e5m2", "f8e5m2[16,256]"), ("int8", "s8[16,256]")]:
+        spec = tj.QuantSpec(fmt=fmt)
+        hlo = jax.jit(tj.compress, static_argnums=1).lower(x, spec).compile().as_text()
+        assert hlo_type in hlo
+        assert tj.compress(x, spec).payload.dtype.itemsize == 1
+
+
+@pytest.mark.parametrize("scales,per_group", [("dual", 8), ("single", 4), ("e8m0", 1)])
+def test_nbytes_and_wire_bytes_agree(scales, per_group):
+    spec = tj.QuantSpec(scales=scales, group_size=128)
+    x = jnp.ones((3, 7, 512), jnp.bfloat16)
+    c = tj.compress(x, spec)
+    expected = 3 * 7 * 512 + 3 * 7 * 4 * per_group
+    assert c.nbytes == expected == tj.wire_bytes(x.shape, x.dtype, spec)
+    assert tj.wire_bytes(x.shape, jnp.bfloat16, None) == 2 * 3 * 7 * 512
+
+
+def test_compressed_is_a_pytree_through_jit():
+    spec = tj.QuantSpec(fmt="int8", scales="e8m0", group_size=32)
+    c = tj.compress(_random((4, 64)), spec)
+    leaves, treedef = jax.tree_util.tree_flatten(c)
+    assert len(leaves) == 2
+    same = jax.jit(lambda v: v)(c)
+    assert same.spec == spec and same.shape == c.shape and same.dtype == c.dtype
+    np.testing.assert_array_equal(np.asarray(c.dequantize()), np.asarray(tj.decompress(same)))
+
+
+def test_permutation_round_trip_and_equivalence():
+    x = _random((4, 256), seed=5)
+    perm = np.random.default_rng(0).permutation(256)
+    spec = tj.QuantSpec(group_size=64)
+    c = tj.compress(x, spec, perm=perm)
+    np.testing.assert_array_equal(np.asarray(c.payload), np.asarray(tj.compress(x[:, perm], spec).payload))
+    out = tj.decompress(c, perm=perm)
+    assert _group_rel_error(np.asarray(out)[:, perm], x[:, perm], 64).max() <= _group_bound(spec, jnp.float32)
+    traced = jax.jit(lambda v, p: tj.decompress(tj.compress(v, spec, p), p))(x, perm)
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(out), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: tj.compress(jnp.ones((4, 100)), tj.QuantSpec(group_size=32)), "not divisible by group_size 32"),
+        (lambda: tj.compress(jnp.ones((4, 64), jnp.int32), tj.QuantSpec(group_size=32)), "floating-point"),
+        (lambda: tj.compress(jnp.ones(()), tj.QuantSpec(group_size=32)), "scalar"),
+        (lambda: tj.QuantSpec(fmt="e3m4"), "unknown format"),
+        (lambda: tj.QuantSpec(scales="fp16"), "unknown scale format"),
+        (lambda: tj.QuantSpec(group_size=96), "power of two"),
+        (lambda: tj.compress(jnp.ones((2, 64)), tj.QuantSpec(group_size=32), perm=np.arange(32)), r"expected \(64,\)"),
+        (lambda: tj.compress(jnp.ones((2, 64)), tj.QuantSpec(group_size=32), perm=np.zeros(64, int)), "not a permutation"),
+        (lambda: tj.compress(jnp.ones((2, 64)), tj.QuantSpec(group_size=32), perm=np.arange(64.0)), "integer dtype"),
+        (lambda: tj.TacoConfig.preset("int3"), "unknown TACO preset"),
+        (lambda: tj.TacoConfig(mode="fast"), "unknown mode"),
+        (lambda: tj.TacoConfig(mode="fp8"), "hadamard=False"),
+        (lambda: tj.wire_bytes((4, 33), jnp.float32, tj.QuantSpec(group_size=32)), "not divisible"),
+        (lambda: tj.decompress(jnp.ones(4)), "needs a Compressed"),
+    ],
+)
+def test_bad_input_raises_clear_error(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_presets():
+    off, fp8, taco = (tj.TacoConfig.preset(n) for n in ("off", "fp8", "taco"))
+    assert (off.mode, fp8.mode, taco.mode) == ("off", "fp8", "taco")
+    assert not fp8.forward.hadamard and taco.forward.hadamard and taco.forward.scales == "dual"
+    assert taco.forward.fmt == "e4m3" and taco.forward.group_size == 128
+    assert tj.TacoConfig.preset("taco", min_bytes=0).min_bytes == 0
+    assert not off.compresses(1 << 30) and taco.compresses(8 << 20) and not taco.compresses(1024)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    groups=st.integers(1, 4),
+    group_size=st.sampled_from([8, 32, 64, 128, 256]),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
+    fmt=st.sampled_from(FMTS),
+    scales=st.sampled_from(SCALES),
+    hadamard=st.booleans(),
+    log_magnitude=st.floats(-9, 30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_round_trip(lead, groups, group_size, dtype, fmt, scales, hadamard, log_magnitude, seed):
+    if dtype == jnp.float16:
+        log_magnitude = np.clip(log_magnitude, -2, 0)  # stay in float16's normal range
+    spec = tj.QuantSpec(fmt=fmt, group_size=group_size, hadamard=hadamard, scales=scales)
+    shape = (*lead, groups * group_size)
+    x = jnp.asarray(_random(shape, seed=seed, scale=10.0**log_magnitude)).astype(dtype)
+    assume(bool(jnp.all(jnp.isfinite(x))))
+    c = tj.compress(x, spec)
+    assert c.payload.shape == x.shape and c.nbytes == tj.wire_bytes(shape, dtype, spec)
+    out = tj.decompress(c)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert _group_rel_error(out, x, group_size).max() <= _group_bound(spec, dtype)
+
+
+def test_dataclass_replace_keeps_validation():
+    with pytest.raises(ValueError, match="unknown format"):
+        dataclasses.replace(tj.QuantSpec(), fmt="fp4")

@@ -1,0 +1,1 @@
+"""3-D parallel trainer: pipeline schedule, data, checkpointing (not yet available)."""
