@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,8 +36,9 @@ WIRE_FORMATS: dict[str, WireFormat] = {
 # Bytes per group on the wire for each scale encoding:
 #   dual   the authors' format: pre-scale a and quantization scale s, both float32;
 #   single one float32 dequantization scale s / a (enough: the transform is linear);
+#   bf16   s / a rounded up to bfloat16 (8 significant bits, float32's exponent range);
 #   e8m0   one byte holding a power-of-two dequantization scale (OCP MX style).
-SCALE_FORMATS: dict[str, int] = {"dual": 8, "single": 4, "e8m0": 1}
+SCALE_FORMATS: dict[str, int] = {"dual": 8, "single": 4, "bf16": 2, "e8m0": 1}
 
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -95,3 +97,17 @@ def decode_e8m0(code: jnp.ndarray) -> jnp.ndarray:
     exponent = code.astype(jnp.int32) - E8M0_BIAS
     scale = jnp.ldexp(jnp.ones(code.shape, jnp.float32), exponent)
     return jnp.where(code == E8M0_NAN, jnp.nan, scale)
+
+
+def round_up_to_bf16(scale: jnp.ndarray) -> jnp.ndarray:
+    """Round positive float32 scales up (toward +inf) to bfloat16; NaN and Inf stay.
+
+    Rounding up keeps every value of the group inside the element format's range. Scales
+    under the smallest normal number (all-zero groups) become it, so no divisor is 0.
+    """
+    scale = jnp.maximum(scale, np.float32(2.0**-126))
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    # Adding 0xFFFF carries into the kept bits unless the dropped ones are all zero.
+    ceil_bits = (bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)
+    ceil_bits = jnp.where(jnp.isfinite(scale), ceil_bits, bits)
+    return jax.lax.bitcast_convert_type(ceil_bits, jnp.float32).astype(jnp.bfloat16)

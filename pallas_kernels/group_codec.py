@@ -17,8 +17,8 @@ that group's scale NaN, so the whole group decodes to NaN: bad values propagate,
 never zeroed or turned into finite numbers.
 
 Scale encodings (see `formats.SCALE_FORMATS`): "dual" sends (a, s); "single" sends s / a;
-"e8m0" sends s / a rounded up to a power of two, and the payload is computed against that
-rounded scale.
+"bf16" sends s / a rounded up to bfloat16 and "e8m0" rounded up to a power of two; for
+those two the payload is computed against the rounded scale.
 """
 
 from __future__ import annotations
@@ -68,14 +68,14 @@ def quantize_groups(
       values: float array (..., C), C divisible by group_size.
       fmt: wire format name ("e4m3", "e5m2", "int8").
       group_size: G, a power of two when transform is True.
-      scale_format: "dual", "single" or "e8m0".
+      scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the Walsh-Hadamard transform after the pre-scale. False for plain
         per-group absmax quantization, or for values already in the transformed domain.
 
     Returns:
       (payload, scales): payload (..., C) in the format's dtype; scales float32
       (..., C/G, 2) holding (a, s) for "dual", float32 (..., C/G) holding s / a for
-      "single", uint8 (..., C/G) exponent codes for "e8m0".
+      "single", bfloat16 (..., C/G) for "bf16", uint8 (..., C/G) exponent codes for "e8m0".
     """
     wire = formats.wire_format(fmt)
     groups = _as_groups(values.astype(jnp.float32), group_size)
@@ -88,6 +88,9 @@ def quantize_groups(
         divisor, scales = scale, jnp.concatenate([prescale, scale], axis=-1)
     elif scale_format == "single":
         divisor, scales = scale, (scale / prescale)[..., 0]
+    elif scale_format == "bf16":
+        rounded = formats.round_up_to_bf16(scale / prescale)
+        divisor, scales = prescale * rounded.astype(jnp.float32), rounded[..., 0]
     elif scale_format == "e8m0":
         codes = formats.encode_e8m0(scale / prescale)
         divisor, scales = prescale * formats.decode_e8m0(codes), codes[..., 0]
@@ -101,8 +104,8 @@ def dequantize_scale(scales: jax.Array, scale_format: str) -> jax.Array:
     """Per-group float32 dequantization multiplier (..., n, 1) from the wire scales."""
     if scale_format == "dual":
         return scales[..., 1:2] / scales[..., 0:1]
-    if scale_format == "single":
-        return scales[..., None]
+    if scale_format in ("single", "bf16"):
+        return scales[..., None].astype(jnp.float32)
     if scale_format == "e8m0":
         return formats.decode_e8m0(scales)[..., None]
     raise ValueError(f"unknown scale format {scale_format!r}; expected one of {sorted(formats.SCALE_FORMATS)}")
@@ -117,7 +120,7 @@ def dequantize_groups(
       payload: (..., C) 8-bit payload.
       scales: the scales `quantize_groups` returned.
       group_size: G.
-      scale_format: "dual", "single" or "e8m0".
+      scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the inverse transform. False returns values in the transformed
         domain (for summing shards there before one inverse transform).
 

@@ -4,7 +4,7 @@ Public API: `QuantSpec`, `TacoConfig`, `compress`, `decompress`, `Compressed`,
 `wire_bytes`.
 """
 
-from taco_jax.codec import Compressed, compress, decompress, wire_bytes
+from taco_jax.codec import Compressed, compress, decompress, from_transformed, to_transformed, wire_bytes
 from taco_jax.spec import PRESETS, QuantSpec, TacoConfig
 
 __all__ = [
@@ -14,5 +14,7 @@ __all__ = [
     "TacoConfig",
     "compress",
     "decompress",
+    "from_transformed",
+    "to_transformed",
     "wire_bytes",
 ]

@@ -134,6 +134,42 @@ def decompress(c: Compressed, perm: jax.Array | None = None) -> jax.Array:
     return values.astype(c.dtype)
 
 
+def to_transformed(c: Compressed) -> jax.Array:
+    """Dequantize into the transformed domain: permuted, Hadamard not undone, float32.
+
+    Shards compressed with one spec can be summed here (the transform is linear), so a
+    reduction needs one inverse transform at the end instead of one per shard.
+
+    Args:
+      c: a `Compressed`.
+
+    Returns:
+      float32 array of `c.shape`.
+    """
+    return group_codec.dequantize_groups(
+        c.payload, c.scales, group_size=c.spec.group_size, scale_format=c.spec.scales, transform=False
+    )
+
+
+def from_transformed(values: jax.Array, spec: QuantSpec, dtype: jnp.dtype) -> Compressed:
+    """Quantize values already in `spec`'s transformed domain (e.g. a sum of
+    `to_transformed` shards); `decompress` of the result undoes the transform.
+
+    Args:
+      values: float32 array, last axis divisible by the group size.
+      spec: the `QuantSpec` the values were transformed with.
+      dtype: dtype `decompress` should return.
+
+    Returns:
+      A `Compressed`.
+    """
+    check_groupable(values.shape, spec)
+    payload, scales = group_codec.quantize_groups(
+        values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=False
+    )
+    return Compressed(payload, scales, tuple(values.shape), np.dtype(dtype), spec)
+
+
 def wire_bytes(shape: Sequence[int], dtype: jnp.dtype, spec: QuantSpec | None) -> int:
     """Bytes a tensor occupies on the wire, computed from its shape alone.
 

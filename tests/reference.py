@@ -43,6 +43,10 @@ def compress(x, fmt, group_size, hadamard_on, scales):
     if scales == "e8m0":
         multiplier = 2.0 ** np.clip(np.ceil(np.log2(s / a)), -126, 127)
         divisor = a * multiplier
+    elif scales == "bf16":
+        quantum = 2.0 ** (np.floor(np.log2(s / a)) - 7)
+        multiplier = np.ceil(s / a / quantum) * quantum
+        divisor = a * multiplier
     else:
         multiplier, divisor = s / a, s
     codes = round_to_grid(y / divisor, fmt)

@@ -14,7 +14,7 @@ from pallas_kernels import formats
 from tests import reference as ref
 
 FMTS = ["e4m3", "e5m2", "int8"]
-SCALES = ["dual", "single", "e8m0"]
+SCALES = ["dual", "single", "bf16", "e8m0"]
 # Worst relative error per group on the y grid, by format (half an ulp of the mantissa;
 # for int8, half a step of absmax/127 spread over the group).
 REL_BOUND = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
@@ -36,7 +36,8 @@ def _group_rel_error(out, x, group_size):
 
 def _group_bound(spec, dtype):
     if spec.fmt == "int8":
-        steps = 2 if spec.scales == "e8m0" else 1  # a power-of-two scale can double the step
+        # A scale rounded up to a power of two can double the step; to bf16, by 2**-7.
+        steps = {"e8m0": 2.0, "bf16": 1.0 + 2.0**-7}.get(spec.scales, 1.0)
         fmt_bound = 0.5 * steps * np.sqrt(spec.group_size) / 127
     else:
         fmt_bound = REL_BOUND[spec.fmt]
@@ -59,12 +60,17 @@ def test_matches_float64_reference(fmt, scales, hadamard):
     step = np.maximum(np.abs(codes), 1.0) * (2.0**-3 if fmt != "int8" else 1.0)
     assert np.all(np.abs(got_codes - codes)[mismatch] <= step[mismatch] + 1e-12)
 
-    scales_arr = np.asarray(c.scales, np.float64)
+    scales_arr = ref.as_float64(c.scales)
     if scales == "dual":
         np.testing.assert_allclose(scales_arr[..., 0], a[..., 0], rtol=1e-6)
         np.testing.assert_allclose(scales_arr[..., 1], s[..., 0], rtol=2e-6)
     elif scales == "single":
         np.testing.assert_allclose(scales_arr, multiplier[..., 0], rtol=2e-6)
+    elif scales == "bf16":
+        # The f32 quotient s / a can sit one f32 ulp off the f64 one, right at a bf16 value.
+        assert np.mean(scales_arr != multiplier[..., 0]) < 0.05
+        np.testing.assert_allclose(scales_arr, multiplier[..., 0], rtol=2.0**-7)
+        multiplier = scales_arr[..., None]
     else:
         np.testing.assert_array_equal(2.0 ** (scales_arr - 127), multiplier[..., 0])
 
@@ -171,7 +177,7 @@ def test_payload_is_one_byte_per_element_in_compiled_hlo():
         assert tj.compress(x, spec).payload.dtype.itemsize == 1
 
 
-@pytest.mark.parametrize("scales,per_group", [("dual", 8), ("single", 4), ("e8m0", 1)])
+@pytest.mark.parametrize("scales,per_group", [("dual", 8), ("single", 4), ("bf16", 2), ("e8m0", 1)])
 def test_nbytes_and_wire_bytes_agree(scales, per_group):
     spec = tj.QuantSpec(scales=scales, group_size=128)
     x = jnp.ones((3, 7, 512), jnp.bfloat16)
