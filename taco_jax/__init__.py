@@ -1,20 +1,48 @@
 """taco_jax: 8-bit compression of tensor-parallel communication for JAX/Flax (TACO).
 
-Public API: `QuantSpec`, `TacoConfig`, `compress`, `decompress`, `Compressed`,
-`wire_bytes`.
+Public API: `QuantSpec`, `TacoConfig`, `compress` / `decompress` (`Compressed`),
+`wire_bytes`, the collectives `all_gather`, `reduce_scatter`, `all_reduce`, the Megatron
+mappings in `taco_jax.tp`, `make_mesh`, `record_wire` (wire-byte accounting) and
+`collectives_in_hlo` (what a compiled function sends).
 """
 
-from taco_jax.codec import Compressed, compress, decompress, from_transformed, to_transformed, wire_bytes
+from taco_jax import tp
+from taco_jax.accounting import WireLedger, WireRecord, record_wire
+from taco_jax.codec import (
+    Compressed,
+    compress,
+    decompress,
+    from_transformed,
+    inverse_transform,
+    to_transformed,
+    wire_bytes,
+)
+from taco_jax.collectives import all_gather, all_reduce, reduce_scatter
+from taco_jax.hlo import HloCollective, collective_bytes, collectives_in_hlo
+from taco_jax.mesh import MESH_AXES, make_mesh
 from taco_jax.spec import PRESETS, QuantSpec, TacoConfig
 
 __all__ = [
+    "MESH_AXES",
     "PRESETS",
     "Compressed",
+    "HloCollective",
     "QuantSpec",
     "TacoConfig",
+    "WireLedger",
+    "WireRecord",
+    "all_gather",
+    "all_reduce",
+    "collective_bytes",
+    "collectives_in_hlo",
     "compress",
     "decompress",
     "from_transformed",
+    "inverse_transform",
+    "make_mesh",
+    "record_wire",
+    "reduce_scatter",
     "to_transformed",
+    "tp",
     "wire_bytes",
 ]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import group_codec
+from pallas_kernels.hadamard import hadamard_transform
 from taco_jax.spec import QuantSpec
 
 
@@ -168,6 +169,24 @@ def from_transformed(values: jax.Array, spec: QuantSpec, dtype: jnp.dtype) -> Co
         values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=False
     )
     return Compressed(payload, scales, tuple(values.shape), np.dtype(dtype), spec)
+
+
+def inverse_transform(values: jax.Array, spec: QuantSpec) -> jax.Array:
+    """Undo `spec`'s transform on float32 values (e.g. a sum of `to_transformed` shards)
+    without quantizing: the Walsh-Hadamard transform of each group if `spec.hadamard`.
+
+    Args:
+      values: float32 array, last axis divisible by the group size.
+      spec: the `QuantSpec` the values were transformed with.
+
+    Returns:
+      float32 array of the same shape.
+    """
+    if not spec.hadamard:
+        return values
+    check_groupable(values.shape, spec)
+    groups = values.reshape(*values.shape[:-1], -1, spec.group_size)
+    return hadamard_transform(groups).reshape(values.shape)
 
 
 def wire_bytes(shape: Sequence[int], dtype: jnp.dtype, spec: QuantSpec | None) -> int:

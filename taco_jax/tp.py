@@ -1,0 +1,133 @@
+"""Megatron tensor-parallel mappings with compressed communication.
+
+Use them inside `jax.shard_map(..., check_vma=False)`, with each rank differentiating its
+own copy of the loss (`jax.grad` inside the shard_map body): the mappings carry the
+cotangents across ranks. Forward messages use `config.forward`, backward messages
+`config.backward`; the quantizer itself is never differentiated (straight-through).
+
+  copy_to_tp            identity forward, all-reduce backward      (Megatron's f)
+  reduce_from_tp        all-reduce forward, identity backward      (Megatron's g)
+  gather_from_sp        all-gather forward, reduce-scatter backward
+  reduce_scatter_to_sp  reduce-scatter forward, all-gather backward
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from taco_jax import collectives
+from taco_jax.spec import TacoConfig
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _copy(x, axis_name, config, algorithm, site):
+    return x
+
+
+def _copy_fwd(x, axis_name, config, algorithm, site):
+    return x, None
+
+
+def _copy_bwd(axis_name, config, algorithm, site, _, cotangent):
+    return (collectives._reduce(cotangent, axis_name, config, "backward", algorithm, site),)
+
+
+_copy.defvjp(_copy_fwd, _copy_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _reduce(x, axis_name, config, algorithm, site):
+    return collectives._reduce(x, axis_name, config, "forward", algorithm, site)
+
+
+def _reduce_fwd(x, axis_name, config, algorithm, site):
+    return _reduce(x, axis_name, config, algorithm, site), None
+
+
+def _reduce_bwd(axis_name, config, algorithm, site, _, cotangent):
+    return (cotangent,)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def copy_to_tp(
+    x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None
+) -> jax.Array:
+    """Enter a tensor-parallel region: identity forward, compressed all-reduce of the
+    gradient backward (every rank's partial input gradient is summed).
+
+    Args:
+      x: activation replicated over `axis_name`.
+      axis_name: the tensor-parallel mesh axis.
+      config: `TacoConfig`; the backward all-reduce uses `config.backward`.
+      algorithm: all-reduce algorithm ("auto", "one_shot", "two_shot").
+      site: call-site name for wire-byte accounting.
+
+    Returns:
+      `x`.
+    """
+    collectives.check_config(config)
+    collectives.check_algorithm(algorithm)
+    return _copy(x, axis_name, config, algorithm, site)
+
+
+def reduce_from_tp(
+    x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None
+) -> jax.Array:
+    """Leave a tensor-parallel region: compressed all-reduce of the partial sums forward
+    (`config.forward`), identity backward.
+
+    Args:
+      x: this rank's partial sum (e.g. a row-parallel matmul's output).
+      axis_name: the tensor-parallel mesh axis.
+      config: `TacoConfig`.
+      algorithm: all-reduce algorithm ("auto", "one_shot", "two_shot").
+      site: call-site name for wire-byte accounting.
+
+    Returns:
+      The sum over `axis_name`, same shape and dtype as `x`.
+    """
+    collectives.check_config(config)
+    collectives.check_algorithm(algorithm)
+    return _reduce(x, axis_name, config, algorithm, site)
+
+
+def gather_from_sp(
+    x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None
+) -> jax.Array:
+    """Leave a sequence-parallel region: compressed all-gather of the sequence shards
+    forward, compressed reduce-scatter of the gradient backward.
+
+    Args:
+      x: this rank's sequence shard.
+      axis_name: the tensor-parallel mesh axis.
+      config: `TacoConfig`.
+      axis: the sequence axis.
+      site: call-site name for wire-byte accounting.
+
+    Returns:
+      The full sequence (shard size x axis size along `axis`).
+    """
+    return collectives.all_gather(x, axis_name, config, axis=axis, tiled=True, site=site)
+
+
+def reduce_scatter_to_sp(
+    x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None
+) -> jax.Array:
+    """Enter a sequence-parallel region: compressed reduce-scatter of the partial sums
+    along the sequence forward, compressed all-gather of the gradient backward.
+
+    Args:
+      x: this rank's full-sequence partial sum.
+      axis_name: the tensor-parallel mesh axis.
+      config: `TacoConfig`.
+      axis: the sequence axis (its size must divide by the axis size).
+      site: call-site name for wire-byte accounting.
+
+    Returns:
+      This rank's sequence block of the sum.
+    """
+    return collectives.reduce_scatter(x, axis_name, config, scatter_dimension=axis, tiled=True, site=site)
