@@ -13,7 +13,7 @@ _DTYPE_BYTES = {
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
 }
 _INSTRUCTION = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"=\s*(?P<shape>\([^)]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")

@@ -1,0 +1,310 @@
+"""Compressed collectives inside shard_map against the lax collectives (8 CPU devices)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import taco_jax as tj
+
+MESHES = [
+    pytest.param((2, 1, 4), id="dp2_pp1_tp4"),
+    pytest.param((1, 2, 4), id="dp1_pp2_tp4"),
+    pytest.param((1, 1, 8), id="dp1_pp1_tp8"),
+    pytest.param((2, 2, 2), id="dp2_pp2_tp2"),
+]
+ALL_AXES = ("data", "pipe", "tensor")
+# Relative error bounds: one quantization of E4M3 (2^-4 worst case per group, ~2.6% seen)
+# and two (the two-shot all-reduce requantizes the reduced block).
+ONE_QUANT, TWO_QUANT = 0.07, 0.12
+
+
+def _config(mode, **overrides):
+    return tj.TacoConfig.preset(mode, min_bytes=0, **overrides)
+
+
+def _shard_run(mesh, body, *args, in_specs=None, out_specs=P(ALL_AXES)):
+    """jit(shard_map(body)) over every device, one block per device; blocks on the result
+    (the CPU backend can deadlock when collective programs overlap)."""
+    in_specs = in_specs or tuple(P(ALL_AXES) for _ in args)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+    return jax.block_until_ready(fn(*args))
+
+
+def _rank_coded(mesh_shape, block):
+    """Global array whose per-device block encodes the device's rank (and position)."""
+    devices = int(np.prod(mesh_shape))
+    rng = np.random.default_rng(0)
+    blocks = [(r + 1) * (1 + rng.standard_normal(block)) for r in range(devices)]
+    return jnp.asarray(np.concatenate(blocks, axis=0), jnp.float32)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _ops(config):
+    """Every collective variant, side by side with its lax counterpart."""
+    return {
+        "gather_rows": (lambda v: tj.all_gather(v, "tensor", config, axis=0), lambda v: lax.all_gather(v, "tensor", axis=0, tiled=True), ONE_QUANT),
+        "gather_last_untiled": (
+            lambda v: tj.all_gather(v, "tensor", config, axis=2, tiled=False),
+            lambda v: lax.all_gather(v, "tensor", axis=2, tiled=False), ONE_QUANT),
+        "scatter_rows": (lambda v: tj.reduce_scatter(v, "tensor", config), lambda v: lax.psum_scatter(v, "tensor", tiled=True), ONE_QUANT),
+        "scatter_last": (
+            lambda v: tj.reduce_scatter(v, "tensor", config, scatter_dimension=1),
+            lambda v: lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True), ONE_QUANT),
+        "reduce_one_shot": (lambda v: tj.all_reduce(v, "tensor", config, algorithm="one_shot"), lambda v: lax.psum(v, "tensor"), ONE_QUANT),
+        "reduce_two_shot": (lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"), lambda v: lax.psum(v, "tensor"), TWO_QUANT),
+    }
+
+
+@pytest.mark.parametrize("mode", ["off", "fp8", "taco"])
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_collectives_match_lax(mesh_shape, mode):
+    tp = mesh_shape[2]
+    mesh = tj.make_mesh(*mesh_shape)
+    # 200 channels: not a multiple of the group size (padding path); rows divide by tp.
+    x = _rank_coded(mesh_shape, (tp * 3, 200))
+    ops = _ops(_config(mode))
+    names = list(ops)
+
+    def ours(v):
+        return tuple(ops[n][0](v.reshape(tp * 3, 1, 200)).reshape(1, -1) if n == "gather_last_untiled" else ops[n][0](v) for n in names)
+
+    def theirs(v):
+        return tuple(ops[n][1](v.reshape(tp * 3, 1, 200)).reshape(1, -1) if n == "gather_last_untiled" else ops[n][1](v) for n in names)
+
+    got = _shard_run(mesh, ours, x)
+    want = _shard_run(mesh, theirs, x)
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        if mode == "off":
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+        else:
+            err = _rel(g, w)
+            assert 1e-4 < err < ops[name][2], f"{name}: relative error {err}"
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((8,), jnp.float32), ((3, 5, 40), jnp.bfloat16), ((4, 300), jnp.float16), ((1, 4, 129), jnp.float32)],
+    ids=["vector", "odd_bf16", "odd_f16", "one_row"],
+)
+def test_odd_shapes_and_dtypes(shape, dtype):
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    config = _config("taco")
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4 * shape[0], *shape[1:])), dtype)
+
+    def pairs(v):
+        stacked = jnp.concatenate([v * (i + 1) for i in range(4)], axis=0)
+        return (
+            tj.all_reduce(v, "tensor", config, algorithm="two_shot"), lax.psum(v, "tensor"),
+            tj.all_reduce(v, "tensor", config, algorithm="one_shot"), lax.psum(v, "tensor"),
+            tj.all_gather(v, "tensor", config, axis=v.ndim - 1), lax.all_gather(v, "tensor", axis=v.ndim - 1, tiled=True),
+            tj.reduce_scatter(stacked, "tensor", config, scatter_dimension=0),
+            lax.psum_scatter(stacked, "tensor", scatter_dimension=0, tiled=True),
+        )
+
+    spec = P("tensor")
+    out = _shard_run(mesh, pairs, x, in_specs=(spec,), out_specs=(P(None),) * 8)
+    for ours, theirs in zip(out[::2], out[1::2]):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        assert _rel(ours, theirs) < TWO_QUANT + float(jnp.finfo(dtype).eps)
+
+
+def test_untiled_reduce_scatter_to_scalars():
+    mesh = tj.make_mesh(1, 1, 8)
+    x = jnp.arange(64.0).reshape(8, 8) + 1
+    body = lambda v: (tj.reduce_scatter(v[0], "tensor", _config("taco"), tiled=False)[None],
+                      lax.psum_scatter(v[0], "tensor", tiled=False)[None])
+    ours, theirs = _shard_run(mesh, body, x, in_specs=(P("tensor"),), out_specs=(P("tensor"), P("tensor")))
+    assert ours.shape == theirs.shape == (8,)
+    assert _rel(ours, theirs) < ONE_QUANT
+
+
+def _mlp_params(d_model, d_ff, seed=0):
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((d_model, d_ff)) / np.sqrt(d_model)
+    w2 = rng.standard_normal((d_ff, d_model)) / np.sqrt(d_ff)
+    return jnp.asarray(w1, jnp.float32), jnp.asarray(w2, jnp.float32)
+
+
+def _dense_loss(x, w1, w2, target):
+    return jnp.sum(jax.nn.gelu(x @ w1) @ w2 * target)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("mode", ["off", "fp8", "taco"])
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_tp_mlp_gradients_match_single_device(mesh_shape, mode, sequence_parallel):
+    """Column-parallel -> row-parallel MLP through the Megatron mappings, `jax.grad`
+    inside the shard_map body (each rank differentiates its own share of the loss)."""
+    tp = mesh_shape[2]
+    mesh = tj.make_mesh(*mesh_shape)
+    config = _config(mode)
+    seq, d_model, d_ff = 4 * tp, 256, 64 * tp
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((seq, d_model)), jnp.float32)
+    target = jnp.asarray(rng.standard_normal((seq, d_model)), jnp.float32)
+    w1, w2 = _mlp_params(d_model, d_ff)
+
+    def local_loss(x_local, w1_local, w2_local, target_local):
+        if sequence_parallel:
+            hidden = tj.tp.gather_from_sp(x_local, "tensor", config, axis=0)
+        else:
+            hidden = tj.tp.copy_to_tp(x_local, "tensor", config)
+        partial = jax.nn.gelu(hidden @ w1_local) @ w2_local
+        if sequence_parallel:
+            out = tj.tp.reduce_scatter_to_sp(partial, "tensor", config, axis=0)
+        else:
+            out = tj.tp.reduce_from_tp(partial, "tensor", config)
+        return jnp.sum(out * target_local)
+
+    def body(x_local, w1_local, w2_local, target_local):
+        return jax.grad(local_loss, argnums=(0, 1, 2))(x_local, w1_local, w2_local, target_local)
+
+    seq_spec = P("tensor") if sequence_parallel else P()
+    grads = _shard_run(
+        mesh, body, x, w1, w2, target,
+        in_specs=(seq_spec, P(None, "tensor"), P("tensor", None), seq_spec),
+        out_specs=(seq_spec, P(None, "tensor"), P("tensor", None)),
+    )
+    expected = jax.grad(_dense_loss, argnums=(0, 1, 2))(x, w1, w2, target)
+    for name, got, want in zip(("dx", "dw1", "dw2"), grads, expected):
+        if mode == "off":
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=name)
+        else:
+            assert _rel(got, want) < 0.1, f"{name}: relative error {_rel(got, want)}"
+
+
+@pytest.mark.parametrize("mode", ["off", "taco"])
+def test_collective_gradients_match_lax(mode):
+    """Each collective's VJP is the compressed transpose collective: compare with the
+    gradients lax gives for the same per-rank loss."""
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    config = _config(mode)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+
+    def losses(gather, scatter, reduce):
+        def body(v, w):
+            gathered = lambda u: jnp.sum(gather(u) * jnp.tile(w, (4, 1)))
+            scattered = lambda u: jnp.sum(scatter(u) * w[:1])
+            reduced = lambda u: jnp.sum(reduce(u) * w)
+            return tuple(jax.grad(f)(v) for f in (gathered, scattered, reduced))
+        return body
+
+    ours = losses(
+        lambda u: tj.all_gather(u, "tensor", config),
+        lambda u: tj.reduce_scatter(u, "tensor", config),
+        lambda u: tj.all_reduce(u, "tensor", config, algorithm="two_shot"),
+    )
+    theirs = losses(lambda u: lax.all_gather(u, "tensor", tiled=True), lambda u: lax.psum_scatter(u, "tensor", tiled=True), lambda u: lax.psum(u, "tensor"))
+    specs = dict(in_specs=(P("tensor"), P("tensor")), out_specs=(P("tensor"),) * 3)
+    got, want = _shard_run(mesh, ours, x, weights, **specs), _shard_run(mesh, theirs, x, weights, **specs)
+    for g, w in zip(got, want):
+        if mode == "off":
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        else:
+            assert _rel(g, w) < TWO_QUANT
+
+
+def _hlo(mesh, body, x):
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
+    return fn.lower(x).compile().as_text()
+
+
+def test_compiled_hlo_sends_one_byte_per_element():
+    mesh = tj.make_mesh(1, 1, 8)
+    x = jnp.ones((8 * 64, 1024), jnp.bfloat16)
+    for name, config in [("taco", _config("taco")), ("fp8", _config("fp8")), ("taco+", _config("taco+"))]:
+        plain = tj.collectives_in_hlo(_hlo(mesh, lambda v: lax.all_gather(v, "tensor", tiled=True), x))
+        packed = tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.all_gather(v, "tensor", config), x))
+        # XLA:CPU upcasts a bf16 all-gather to f32; the compressed one stays u8.
+        assert [c.dtype for c in plain] in (["bf16"], ["f32"]) and [c.dtype for c in packed] == ["u8"], name
+        bf16_bytes = 64 * 1024 * 2
+        assert plain[0].operand_bytes >= bf16_bytes
+        ratio = packed[0].operand_bytes / bf16_bytes
+        spec = config.forward
+        assert ratio == pytest.approx(tj.wire_bytes((64, 1024), jnp.bfloat16, spec) / bf16_bytes), name
+        assert ratio < 0.54
+
+        scatter = tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.reduce_scatter(v, "tensor", config), x))
+        assert [(c.op, c.dtype) for c in scatter] == [("all-to-all", "u8")]
+        assert scatter[0].operand_bytes == tj.wire_bytes((64, 1024), jnp.bfloat16, spec)
+
+        reduce = tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"), x))
+        assert [(c.op, c.dtype) for c in reduce] == [("all-to-all", "u8"), ("all-gather", "u8")]
+        assert sum(c.operand_bytes for c in reduce) == pytest.approx(1.125 * tj.wire_bytes((64, 1024), jnp.bfloat16, spec))
+
+
+def test_below_threshold_and_off_use_the_plain_collective():
+    mesh = tj.make_mesh(1, 1, 8)
+    x = jnp.ones((8 * 8, 256), jnp.bfloat16)  # 4 KiB per rank
+    for config in (tj.TacoConfig.preset("taco", min_bytes=1 << 20), tj.TacoConfig.preset("off", min_bytes=0)):
+        ops = {c.op: c.dtype for c in tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.all_reduce(v, "tensor", config), x))}
+        assert "all-to-all" not in ops and set(ops.values()) <= {"bf16", "f32"}
+
+
+def test_wire_ledger_matches_hlo_and_backward_spec():
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    forward = tj.QuantSpec(fmt="e4m3", hadamard=True, scales="e8m0")
+    backward = tj.QuantSpec(fmt="int8", hadamard=True, scales="dual")
+    config = tj.TacoConfig(forward, backward, min_bytes=0, mode="taco")
+    x = jnp.ones((4 * 32, 512), jnp.float32)
+
+    def body(v):
+        return jax.grad(lambda u: jnp.sum(tj.tp.gather_from_sp(u, "tensor", config, site="mlp.in") ** 2))(v)
+
+    with tj.record_wire() as ledger:
+        hlo = _hlo(mesh, body, x)
+    fwd, bwd = ledger.records
+    assert (fwd.site, fwd.op, fwd.direction) == ("mlp.in", "all_gather", "forward")
+    assert (bwd.op, bwd.direction) == ("reduce_scatter", "backward")
+    assert fwd.sent_bytes == 3 * tj.wire_bytes((32, 512), jnp.float32, forward)
+    assert bwd.sent_bytes == 3 * tj.wire_bytes((32, 512), jnp.float32, backward)
+    assert fwd.uncompressed_sent_bytes == 3 * 32 * 512 * 4
+    assert ledger.by_site() == {"mlp.in": fwd.sent_bytes + bwd.sent_bytes}
+    gather, to_all = tj.collectives_in_hlo(hlo)
+    assert gather.operand_bytes * 3 == fwd.sent_bytes
+    assert to_all.operand_bytes * 3 // 4 == bwd.sent_bytes
+
+
+def test_works_under_vmap_with_axis_name():
+    """Per-shard code also runs under vmap(axis_name=...), e.g. to simulate TP on one device."""
+    config = _config("taco")
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 8, 256)), jnp.float32)
+    ours = jax.vmap(lambda v: tj.all_reduce(v, "tensor", config), axis_name="tensor")(x)
+    assert _rel(ours, jnp.broadcast_to(x.sum(0), x.shape)) < TWO_QUANT
+
+
+def test_make_mesh_and_bad_inputs():
+    mesh = tj.make_mesh(2, 2, 2)
+    assert dict(mesh.shape) == {"data": 2, "pipe": 2, "tensor": 2}
+    with pytest.raises(ValueError, match="= 6 devices, but 8"):
+        tj.make_mesh(1, 2, 3)
+    with pytest.raises(ValueError, match="positive integer"):
+        tj.make_mesh(0, 1, 8)
+    mesh = tj.make_mesh(1, 1, 8)
+    x = jnp.ones((8 * 6, 128))
+    with pytest.raises(ValueError, match="must be divisible by 8"):
+        _shard_run(mesh, lambda v: tj.reduce_scatter(v, "tensor", _config("taco")), x, in_specs=(P("tensor"),), out_specs=P("tensor"))
+    with pytest.raises(ValueError, match="unknown all-reduce algorithm"):
+        _shard_run(mesh, lambda v: tj.all_reduce(v, "tensor", _config("taco"), algorithm="ring"), x, in_specs=(P("tensor"),), out_specs=P("tensor"))
+    with pytest.raises(ValueError, match="must be a TacoConfig"):
+        _shard_run(mesh, lambda v: tj.all_gather(v, "tensor", "taco"), x, in_specs=(P("tensor"),), out_specs=P("tensor"))
+
+
+def test_nan_propagates_through_collectives():
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    x = np.ones((16, 256), np.float32)
+    x[5, 3] = np.nan  # rank 1, its block's row 1
+    out = _shard_run(mesh, lambda v: tj.all_reduce(v, "tensor", _config("taco"), algorithm="two_shot"),
+                     jnp.asarray(x), in_specs=(P("tensor"),), out_specs=P(None))
+    out = np.asarray(out)
+    assert np.isnan(out[1, :128]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, 128:]).all()
