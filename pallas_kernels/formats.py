@@ -68,6 +68,21 @@ def wire_format(name: str) -> WireFormat:
         ) from None
 
 
+# Everything below is written with element-wise jnp and bit operations only, so the same
+# functions run in the jnp reference and inside the Pallas (Triton) kernels.
+
+def round_half_even(values: jnp.ndarray) -> jnp.ndarray:
+    """Round float32 values with |v| < 2**23 to the nearest integer, ties to even.
+
+    Built from floor and exact subtractions (XLA folds the usual add-and-subtract
+    1.5 * 2**23 trick away, and Triton has no round primitive).
+    """
+    floor = jnp.floor(values)
+    fraction = values - floor
+    odd = (floor - 2.0 * jnp.floor(floor * 0.5)) == 1.0
+    return jnp.where((fraction > 0.5) | ((fraction == 0.5) & odd), floor + 1.0, floor)
+
+
 def cast_to_wire(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
     """Round float32 values (already divided by their scale) onto the 8-bit grid.
 
@@ -76,8 +91,27 @@ def cast_to_wire(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
     """
     clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
     if fmt.is_integer:
-        clipped = jnp.round(clipped)
+        clipped = round_half_even(clipped)
     return clipped.astype(fmt.dtype)
+
+
+def pow2(exponent: jnp.ndarray) -> jnp.ndarray:
+    """2.0**exponent as float32 for int32 exponents in [-126, 127], built from bits."""
+    return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
+
+
+def times_pow2(values: jnp.ndarray, exponent: jnp.ndarray) -> jnp.ndarray:
+    """values * 2**exponent for exponents in [-252, 254], in two normal-range steps (a
+    single subnormal factor such as 2**-128 would flush to zero on many backends)."""
+    half = exponent >> 1
+    return values * pow2(half) * pow2(exponent - half)
+
+
+def binade_exponent(values: jnp.ndarray) -> jnp.ndarray:
+    """int32 e with |v| in [2**(e-1), 2**e) for normal float32 v; -126 for zero and
+    subnormals; 129 for Inf and NaN."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
+    return ((bits >> 23) & 0xFF) - 126
 
 
 def encode_e8m0(scale: jnp.ndarray) -> jnp.ndarray:
@@ -86,8 +120,9 @@ def encode_e8m0(scale: jnp.ndarray) -> jnp.ndarray:
     Rounding the scale up (never down) keeps every value of the group inside the
     element format's range. NaN or Inf scales encode as the NaN code.
     """
-    mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
-    ceil_log2 = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
+    exponent = binade_exponent(scale)
+    ceil_log2 = jnp.where((bits & 0x7FFFFF) == 0, exponent - 1, exponent)
     code = jnp.clip(ceil_log2 + E8M0_BIAS, E8M0_MIN_CODE, E8M0_MAX_CODE)
     return jnp.where(jnp.isfinite(scale), code, E8M0_NAN).astype(jnp.uint8)
 
@@ -95,8 +130,7 @@ def encode_e8m0(scale: jnp.ndarray) -> jnp.ndarray:
 def decode_e8m0(code: jnp.ndarray) -> jnp.ndarray:
     """Decode uint8 exponent codes to float32 scales (the NaN code gives NaN)."""
     exponent = code.astype(jnp.int32) - E8M0_BIAS
-    scale = jnp.ldexp(jnp.ones(code.shape, jnp.float32), exponent)
-    return jnp.where(code == E8M0_NAN, jnp.nan, scale)
+    return jnp.where(code == E8M0_NAN, np.float32(np.nan), pow2(jnp.clip(exponent, -126, 127)))
 
 
 def round_up_to_bf16(scale: jnp.ndarray) -> jnp.ndarray:

@@ -2,23 +2,28 @@
 
 For each group g of G contiguous values along the last axis (all arithmetic in float32):
 
-  a = fp8_max / rms(g)                  adaptive pre-scale (rms computed without squaring
-                                        overflow; clamped to [2**-100, 2**100] so it stays
-                                        finite for all-zero and subnormal groups)
-  y = H(a * g)                          normalized Walsh-Hadamard transform (optional)
+  e = binade of absmax(g)               g_n = g * 2**-e has absmax in [0.5, 1): its
+                                        square cannot overflow or underflow
+  a = fmt_max / rms(g)                  adaptive pre-scale, = (fmt_max / rms(g_n)) * 2**-e,
+                                        clamped to [2**-100, 2**100] so it stays finite
+                                        for all-zero and subnormal groups
+  y = H(a * g) = H(g_n) * (a * 2**e)    normalized Walsh-Hadamard transform (optional);
+                                        transforming g_n keeps every intermediate in range
   s = max(absmax(y) / fmt_max, 2**-126) quantization scale
   q = cast(clip(y / s))                 8-bit payload, round to nearest even
 
-and the receiver computes g = H(q) * (s / a). Because the pre-scale normalizes every group
-to rms fmt_max before the transform, no intermediate overflows for any finite float32
-input, and unlike the authors' clamps of a to [1e-3, 1e3] and s to [1e-12, 1e6] nothing
-saturates or flushes for values between 1e-30 and 1e30. A NaN or Inf in a group makes
-that group's scale NaN, so the whole group decodes to NaN: bad values propagate, they are
-never zeroed or turned into finite numbers.
+and the receiver computes g = H(q) * (s / a). Unlike the authors' clamps of a to
+[1e-3, 1e3] and s to [1e-12, 1e6], nothing saturates or flushes for any float32 value
+from about 1e-35 up to the float32 maximum. A NaN or Inf in a group makes that group's
+pre-scale, hence its scale, NaN, so the whole group decodes to NaN: bad values propagate,
+they are never zeroed or turned into finite numbers.
 
 Scale encodings (see `formats.SCALE_FORMATS`): "dual" sends (a, s); "single" sends s / a;
 "bf16" sends s / a rounded up to bfloat16 and "e8m0" rounded up to a power of two; for
 those two the payload is computed against the rounded scale.
+
+The per-step functions below work on any (..., G) block, so the Pallas kernels call them
+on their tiles and only replace the transform by a tensor-core matmul.
 """
 
 from __future__ import annotations
@@ -30,33 +35,87 @@ import numpy as np
 from pallas_kernels import formats
 from pallas_kernels.hadamard import hadamard_transform
 
-_PRESCALE_MIN = np.float32(2.0**-100)
-_PRESCALE_MAX = np.float32(2.0**100)
-_SCALE_MIN = np.float32(2.0**-126)
+PRESCALE_MIN = np.float32(2.0**-100)
+PRESCALE_MAX = np.float32(2.0**100)
+SCALE_MIN = np.float32(2.0**-126)
+
+
+def check_scale_format(scale_format: str) -> None:
+    """Raise ValueError for an unknown scale format name."""
+    if scale_format not in formats.SCALE_FORMATS:
+        raise ValueError(f"unknown scale format {scale_format!r}; expected one of {sorted(formats.SCALE_FORMATS)}")
+
+
+def normalize_groups(groups: jax.Array, fmt_max: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Binade-normalize each group and compute its pre-scale.
+
+    Args:
+      groups: float32 (..., G).
+      fmt_max: the element format's largest value.
+
+    Returns:
+      (normalized, exponent, prescale): normalized = groups * 2**-exponent (absmax in
+      [0.5, 1)), exponent int32 (..., 1), prescale float32 (..., 1), NaN for a group
+      holding NaN or Inf.
+    """
+    absmax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
+    exponent = formats.binade_exponent(absmax)
+    normalized = formats.times_pow2(groups, -exponent)
+    normalized_rms = jnp.sqrt(jnp.mean(normalized * normalized, axis=-1, keepdims=True))
+    prescale = jnp.clip(formats.times_pow2(np.float32(fmt_max) / normalized_rms, -exponent), PRESCALE_MIN, PRESCALE_MAX)
+    return normalized, exponent, jnp.where(jnp.isfinite(absmax), prescale, np.float32(np.nan))
+
+
+def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
+    """Quantize pre-scaled (and transformed) groups `scaled` = y.
+
+    Args:
+      scaled: float32 (..., G), the group values times their pre-scale (transformed).
+      prescale: float32 (..., 1), the groups' pre-scale a.
+      fmt: wire format name.
+      scale_format: scale encoding.
+
+    Returns:
+      (payload, scale_entries): payload (..., G) in the format's dtype; scale_entries a
+      tuple of (..., 1) arrays: (a, s) for "dual", (s / a,) for "single", (bf16 s / a,)
+      for "bf16", (uint8 code,) for "e8m0".
+    """
+    wire = formats.wire_format(fmt)
+    scale = jnp.maximum(jnp.max(jnp.abs(scaled), axis=-1, keepdims=True) / np.float32(wire.max_value), SCALE_MIN)
+    if scale_format == "dual":
+        divisor, entries = scale, (prescale, scale)
+    elif scale_format == "single":
+        divisor, entries = scale, (scale / prescale,)
+    elif scale_format == "bf16":
+        rounded = formats.round_up_to_bf16(scale / prescale)
+        divisor, entries = prescale * rounded.astype(jnp.float32), (rounded,)
+    else:
+        check_scale_format(scale_format)
+        code = formats.encode_e8m0(scale / prescale)
+        divisor, entries = prescale * formats.decode_e8m0(code), (code,)
+    return formats.cast_to_wire(scaled / divisor, wire), entries
+
+
+def pack_scale_entries(entries: tuple, scale_format: str) -> jax.Array:
+    """Scale entries (each (..., n, 1)) in the wire layout: (..., n, 2) for "dual",
+    (..., n) otherwise."""
+    if scale_format == "dual":
+        return jnp.concatenate(entries, axis=-1)
+    return entries[0][..., 0]
+
+
+def dequantize_scale(scales: jax.Array, scale_format: str) -> jax.Array:
+    """Per-group float32 dequantization multiplier (..., n, 1) from the wire scales."""
+    if scale_format == "dual":
+        return scales[..., 1:2] / scales[..., 0:1]
+    if scale_format in ("single", "bf16"):
+        return scales[..., None].astype(jnp.float32)
+    check_scale_format(scale_format)
+    return formats.decode_e8m0(scales)[..., None]
 
 
 def _as_groups(values: jax.Array, group_size: int) -> jax.Array:
     return values.reshape(*values.shape[:-1], values.shape[-1] // group_size, group_size)
-
-
-def _times_pow2(values: jax.Array, exponent: jax.Array) -> jax.Array:
-    """values * 2**exponent in two normal-range steps (a single 2**-128 factor is
-    subnormal and flush-to-zero backends turn it into 0)."""
-    half = exponent // 2
-    one = np.float32(1.0)
-    return values * jnp.ldexp(one, half) * jnp.ldexp(one, exponent - half)
-
-
-def _prescale(groups: jax.Array, fmt_max: float) -> jax.Array:
-    """fmt_max / rms per group, shape (..., n, 1). NaN if the group holds NaN or Inf."""
-    absmax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
-    # Normalize by the absmax's binade before squaring: no overflow for huge values, no
-    # underflow for tiny ones, and no division by a huge number (CPU XLA multiplies by a
-    # reciprocal, which would flush to zero).
-    _, exponent = jnp.frexp(absmax)
-    normalized_rms = jnp.sqrt(jnp.mean(jnp.square(_times_pow2(groups, -exponent)), axis=-1, keepdims=True))
-    prescale = _times_pow2(np.float32(fmt_max) / normalized_rms, -exponent)
-    return jnp.clip(prescale, _PRESCALE_MIN, _PRESCALE_MAX)
 
 
 def quantize_groups(
@@ -77,38 +136,16 @@ def quantize_groups(
       (..., C/G, 2) holding (a, s) for "dual", float32 (..., C/G) holding s / a for
       "single", bfloat16 (..., C/G) for "bf16", uint8 (..., C/G) exponent codes for "e8m0".
     """
+    check_scale_format(scale_format)
     wire = formats.wire_format(fmt)
     groups = _as_groups(values.astype(jnp.float32), group_size)
-    prescale = _prescale(groups, wire.max_value)
-    scaled = prescale * groups
+    normalized, exponent, prescale = normalize_groups(groups, wire.max_value)
     if transform:
-        scaled = hadamard_transform(scaled)
-    scale = jnp.maximum(jnp.max(jnp.abs(scaled), axis=-1, keepdims=True) / wire.max_value, _SCALE_MIN)
-    if scale_format == "dual":
-        divisor, scales = scale, jnp.concatenate([prescale, scale], axis=-1)
-    elif scale_format == "single":
-        divisor, scales = scale, (scale / prescale)[..., 0]
-    elif scale_format == "bf16":
-        rounded = formats.round_up_to_bf16(scale / prescale)
-        divisor, scales = prescale * rounded.astype(jnp.float32), rounded[..., 0]
-    elif scale_format == "e8m0":
-        codes = formats.encode_e8m0(scale / prescale)
-        divisor, scales = prescale * formats.decode_e8m0(codes), codes[..., 0]
+        scaled = hadamard_transform(normalized) * formats.times_pow2(prescale, exponent)
     else:
-        raise ValueError(f"unknown scale format {scale_format!r}; expected one of {sorted(formats.SCALE_FORMATS)}")
-    payload = formats.cast_to_wire(scaled / divisor, wire)
-    return payload.reshape(values.shape), scales
-
-
-def dequantize_scale(scales: jax.Array, scale_format: str) -> jax.Array:
-    """Per-group float32 dequantization multiplier (..., n, 1) from the wire scales."""
-    if scale_format == "dual":
-        return scales[..., 1:2] / scales[..., 0:1]
-    if scale_format in ("single", "bf16"):
-        return scales[..., None].astype(jnp.float32)
-    if scale_format == "e8m0":
-        return formats.decode_e8m0(scales)[..., None]
-    raise ValueError(f"unknown scale format {scale_format!r}; expected one of {sorted(formats.SCALE_FORMATS)}")
+        scaled = groups * prescale
+    payload, entries = quantize_scaled(scaled, prescale, fmt, scale_format)
+    return payload.reshape(values.shape), pack_scale_entries(entries, scale_format)
 
 
 def dequantize_groups(
