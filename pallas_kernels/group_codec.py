@@ -146,26 +146,3 @@ def quantize_groups(
         scaled = groups * prescale
     payload, entries = quantize_scaled(scaled, prescale, fmt, scale_format)
     return payload.reshape(values.shape), pack_scale_entries(entries, scale_format)
-
-
-def dequantize_groups(
-    payload: jax.Array, scales: jax.Array, *, group_size: int, scale_format: str, transform: bool
-) -> jax.Array:
-    """Invert `quantize_groups` to float32 values (..., C).
-
-    Args:
-      payload: (..., C) 8-bit payload.
-      scales: the scales `quantize_groups` returned.
-      group_size: G.
-      scale_format: "dual", "single", "bf16" or "e8m0".
-      transform: apply the inverse transform. False returns values in the transformed
-        domain (for summing shards there before one inverse transform).
-
-    Returns:
-      float32 array (..., C).
-    """
-    groups = _as_groups(payload.astype(jnp.float32), group_size)
-    if transform:
-        # Transform the small payload values first, then scale: no overflow near f32 max.
-        groups = hadamard_transform(groups)
-    return (groups * dequantize_scale(scales, scale_format)).reshape(payload.shape)

@@ -9,12 +9,13 @@ mappings in `taco_jax.tp`, `make_mesh`, `record_wire` (wire-byte accounting) and
 from taco_jax import tp
 from taco_jax.accounting import WireLedger, WireRecord, record_wire
 from taco_jax.codec import (
+    KERNEL_MODES,
     Compressed,
     compress,
     decompress,
-    from_transformed,
-    inverse_transform,
-    to_transformed,
+    decompress_sum,
+    kernel_mode,
+    requantize_sum,
     wire_bytes,
 )
 from taco_jax.collectives import all_gather, all_reduce, reduce_scatter
@@ -23,6 +24,7 @@ from taco_jax.mesh import MESH_AXES, make_mesh
 from taco_jax.spec import PRESETS, QuantSpec, TacoConfig
 
 __all__ = [
+    "KERNEL_MODES",
     "MESH_AXES",
     "PRESETS",
     "Compressed",
@@ -37,12 +39,12 @@ __all__ = [
     "collectives_in_hlo",
     "compress",
     "decompress",
-    "from_transformed",
-    "inverse_transform",
+    "decompress_sum",
+    "kernel_mode",
     "make_mesh",
     "record_wire",
     "reduce_scatter",
-    "to_transformed",
+    "requantize_sum",
     "tp",
     "wire_bytes",
 ]

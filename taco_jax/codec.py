@@ -1,18 +1,61 @@
-"""The TACO codec: permute -> adaptive pre-scale -> Hadamard -> scale -> 8-bit cast."""
+"""The TACO codec: permute -> adaptive pre-scale -> Hadamard -> scale -> 8-bit cast.
+
+The math lives in `pallas_kernels` (group codec reference and fused kernels); this module
+validates, handles permutations and shapes, and is the one place that chooses between the
+Pallas kernels and the jnp path (`kernel_mode`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Sequence
+import os
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import compress as compress_kernel
+from pallas_kernels import decompress as decompress_kernel
 from pallas_kernels import group_codec
-from pallas_kernels.hadamard import hadamard_transform
 from taco_jax.spec import QuantSpec
+
+KERNEL_MODES = ("auto", "pallas", "interpret", "jnp")
+_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_kernel_mode = os.environ.get("TACO_JAX_KERNELS", "auto")
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: str) -> Iterator[None]:
+    """Choose the codec implementation for code traced inside the block.
+
+    Args:
+      mode: "auto" (Pallas kernels on GPU, jnp elsewhere; the default, also settable
+        with the TACO_JAX_KERNELS environment variable), "pallas", "interpret" (the
+        kernels in the Pallas interpreter, for CPU tests) or "jnp".
+
+    Raises:
+      ValueError: unknown mode.
+    """
+    global _kernel_mode
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {mode!r}; expected one of {list(KERNEL_MODES)}")
+    previous, _kernel_mode = _kernel_mode, mode
+    try:
+        yield
+    finally:
+        _kernel_mode = previous
+
+
+def _kernel_choice(group_size: int, dtype: jnp.dtype, shards: int = 1) -> tuple[bool, bool]:
+    """(use the Pallas kernel, in interpret mode) for this call."""
+    mode = _kernel_mode
+    if mode == "auto":
+        mode = "pallas" if jax.default_backend() == "gpu" else "jnp"
+    supported = 16 <= group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES and shards & (shards - 1) == 0
+    return mode in ("pallas", "interpret") and supported, mode == "interpret"
 
 
 @jax.tree_util.register_dataclass
@@ -23,8 +66,8 @@ class Compressed:
     Attributes:
       payload: (..., C) array in the spec's element dtype (float8_e4m3fn, float8_e5m2
         or int8), in the permuted and (if `spec.hadamard`) transformed domain.
-      scales: per-group scales, layout given by `spec.scales` (see
-        `pallas_kernels.group_codec.quantize_groups`).
+      scales: per-group scales, layout given by `spec.scales`: float32 (..., C/G, 2) for
+        "dual", float32 (..., C/G) for "single", bfloat16 for "bf16", uint8 for "e8m0".
       shape: shape of the original tensor.
       dtype: dtype of the original tensor; `decompress` returns it.
       spec: the `QuantSpec` used.
@@ -46,9 +89,7 @@ class Compressed:
         return decompress(self, perm)
 
 
-def _check_float(dtype: np.dtype) -> None:
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"compress needs a floating-point input, got dtype {dtype}")
+# ----------------------------------------------------------------------------- validation
 
 
 def check_groupable(shape: Sequence[int], spec: QuantSpec) -> None:
@@ -62,20 +103,54 @@ def check_groupable(shape: Sequence[int], spec: QuantSpec) -> None:
         )
 
 
-def check_permutation(perm: jax.Array, channels: int) -> None:
-    """Raise ValueError unless `perm` is a permutation of range(channels).
+def check_permutation(perm: jax.Array, channels: int) -> jax.Array:
+    """Return `perm` as an array; raise ValueError unless it permutes range(channels).
 
     The values are checked when `perm` is concrete; under tracing only its shape and dtype.
     """
+    if not isinstance(perm, jax.core.Tracer):
+        perm = jnp.asarray(perm)
     if perm.ndim != 1 or perm.shape[0] != channels:
         raise ValueError(f"permutation has shape {perm.shape}, expected ({channels},) for the last axis")
     if not jnp.issubdtype(perm.dtype, jnp.integer):
         raise ValueError(f"permutation must have an integer dtype, got {perm.dtype}")
-    if isinstance(perm, jax.core.Tracer):
-        return
-    values = np.asarray(perm)
-    if not np.array_equal(np.sort(values), np.arange(channels)):
+    if not isinstance(perm, jax.core.Tracer) and not np.array_equal(np.sort(np.asarray(perm)), np.arange(channels)):
         raise ValueError(f"perm is not a permutation of range({channels})")
+    return perm
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _quantize(values: jax.Array, spec: QuantSpec, transform: bool) -> tuple[jax.Array, jax.Array]:
+    """Payload and wire scales of `values` (..., C), kernel or jnp."""
+    use_kernel, interpret = _kernel_choice(spec.group_size, values.dtype)
+    if not use_kernel:
+        return group_codec.quantize_groups(
+            values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=transform
+        )
+    payload, scales = compress_kernel.compress(
+        values.reshape(-1, spec.group_size), fmt=spec.fmt, scale_format=spec.scales, transform=transform,
+        interpret=interpret,
+    )
+    groups = (*values.shape[:-1], values.shape[-1] // spec.group_size)
+    return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
+
+
+def _dequantize_sum(shards: Compressed, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
+    """Sum of the shards along axis 0, decoded to `dtype` or requantized; kernel or jnp."""
+    spec = shards.spec
+    count, group = shards.payload.shape[0], spec.group_size
+    payload = shards.payload.reshape(count, -1, group)
+    multiplier = group_codec.dequantize_scale(shards.scales, spec.scales).reshape(count, -1)
+    use_kernel, interpret = _kernel_choice(group, dtype, count)
+    kwargs = dict(transform=spec.hadamard, requantize=(spec.fmt, spec.scales) if requantize else None)
+    if use_kernel:
+        return decompress_kernel.decompress(payload, multiplier, out_dtype=dtype, interpret=interpret, **kwargs)
+    return decompress_kernel.decompress_reference(payload, multiplier, out_dtype=dtype, **kwargs)
+
+
+# ----------------------------------------------------------------------------- public API
 
 
 def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None) -> Compressed:
@@ -98,15 +173,12 @@ def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None) -> Co
     if not isinstance(spec, QuantSpec):
         raise ValueError(f"spec must be a QuantSpec, got {type(spec).__name__}")
     x = jnp.asarray(x)
-    _check_float(x.dtype)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"compress needs a floating-point input, got dtype {x.dtype}")
     check_groupable(x.shape, spec)
     if perm is not None:
-        perm = jnp.asarray(perm) if not isinstance(perm, jax.core.Tracer) else perm
-        check_permutation(perm, x.shape[-1])
-        x = jnp.take(x, perm, axis=-1)
-    payload, scales = group_codec.quantize_groups(
-        x, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard
-    )
+        x = jnp.take(x, check_permutation(perm, x.shape[-1]), axis=-1)
+    payload, scales = _quantize(x, spec, spec.hadamard)
     return Compressed(payload, scales, tuple(x.shape), np.dtype(x.dtype), spec)
 
 
@@ -125,68 +197,46 @@ def decompress(c: Compressed, perm: jax.Array | None = None) -> jax.Array:
     """
     if not isinstance(c, Compressed):
         raise ValueError(f"decompress needs a Compressed, got {type(c).__name__}")
-    values = group_codec.dequantize_groups(
-        c.payload, c.scales, group_size=c.spec.group_size, scale_format=c.spec.scales, transform=c.spec.hadamard
-    )
+    single = jax.tree_util.tree_map(lambda leaf: leaf[None], c)
+    values = _dequantize_sum(single, requantize=False, dtype=c.dtype).reshape(c.payload.shape)
     if perm is not None:
-        perm = jnp.asarray(perm) if not isinstance(perm, jax.core.Tracer) else perm
-        check_permutation(perm, c.shape[-1])
-        values = jnp.take(values, jnp.argsort(perm), axis=-1)
-    return values.astype(c.dtype)
+        values = jnp.take(values, jnp.argsort(check_permutation(perm, c.shape[-1])), axis=-1)
+    return values
 
 
-def to_transformed(c: Compressed) -> jax.Array:
-    """Dequantize into the transformed domain: permuted, Hadamard not undone, float32.
+def decompress_sum(shards: Compressed) -> jax.Array:
+    """Dequantize k shards (stacked on axis 0) and return their sum.
 
-    Shards compressed with one spec can be summed here (the transform is linear), so a
-    reduction needs one inverse transform at the end instead of one per shard.
+    The sum is taken in float32 in the transformed domain and transformed back once (one
+    fused kernel on GPU), so k shards cost one inverse transform, not k.
 
     Args:
-      c: a `Compressed`.
+      shards: a `Compressed` whose arrays have a leading shard axis (e.g. what an
+        all-to-all of compressed chunks delivers).
 
     Returns:
-      float32 array of `c.shape`.
+      The sum, shape `shards.payload.shape[1:]`, dtype `shards.dtype`.
     """
-    return group_codec.dequantize_groups(
-        c.payload, c.scales, group_size=c.spec.group_size, scale_format=c.spec.scales, transform=False
+    return _dequantize_sum(shards, requantize=False, dtype=shards.dtype).reshape(shards.payload.shape[1:])
+
+
+def requantize_sum(shards: Compressed) -> Compressed:
+    """Sum k shards (stacked on axis 0) in float32 in the transformed domain and
+    quantize the sum again with the same spec, without leaving the transformed domain
+    (the middle step of the two-shot all-reduce). `decompress` of the result decodes it.
+
+    Args:
+      shards: a `Compressed` with a leading shard axis.
+
+    Returns:
+      A `Compressed` of shape `shards.payload.shape[1:]`.
+    """
+    shape = shards.payload.shape[1:]
+    payload, scales = _dequantize_sum(shards, requantize=True)
+    groups = (*shape[:-1], shape[-1] // shards.spec.group_size)
+    return Compressed(
+        payload.reshape(shape), scales.reshape(*groups, *scales.shape[2:]), tuple(shape), shards.dtype, shards.spec
     )
-
-
-def from_transformed(values: jax.Array, spec: QuantSpec, dtype: jnp.dtype) -> Compressed:
-    """Quantize values already in `spec`'s transformed domain (e.g. a sum of
-    `to_transformed` shards); `decompress` of the result undoes the transform.
-
-    Args:
-      values: float32 array, last axis divisible by the group size.
-      spec: the `QuantSpec` the values were transformed with.
-      dtype: dtype `decompress` should return.
-
-    Returns:
-      A `Compressed`.
-    """
-    check_groupable(values.shape, spec)
-    payload, scales = group_codec.quantize_groups(
-        values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=False
-    )
-    return Compressed(payload, scales, tuple(values.shape), np.dtype(dtype), spec)
-
-
-def inverse_transform(values: jax.Array, spec: QuantSpec) -> jax.Array:
-    """Undo `spec`'s transform on float32 values (e.g. a sum of `to_transformed` shards)
-    without quantizing: the Walsh-Hadamard transform of each group if `spec.hadamard`.
-
-    Args:
-      values: float32 array, last axis divisible by the group size.
-      spec: the `QuantSpec` the values were transformed with.
-
-    Returns:
-      float32 array of the same shape.
-    """
-    if not spec.hadamard:
-        return values
-    check_groupable(values.shape, spec)
-    groups = values.reshape(*values.shape[:-1], -1, spec.group_size)
-    return hadamard_transform(groups).reshape(values.shape)
 
 
 def wire_bytes(shape: Sequence[int], dtype: jnp.dtype, spec: QuantSpec | None) -> int:

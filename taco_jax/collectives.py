@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import accounting
-from taco_jax.codec import Compressed, compress, decompress, from_transformed, inverse_transform, to_transformed
+from taco_jax.codec import Compressed, compress, decompress, decompress_sum, requantize_sum
 from taco_jax.spec import QuantSpec, TacoConfig
 
 ALGORITHMS = ("one_shot", "two_shot", "auto")
@@ -125,15 +125,13 @@ def _gather(x, axis_name, config, direction, axis, tiled, site):
     return out
 
 
-def _exchange_and_sum(chunks: jax.Array, axis_name: str, spec: QuantSpec) -> tuple[jax.Array, int]:
-    """Compress k chunks (leading axis), all-to-all them, and sum the k received ones in
-    float32 in the transformed domain. Returns (sum rows (n, G), bytes sent per rank)."""
+def _exchange(chunks: jax.Array, axis_name: str, spec: QuantSpec) -> tuple[Compressed, int]:
+    """Compress k chunks (leading axis) and all-to-all them. Returns (the k compressed
+    chunks this rank received, bytes sent per rank)."""
     ranks = chunks.shape[0]
-    c = compress(chunks, spec)
-    received = lax.all_to_all(_pack(c, 1), axis_name, 0, 0, tiled=True)
+    received = lax.all_to_all(_pack(compress(chunks, spec), 1), axis_name, 0, 0, tiled=True)
     template = _template(chunks.shape[1:], chunks.dtype, spec)
-    summed = to_transformed(_unpack(received, template)).sum(axis=0)
-    return summed, (ranks - 1) * template.nbytes
+    return _unpack(received, template), (ranks - 1) * template.nbytes
 
 
 def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site):
@@ -151,9 +149,9 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site):
     moved = jnp.moveaxis(x, dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
     chunks = _to_rows(moved.reshape(ranks, *chunk_shape), spec.group_size, 1)
-    summed, sent = _exchange_and_sum(chunks, axis_name, spec)
+    shards, sent = _exchange(chunks, axis_name, spec)
     _record(site, "reduce_scatter", direction, x, ranks, spec, sent, plain_sent)
-    out = _from_rows(inverse_transform(summed, spec), chunk_shape, 0).astype(x.dtype)
+    out = _from_rows(decompress_sum(shards), chunk_shape, 0)
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
 
@@ -172,13 +170,12 @@ def _reduce(x, axis_name, config, direction, algorithm, site):
         c = compress(rows, spec)
         _record(site, "all_reduce_one_shot", direction, x, ranks, spec, (ranks - 1) * c.nbytes, plain_sent)
         received = lax.all_gather(_pack(c, 0), axis_name, axis=0, tiled=False)
-        summed = to_transformed(_unpack(received, c)).sum(axis=0)
-        return _from_rows(inverse_transform(summed, spec), x.shape, 0).astype(x.dtype)
+        return _from_rows(decompress_sum(_unpack(received, c)), x.shape, 0)
     count = rows.shape[0]
     per_rank = -(-count // ranks)
     rows = jnp.pad(rows, [(0, ranks * per_rank - count), (0, 0)])
-    summed, sent = _exchange_and_sum(rows.reshape(ranks, per_rank, spec.group_size), axis_name, spec)
-    reduced = from_transformed(summed, spec, x.dtype)
+    shards, sent = _exchange(rows.reshape(ranks, per_rank, spec.group_size), axis_name, spec)
+    reduced = requantize_sum(shards)
     _record(site, "all_reduce_two_shot", direction, x, ranks, spec, sent + (ranks - 1) * reduced.nbytes, plain_sent)
     gathered = lax.all_gather(_pack(reduced, 0), axis_name, axis=0, tiled=False)
     out = decompress(_unpack(gathered, reduced)).reshape(-1, spec.group_size)[:count]

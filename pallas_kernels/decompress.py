@@ -1,0 +1,164 @@
+"""Fused decompress kernel: dequantize k shards, sum in float32, then either inverse
+Walsh-Hadamard transform to the output dtype or requantize the sum.
+
+One pass over memory: each program loads the (k, block_rows, G) payload tiles and their
+per-group multipliers, sums the dequantized shards in the transformed domain, and
+  - decode: transforms once (tensor-core matmul with the +-1 Hadamard matrix; a single
+    8-bit shard is exact in bf16, a float32 sum is split in three bf16 parts) and writes
+    the output dtype — the receiving end of an all-gather (k=1 per shard),
+    reduce-scatter or one-shot all-reduce;
+  - requantize: quantizes the sum again without a transform (it is already in the
+    transformed domain) — the middle step of the two-shot all-reduce.
+
+`decompress_reference` beside the kernel is the plain-jnp definition it is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import formats, group_codec
+from pallas_kernels.compress import SCALE_ENTRY_DTYPES, hadamard_dot
+from pallas_kernels.hadamard import hadamard_matrix, hadamard_transform
+
+
+@dataclasses.dataclass(frozen=True)
+class DecompressConfig:
+    """Launch parameters of the decompress kernel.
+
+    Attributes:
+      block_rows: groups (rows of G elements) per program; a power of two >= 16.
+      num_warps: warps per program.
+      num_stages: software pipelining stages.
+    """
+
+    block_rows: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def default_config(group_size: int, shards: int) -> DecompressConfig:
+    """About 8K elements per shard and program (set from H200 sweeps, benchmarks/kernels.py)."""
+    return DecompressConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
+
+
+def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize):
+    shards, _, group_size = payload_ref.shape
+    inv_sqrt = np.float32(1.0 / np.sqrt(group_size))
+    if shards == 1 and transform and requantize is None:
+        # One 8-bit shard is exact in bf16: a single matmul, then the group's scale.
+        payload = payload_ref[0].astype(jnp.float32).astype(jnp.bfloat16)
+        values = jnp.dot(payload, hadamard_ref[...], preferred_element_type=jnp.float32) * inv_sqrt
+        out_refs[0][...] = (values * multiplier_ref[0][:, None]).astype(out_refs[0].dtype)
+        return
+    summed = payload_ref[0].astype(jnp.float32) * multiplier_ref[0][:, None]
+    for shard in range(1, shards):
+        summed = summed + payload_ref[shard].astype(jnp.float32) * multiplier_ref[shard][:, None]
+    if requantize is not None:
+        fmt, scale_format = requantize
+        _, _, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
+        payload, entries = group_codec.quantize_scaled(summed * prescale, prescale, fmt, scale_format)
+        out_refs[0][...] = payload
+        for ref, entry in zip(out_refs[1:], entries):
+            ref[...] = entry.reshape(ref.shape)
+        return
+    if transform:
+        summed = hadamard_dot(summed, hadamard_ref[...], 3) * inv_sqrt
+    out_refs[0][...] = summed.astype(out_refs[0].dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("transform", "out_dtype", "requantize", "config", "interpret")
+)
+def decompress(
+    payload: jax.Array,
+    multiplier: jax.Array,
+    *,
+    transform: bool,
+    out_dtype: jnp.dtype = jnp.float32,
+    requantize: tuple[str, str] | None = None,
+    config: DecompressConfig | None = None,
+    interpret: bool = False,
+):
+    """Dequantize and sum k shards of rows of G elements with the fused kernel.
+
+    Args:
+      payload: (k, N, G) 8-bit payloads; k a power of two.
+      multiplier: (k, N) float32 per-group dequantization multipliers
+        (`group_codec.dequantize_scale`).
+      transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
+      out_dtype: dtype of the decoded output.
+      requantize: (fmt, scale_format) to requantize the sum instead of decoding it.
+      config: launch parameters; `default_config` if None.
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+      The decoded (N, G) array in `out_dtype`, or with `requantize` a (payload, scales)
+      pair in the layout of `group_codec.quantize_groups`.
+    """
+    shards, rows, group_size = payload.shape
+    config = config or default_config(group_size, shards)
+    block = config.block_rows
+    padded = rows + (-rows % block)
+    if padded != rows:
+        payload = jnp.pad(payload, ((0, 0), (0, padded - rows), (0, 0)))
+        multiplier = jnp.pad(multiplier, ((0, 0), (0, padded - rows)))
+    tile = pl.BlockSpec((block, group_size), lambda i: (i, 0))
+    if requantize is None:
+        out_specs, out_shape = [tile], [jax.ShapeDtypeStruct((padded, group_size), out_dtype)]
+    else:
+        fmt, scale_format = requantize
+        group_codec.check_scale_format(scale_format)
+        entry_dtypes = SCALE_ENTRY_DTYPES[scale_format]
+        out_specs = [tile] + [pl.BlockSpec((block,), lambda i: (i,))] * len(entry_dtypes)
+        out_shape = [jax.ShapeDtypeStruct((padded, group_size), formats.wire_format(fmt).dtype)] + [
+            jax.ShapeDtypeStruct((padded,), dtype) for dtype in entry_dtypes
+        ]
+    outs = pl.pallas_call(
+        functools.partial(_decompress_kernel, transform=transform, requantize=requantize),
+        grid=(padded // block,),
+        in_specs=[
+            pl.BlockSpec((shards, block, group_size), lambda i: (0, i, 0)),
+            pl.BlockSpec((shards, block), lambda i: (0, i)),
+            pl.BlockSpec((group_size, group_size), lambda i: (0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="taco_decompress",
+    )(payload, multiplier.astype(jnp.float32), jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
+    if requantize is None:
+        return outs[0][:rows]
+    entries = tuple(e[:rows, None, None] for e in outs[1:])  # (N, groups=1, 1)
+    return outs[0][:rows], group_codec.pack_scale_entries(entries, requantize[1])
+
+
+def decompress_reference(
+    payload: jax.Array,
+    multiplier: jax.Array,
+    *,
+    transform: bool,
+    out_dtype: jnp.dtype = jnp.float32,
+    requantize: tuple[str, str] | None = None,
+):
+    """The same computation in plain jnp (what the kernel is tested against)."""
+    if payload.shape[0] == 1 and transform and requantize is None:
+        # Transform the small payload values first, then scale: no overflow near f32 max.
+        return (hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]).astype(out_dtype)
+    summed = jnp.sum(payload.astype(jnp.float32) * multiplier[..., None], axis=0)
+    if requantize is not None:
+        fmt, scale_format = requantize
+        return group_codec.quantize_groups(
+            summed, fmt=fmt, group_size=summed.shape[-1], scale_format=scale_format, transform=False
+        )
+    if transform:
+        summed = hadamard_transform(summed)
+    return summed.astype(out_dtype)
