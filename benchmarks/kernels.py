@@ -1,0 +1,216 @@
+"""Fused Pallas compress / decompress kernels against the jnp path and a device copy.
+
+On a GPU: checks the kernels against the jnp reference, sweeps block sizes, then times
+(median of trials, launches queued with one sync per trial, each timed call covering
+several distinct inputs so launch gaps and L2 hits stay out of the numbers):
+
+  copy            x + 1 in bf16 (reads and writes 2 bytes per element): the floor
+  compress        bf16 -> 8-bit payload + scales (fused kernel vs jnp under XLA)
+  decompress      one shard -> bf16 (the receiving end of an all-gather)
+  decompress_sum  k=4 shards -> their bf16 sum (reduce-scatter / one-shot receive)
+  requantize_sum  k=4 shards -> sum requantized (two-shot all-reduce middle step)
+
+Effective bandwidth counts the bytes each op must read and write once.
+
+Usage:  python benchmarks/kernels.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pallas_kernels import compress as kc  # noqa: E402
+from pallas_kernels import decompress as kd  # noqa: E402
+from pallas_kernels import group_codec  # noqa: E402
+from pallas_kernels.formats import SCALE_FORMATS  # noqa: E402
+
+PRESETS = {  # name: (fmt, scale_format, transform)
+    "taco": ("e4m3", "dual", True),
+    "taco+": ("int8", "bf16", True),
+    "fp8": ("e4m3", "single", False),
+}
+GROUP = 128
+SHARDS = 4
+
+
+def _time_ms(fn, inputs, trials: int = 7, calls: int = 5) -> float:
+    """Median over trials of (time per call / number of inputs per call)."""
+    jax.block_until_ready(fn(*inputs))
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*inputs)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    per_input = len(inputs[0]) if isinstance(inputs[0], (list, tuple)) else 1
+    return statistics.median(times) * 1e3 / per_input
+
+
+def _over_list(op):
+    return jax.jit(lambda xs: [op(x) for x in xs])
+
+
+def _scales_bytes(rows: int, scale_format: str) -> int:
+    return rows * SCALE_FORMATS[scale_format]
+
+
+def check_correctness(key) -> list[dict]:
+    """Kernel vs jnp reference on the GPU for every preset-like combination."""
+    rows = []
+    x32 = jax.random.normal(key, (8191, GROUP), jnp.float32) * jnp.exp(2 * jax.random.normal(key, (8191, 1)))
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = x32.astype(dtype)
+        for fmt in ("e4m3", "e5m2", "int8"):
+            for scale_format in SCALE_FORMATS:
+                for transform in (True, False):
+                    kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
+                    payload, scales = kc.compress(x, **kw)
+                    ref_payload, ref_scales = jax.jit(lambda v, kw=kw: kc.compress_reference(v, **kw))(x)
+                    mismatch = float(jnp.mean(payload.astype(jnp.float32) != ref_payload.astype(jnp.float32)))
+                    scale_diff = float(jnp.max(jnp.abs(scales.astype(jnp.float32) - ref_scales.astype(jnp.float32))
+                                               / jnp.abs(ref_scales.astype(jnp.float32))))
+                    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+                    out = kd.decompress(payload[None], multiplier, transform=transform, out_dtype=jnp.float32)
+                    ref_out = kd.decompress_reference(payload[None], multiplier, transform=transform)
+                    decode_diff = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
+                    error = float(jnp.linalg.norm(out - x.astype(jnp.float32)) / jnp.linalg.norm(x.astype(jnp.float32)))
+                    rows.append(dict(dtype=jnp.dtype(dtype).name, fmt=fmt, scales=scale_format, transform=transform,
+                                     payload_mismatch=mismatch, scale_rel_diff=scale_diff, decode_rel_diff=decode_diff,
+                                     round_trip_rel_error=error))
+    return rows
+
+
+def check_rounding_under_jit(key) -> dict:
+    """XLA:GPU must not drop the FP8 rounding of the jnp path (excess precision)."""
+    x = jax.random.normal(key, (1024, GROUP), jnp.float32)
+    round_trip = jax.jit(lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+    y = np.asarray(round_trip(x))
+    on_grid = np.array_equal(y, np.asarray(x).astype(jnp.float8_e4m3fn).astype(np.float32))
+    hlo = round_trip.lower(x).compile().as_text()
+    return {"fp8_round_trip_on_grid": bool(on_grid), "hlo_has_f8_convert": "f8e4m3fn" in hlo}
+
+
+def sweep_blocks(key, tokens: int, channels: int) -> list[dict]:
+    rows_n = tokens * channels // GROUP
+    x = jax.random.normal(key, (rows_n, GROUP), jnp.bfloat16)
+    payload, scales = kc.compress(x, fmt="e4m3", scale_format="dual", transform=True)
+    multiplier = group_codec.dequantize_scale(scales, "dual").reshape(1, -1)
+    payload_k = jnp.stack([payload] * SHARDS)[:, : rows_n // SHARDS]
+    multiplier_k = jnp.concatenate([multiplier] * SHARDS)[:, : rows_n // SHARDS]
+    results = []
+    for block_rows in (16, 32, 64, 128, 256):
+        for warps in (4, 8):
+            cfg_c = kc.CompressConfig(block_rows=block_rows, num_warps=warps)
+            cfg_d = kd.DecompressConfig(block_rows=block_rows, num_warps=warps)
+            timings = {
+                "compress": _time_ms(jax.jit(lambda v: kc.compress(v, fmt="e4m3", scale_format="dual", transform=True,
+                                                                    config=cfg_c)), (x,)),
+                "decompress": _time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
+                                                                          config=cfg_d)), (payload[None], multiplier)),
+                "decompress_sum": _time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
+                                                                              config=cfg_d)), (payload_k, multiplier_k)),
+            }
+            results.append(dict(block_rows=block_rows, num_warps=warps, **timings))
+            print(f"  block_rows={block_rows:4d} warps={warps}: " + "  ".join(f"{k} {v:.3f} ms" for k, v in timings.items()),
+                  file=sys.stderr, flush=True)
+    return results
+
+
+def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
+    """Every op at one activation shape; returns one row per (op, preset, implementation)."""
+    rows_n = tokens * channels // GROUP
+    elements = rows_n * GROUP
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(repeats)]
+    results = []
+
+    def add(op, preset, impl, ms, nbytes):
+        results.append(dict(tokens=tokens, channels=channels, op=op, preset=preset, impl=impl, ms=ms,
+                            bytes=nbytes, tb_per_s=nbytes / ms / 1e9))
+
+    add("copy", "-", "xla", _time_ms(_over_list(lambda v: v + jnp.bfloat16(1)), (xs,)), 4 * elements)
+    for preset, (fmt, scale_format, transform) in PRESETS.items():
+        kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
+        scale_bytes = _scales_bytes(rows_n, scale_format)
+        add("compress", preset, "pallas", _time_ms(_over_list(lambda v: kc.compress(v, **kw)), (xs,)), 3 * elements + scale_bytes)
+        add("compress", preset, "jnp", _time_ms(_over_list(lambda v: kc.compress_reference(v, **kw)), (xs,)), 3 * elements + scale_bytes)
+        compressed = [kc.compress(v, **kw) for v in xs]
+        payloads = [p[None] for p, _ in compressed]
+        multipliers = [group_codec.dequantize_scale(s, scale_format).reshape(1, -1) for _, s in compressed]
+        decode = dict(transform=transform, out_dtype=jnp.bfloat16)
+        for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
+            run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, **decode) for p, m in zip(ps, ms)])
+            add("decompress", preset, impl, _time_ms(run, (payloads, multipliers)), 3 * elements + 4 * rows_n)
+        # k shards of the reduced block, as a reduce-scatter receives them: same total payload.
+        shard_rows = rows_n // SHARDS
+        stacked = [p[0].reshape(SHARDS, shard_rows, GROUP) for p in payloads]
+        stacked_m = [m.reshape(SHARDS, shard_rows) for m in multipliers]
+        out_bytes = 2 * shard_rows * GROUP
+        for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
+            run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, **decode) for p, m in zip(ps, ms)])
+            add("decompress_sum", preset, impl, _time_ms(run, (stacked, stacked_m)), elements + 4 * rows_n + out_bytes)
+            run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, requantize=(fmt, scale_format))
+                                                  for p, m in zip(ps, ms)])
+            add("requantize_sum", preset, impl, _time_ms(run, (stacked, stacked_m)),
+                elements + 4 * rows_n + shard_rows * GROUP + _scales_bytes(shard_rows, scale_format))
+    for r in results:
+        print(f"  {tokens}x{channels} {r['op']:15s} {r['preset']:6s} {r['impl']:6s} {r['ms']:8.3f} ms "
+              f"{r['tb_per_s']:5.2f} TB/s", file=sys.stderr, flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one shape, no block sweep")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        sys.exit("benchmarks/kernels.py times the Pallas GPU kernels: run it on a GPU")
+    key = jax.random.key(0)
+    device = jax.devices()[0].device_kind
+    print(f"{device}, jax {jax.__version__}", file=sys.stderr)
+    correctness = check_correctness(key)
+    rounding = check_rounding_under_jit(key)
+    worst = max(r["scale_rel_diff"] for r in correctness)
+    print(f"correctness: worst payload mismatch {max(r['payload_mismatch'] for r in correctness):.2e}, "
+          f"worst scale diff {worst:.2e}, rounding {rounding}", file=sys.stderr, flush=True)
+    sweep = [] if args.quick else sweep_blocks(key, 16384, 8192)
+    shapes = [(16384, 8192)] if args.quick else [(4096, 4096, 16), (16384, 8192, 4), (32768, 16384, 2)]
+    timings = []
+    for shape in shapes:
+        tokens, channels, repeats = shape if len(shape) == 3 else (*shape, 4)
+        timings += time_shape(key, tokens, channels, repeats)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+            "compress_default": dataclasses.asdict(kc.default_config(GROUP, jnp.bfloat16)),
+            "decompress_default": dataclasses.asdict(kd.default_config(GROUP, 1))}
+    (args.out / "kernels.json").write_text(json.dumps(
+        {"meta": meta, "correctness": correctness, "rounding": rounding, "block_sweep": sweep, "timings": timings}, indent=1))
+    copy = {(r["tokens"], r["channels"]): r["tb_per_s"] for r in timings if r["op"] == "copy"}
+    print("| shape | op | preset | pallas ms | TB/s | % of copy | jnp ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in timings:
+        if r["impl"] != "pallas":
+            continue
+        jnp_row = next(j for j in timings if j["impl"] == "jnp" and all(j[k] == r[k] for k in ("tokens", "channels", "op", "preset")))
+        shape = (r["tokens"], r["channels"])
+        print(f"| {shape[0]}x{shape[1]} | {r['op']} | {r['preset']} | {r['ms']:.3f} | {r['tb_per_s']:.2f} | "
+              f"{100 * r['tb_per_s'] / copy[shape]:.0f}% | {jnp_row['ms']:.3f} | {jnp_row['ms'] / r['ms']:.1f}x |")
+    for shape, bw in copy.items():
+        print(f"copy {shape[0]}x{shape[1]}: {bw:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()

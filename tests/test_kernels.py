@@ -1,0 +1,172 @@
+"""Pallas kernels (interpret mode on CPU, compiled on GPU) against their jnp references.
+
+Kernel and reference share the per-group math; they differ in the transform (bf16
+tensor-core matmuls with float32 accumulation vs a float32 matmul) and in reduction
+order, so float32 scales agree to a few ulps and a payload code can differ by one step
+where the value sits on a rounding tie (frequent for bf16 inputs, whose values often
+land exactly on a coarser grid's midpoints). Both are then valid round-to-nearest-even
+results of float32 arithmetic.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import taco_jax as tj
+from pallas_kernels import compress as kc
+from pallas_kernels import decompress as kd
+from pallas_kernels import group_codec
+from tests import reference as ref
+
+FMTS = ["e4m3", "e5m2", "int8"]
+SCALES = ["dual", "single", "bf16", "e8m0"]
+
+
+def _groups(rows, group_size, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, group_size)) * np.exp(2 * rng.standard_normal((rows, 1)))
+    return jnp.asarray(x, dtype)
+
+
+def _assert_payload_close(got, want, fmt, max_mismatch, same_scale=None):
+    """At most `max_mismatch` of the codes differ, each by one grid step; groups whose
+    power-of-two/bf16 scale fell on the other side of a tie (`same_scale` False) are
+    compared through their decoded values instead."""
+    got, want = ref.as_float64(got), ref.as_float64(want)
+    if same_scale is not None:
+        got, want = got[same_scale], want[same_scale]
+    mismatch = got != want
+    assert mismatch.mean() <= max_mismatch
+    step = np.maximum(np.abs(want), 1.0) * (2.0**-2 if fmt != "int8" else 1.0)
+    assert np.all(np.abs(got - want)[mismatch] <= step[mismatch])
+
+
+def _assert_scales_close(got, want, scale_format):
+    """Scales agree to float32 rounding; rounded-up (bf16, e8m0) scales may land one
+    step apart on a tie, in a few groups. Returns the mask of groups with equal scales."""
+    got, want = ref.as_float64(got), ref.as_float64(want)
+    if scale_format in ("e8m0", "bf16"):
+        same = got == want
+        assert same.mean() >= 0.9
+        np.testing.assert_allclose(got, want, rtol=1.0 if scale_format == "e8m0" else 2.0**-7)
+        return same.reshape(same.shape[0], -1).all(axis=1)
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    return None
+
+
+def _compress_case(x, fmt, scale_format, transform, interpret):
+    kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
+    payload, scales = kc.compress(x, interpret=interpret, **kw)
+    ref_payload, ref_scales = kc.compress_reference(x, **kw)
+    assert payload.shape == ref_payload.shape and payload.dtype == ref_payload.dtype
+    assert scales.shape == ref_scales.shape and scales.dtype == ref_scales.dtype
+    same_scale = _assert_scales_close(scales, ref_scales, scale_format)
+    _assert_payload_close(payload, ref_payload, fmt, 0.03 if x.dtype == jnp.bfloat16 else 2e-3, same_scale)
+    return payload, scales
+
+
+@pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("scale_format", SCALES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_compress_kernel_interpret(fmt, scale_format, dtype, transform):
+    _compress_case(_groups(37, 128, dtype), fmt, scale_format, transform, interpret=True)
+
+
+@pytest.mark.parametrize("group_size", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 45, 130])
+def test_compress_kernel_group_sizes_and_odd_rows(group_size, rows):
+    _compress_case(_groups(rows, group_size, jnp.float32, seed=rows), "e4m3", "dual", True, interpret=True)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+@pytest.mark.parametrize("group_size", [64, 256])
+@pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
+def test_decompress_kernel_sums_shards(shards, group_size, transform):
+    rows = 29
+    parts = [_groups(rows, group_size, jnp.float32, seed=s) for s in range(shards)]
+    compressed = [kc.compress_reference(p, fmt="e4m3", scale_format="single", transform=transform) for p in parts]
+    payload = jnp.stack([p for p, _ in compressed])
+    multiplier = jnp.stack([s.reshape(-1) for _, s in compressed])
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = kd.decompress(payload, multiplier, transform=transform, out_dtype=out_dtype, interpret=True)
+        want = kd.decompress_reference(payload, multiplier, transform=transform, out_dtype=out_dtype)
+        assert got.dtype == out_dtype and got.shape == (rows, group_size)
+        tolerance = 1e-6 if out_dtype == jnp.float32 else 2.0**-8
+        np.testing.assert_allclose(ref.as_float64(got), ref.as_float64(want), rtol=tolerance, atol=tolerance * float(jnp.abs(want.astype(jnp.float32)).max()))
+    exact = sum(np.asarray(p, np.float64) for p in parts)
+    decoded = ref.as_float64(kd.decompress(payload, multiplier, transform=transform, interpret=True))
+    assert np.linalg.norm(decoded - exact) / np.linalg.norm(exact) < 0.07
+
+
+@pytest.mark.parametrize("scale_format", SCALES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_decompress_kernel_requantizes(fmt, scale_format):
+    shards = 4
+    parts = [_groups(50, 128, jnp.float32, seed=s) for s in range(shards)]
+    compressed = [kc.compress_reference(p, fmt=fmt, scale_format=scale_format, transform=True) for p in parts]
+    payload = jnp.stack([p for p, _ in compressed])
+    multiplier = jnp.stack([group_codec.dequantize_scale(s, scale_format).reshape(-1) for _, s in compressed])
+    kw = dict(transform=True, requantize=(fmt, scale_format))
+    got_payload, got_scales = kd.decompress(payload, multiplier, interpret=True, **kw)
+    want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
+    same_scale = _assert_scales_close(got_scales, want_scales, scale_format)
+    # Sums of power-of-two-scaled codes sit on coarse grids: ties are common there.
+    _assert_payload_close(got_payload, want_payload, fmt, 0.01, same_scale)
+
+
+def test_kernels_propagate_nan_to_the_group():
+    x = np.array(_groups(40, 128, jnp.float32))
+    x[7, 3] = np.nan
+    x[20, 0] = np.inf
+    payload, scales = kc.compress(jnp.asarray(x), fmt="int8", scale_format="bf16", transform=True, interpret=True)
+    multiplier = group_codec.dequantize_scale(scales, "bf16").reshape(1, -1)
+    out = np.asarray(kd.decompress(payload[None], multiplier, transform=True, interpret=True))
+    bad = np.isin(np.arange(40), [7, 20])
+    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+
+
+def test_codec_dispatch_to_kernels_agrees_with_jnp():
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 10, 256)), jnp.bfloat16)
+    spec = tj.QuantSpec(fmt="int8", hadamard=True, scales="bf16", group_size=128)
+    with tj.kernel_mode("interpret"):
+        c_kernel = tj.compress(x, spec)
+        out_kernel = tj.decompress(c_kernel)
+        summed_kernel = tj.decompress_sum(tj.compress(jnp.stack([x, 2 * x]), spec))
+    with tj.kernel_mode("jnp"):
+        c_jnp = tj.compress(x, spec)
+        out_jnp = tj.decompress(c_jnp)
+    assert c_kernel.scales.shape == c_jnp.scales.shape and out_kernel.dtype == jnp.bfloat16
+    _assert_payload_close(c_kernel.payload, c_jnp.payload, "int8", 0.02)
+    np.testing.assert_allclose(ref.as_float64(out_kernel), ref.as_float64(out_jnp), rtol=0.02, atol=0.02)
+    np.testing.assert_allclose(ref.as_float64(summed_kernel), 3 * ref.as_float64(x), rtol=0.1, atol=0.05)
+    with pytest.raises(ValueError, match="unknown kernel mode"):
+        with tj.kernel_mode("cuda"):
+            pass
+
+
+def test_collective_with_interpreted_kernels_inside_shard_map():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    config = tj.TacoConfig.preset("taco", min_bytes=0)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((4 * 16, 256)), jnp.float32)
+    body = lambda v: (tj.all_reduce(v, "tensor", config, algorithm="two_shot"), jax.lax.psum(v, "tensor"))
+    with tj.kernel_mode("interpret"):
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=(P("tensor"), P("tensor")), check_vma=False))
+        ours, theirs = jax.block_until_ready(fn(x))
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 0.12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_format", SCALES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_compiled_kernels_on_gpu(fmt, scale_format):
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = _groups(4099, 128, dtype, seed=9)
+        payload, scales = _compress_case(x, fmt, scale_format, True, interpret=False)
+        multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+        got = kd.decompress(payload[None], multiplier, transform=True)
+        want = kd.decompress_reference(payload[None], multiplier, transform=True)
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
