@@ -72,10 +72,10 @@ def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax
 def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits):
     groups = x_ref[...].astype(jnp.float32)
     group_size = groups.shape[-1]
-    normalized, exponent, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
+    normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
     if transform:
-        transformed = hadamard_dot(normalized, hadamard_ref[...], splits) * np.float32(1.0 / np.sqrt(group_size))
-        scaled = transformed * formats.times_pow2(prescale, exponent)
+        row_factor = formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
+        scaled = hadamard_dot(normalized, hadamard_ref[...], splits) * row_factor
     else:
         scaled = groups * prescale
     payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format)

@@ -45,8 +45,10 @@ class DecompressConfig:
 
 
 def default_config(group_size: int, shards: int) -> DecompressConfig:
-    """About 8K elements per shard and program (set from H200 sweeps, benchmarks/kernels.py)."""
-    return DecompressConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
+    """8K elements per program for one shard, 16K when summing several (the fastest in
+    the H200 block sweep of benchmarks/kernels.py)."""
+    elements = 8192 if shards == 1 else 16384
+    return DecompressConfig(block_rows=max(16, elements // group_size), num_warps=4)
 
 
 def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize):
@@ -55,8 +57,8 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
     if shards == 1 and transform and requantize is None:
         # One 8-bit shard is exact in bf16: a single matmul, then the group's scale.
         payload = payload_ref[0].astype(jnp.float32).astype(jnp.bfloat16)
-        values = jnp.dot(payload, hadamard_ref[...], preferred_element_type=jnp.float32) * inv_sqrt
-        out_refs[0][...] = (values * multiplier_ref[0][:, None]).astype(out_refs[0].dtype)
+        values = jnp.dot(payload, hadamard_ref[...], preferred_element_type=jnp.float32)
+        out_refs[0][...] = (values * (multiplier_ref[0] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
         return
     summed = payload_ref[0].astype(jnp.float32) * multiplier_ref[0][:, None]
     for shard in range(1, shards):
@@ -70,7 +72,9 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
             ref[...] = entry.reshape(ref.shape)
         return
     if transform:
-        summed = hadamard_dot(summed, hadamard_ref[...], 3) * inv_sqrt
+        # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
+        splits = 3 if out_refs[0].dtype == jnp.float32 else 2
+        summed = hadamard_dot(summed, hadamard_ref[...], splits) * inv_sqrt
     out_refs[0][...] = summed.astype(out_refs[0].dtype)
 
 

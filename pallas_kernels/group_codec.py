@@ -2,8 +2,8 @@
 
 For each group g of G contiguous values along the last axis (all arithmetic in float32):
 
-  e = binade of absmax(g)               g_n = g * 2**-e has absmax in [0.5, 1): its
-                                        square cannot overflow or underflow
+  e = binade of absmax(g)               g_n = g * 2**-e has absmax in [0.5, 1) (e stops
+                                        at 126): its square cannot overflow or underflow
   a = fmt_max / rms(g)                  adaptive pre-scale, = (fmt_max / rms(g_n)) * 2**-e,
                                         clamped to [2**-100, 2**100] so it stays finite
                                         for all-zero and subnormal groups
@@ -54,16 +54,17 @@ def normalize_groups(groups: jax.Array, fmt_max: float) -> tuple[jax.Array, jax.
       fmt_max: the element format's largest value.
 
     Returns:
-      (normalized, exponent, prescale): normalized = groups * 2**-exponent (absmax in
-      [0.5, 1)), exponent int32 (..., 1), prescale float32 (..., 1), NaN for a group
-      holding NaN or Inf.
+      (normalized, shift, prescale): normalized = groups * 2**-shift, whose absmax is in
+      [0.5, 1) (up to 8 for groups beyond 2**126, where shift stops so that 2**-shift
+      stays a normal float32); shift int32 (..., 1); prescale float32 (..., 1), NaN for
+      a group holding NaN or Inf.
     """
     absmax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
-    exponent = formats.binade_exponent(absmax)
-    normalized = formats.times_pow2(groups, -exponent)
+    shift = jnp.minimum(formats.binade_exponent(absmax), 126)
+    normalized = groups * formats.pow2(-shift)
     normalized_rms = jnp.sqrt(jnp.mean(normalized * normalized, axis=-1, keepdims=True))
-    prescale = jnp.clip(formats.times_pow2(np.float32(fmt_max) / normalized_rms, -exponent), PRESCALE_MIN, PRESCALE_MAX)
-    return normalized, exponent, jnp.where(jnp.isfinite(absmax), prescale, np.float32(np.nan))
+    prescale = jnp.clip(formats.times_pow2(np.float32(fmt_max) / normalized_rms, -shift), PRESCALE_MIN, PRESCALE_MAX)
+    return normalized, shift, jnp.where(jnp.isfinite(absmax), prescale, np.float32(np.nan))
 
 
 def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
@@ -93,7 +94,8 @@ def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_form
         check_scale_format(scale_format)
         code = formats.encode_e8m0(scale / prescale)
         divisor, entries = prescale * formats.decode_e8m0(code), (code,)
-    return formats.cast_to_wire(scaled / divisor, wire), entries
+    # One division per group, then a multiply per element.
+    return formats.cast_to_wire(scaled * (np.float32(1.0) / divisor), wire), entries
 
 
 def pack_scale_entries(entries: tuple, scale_format: str) -> jax.Array:
@@ -139,10 +141,13 @@ def quantize_groups(
     check_scale_format(scale_format)
     wire = formats.wire_format(fmt)
     groups = _as_groups(values.astype(jnp.float32), group_size)
-    normalized, exponent, prescale = normalize_groups(groups, wire.max_value)
+    normalized, shift, prescale = normalize_groups(groups, wire.max_value)
     if transform:
-        scaled = hadamard_transform(normalized) * formats.times_pow2(prescale, exponent)
+        scaled = hadamard_transform(normalized) * formats.times_pow2(prescale, shift)
     else:
         scaled = groups * prescale
     payload, entries = quantize_scaled(scaled, prescale, fmt, scale_format)
+    # XLA:GPU removes an f32 -> f8 -> f32 convert pair (excess precision) when the
+    # payload is decoded in the same program; the barrier keeps the rounding.
+    payload = jax.lax.optimization_barrier(payload)
     return payload.reshape(values.shape), pack_scale_entries(entries, scale_format)
