@@ -235,7 +235,7 @@ def main() -> None:
         timings += time_shape(key, tokens, channels, repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-            "compress_default": dataclasses.asdict(kc.default_config(GROUP, jnp.bfloat16)),
+            "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
             "decompress_default": dataclasses.asdict(kd.default_config(GROUP, 1))}
     (args.out / "kernels.json").write_text(json.dumps(
         {"meta": meta, "correctness": correctness, "rounding": rounding, "block_sweep": sweep, "timings": timings}, indent=1))

@@ -48,7 +48,7 @@ class CompressConfig:
     num_stages: int = 1
 
 
-def default_config(group_size: int, dtype: jnp.dtype) -> CompressConfig:
+def default_config(group_size: int) -> CompressConfig:
     """Block sizes by group size: about 8K elements per program (set from H200 sweeps,
     benchmarks/kernels.py)."""
     return CompressConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
@@ -109,7 +109,7 @@ def compress(
     """
     group_codec.check_scale_format(scale_format)
     rows, group_size = x.shape
-    config = config or default_config(group_size, x.dtype)
+    config = config or default_config(group_size)
     block = config.block_rows
     padded = rows + (-rows % block)
     if padded != rows:

@@ -44,10 +44,10 @@ class DecompressConfig:
     num_stages: int = 1
 
 
-def default_config(group_size: int, shards: int) -> DecompressConfig:
-    """8K elements per program for one shard, 16K when summing several (the fastest in
-    the H200 block sweep of benchmarks/kernels.py)."""
-    elements = 8192 if shards == 1 else 16384
+def default_config(group_size: int, shards: int, requantize: bool = False) -> DecompressConfig:
+    """8K elements per program, 16K when decoding a sum of several shards (the fastest
+    in the H200 block sweep of benchmarks/kernels.py)."""
+    elements = 16384 if shards > 1 and not requantize else 8192
     return DecompressConfig(block_rows=max(16, elements // group_size), num_warps=4)
 
 
@@ -108,7 +108,7 @@ def decompress(
       pair in the layout of `group_codec.quantize_groups`.
     """
     shards, rows, group_size = payload.shape
-    config = config or default_config(group_size, shards)
+    config = config or default_config(group_size, shards, requantize is not None)
     block = config.block_rows
     padded = rows + (-rows % block)
     if padded != rows:
