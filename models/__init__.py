@@ -1,1 +1,31 @@
-"""Flax GPT-2 and Qwen2 models with tensor-parallel layers (not yet available)."""
+"""GPT-2 and Qwen2 with Megatron tensor (and sequence) parallelism over taco_jax.
+
+Parameters are plain nested dicts of arrays (usable with optax and orbax), laid out with
+logical axis names that map to the (data, pipe, tensor) mesh in one place
+(`models.params.LOGICAL_RULES`); layers are stacked for `lax.scan`.
+"""
+
+from models.api import logits, loss_and_grads, shard_loss_and_grads
+from models.config import PRESETS, GPT2Config, ModelConfig, Qwen2Config, check_tensor_parallel, preset
+from models.hf import load_hf
+from models.params import LOGICAL_RULES, init_params, layout, partition_specs, shard_params
+from models.transformer import Parallelism
+
+__all__ = [
+    "LOGICAL_RULES",
+    "PRESETS",
+    "GPT2Config",
+    "ModelConfig",
+    "Parallelism",
+    "Qwen2Config",
+    "check_tensor_parallel",
+    "init_params",
+    "layout",
+    "load_hf",
+    "logits",
+    "loss_and_grads",
+    "partition_specs",
+    "preset",
+    "shard_loss_and_grads",
+    "shard_params",
+]

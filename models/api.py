@@ -1,0 +1,114 @@
+"""Model entry points: logits and per-rank loss/gradients on a (data, pipe, tensor) mesh."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import taco_jax as tj
+from models.config import ModelConfig, check_tensor_parallel
+from models.params import partition_specs, shard_params
+from models.transformer import AXIS, Parallelism, cross_entropy, local_logits
+
+
+def _mesh_or_default(mesh: Mesh | None) -> Mesh:
+    return mesh if mesh is not None else tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _batch_spec(mesh: Mesh, batch: int) -> P:
+    return P("data") if batch % mesh.shape["data"] == 0 else P()
+
+
+def logits(
+    config: ModelConfig,
+    params: dict,
+    tokens: jax.Array,
+    *,
+    mesh: Mesh | None = None,
+    taco: tj.TacoConfig | None = None,
+    sequence_parallel: bool = False,
+) -> jax.Array:
+    """Next-token logits for evaluation.
+
+    Args:
+      config: model configuration.
+      params: parameters (host or device; placed on `mesh` with their partition specs).
+      tokens: (B, S) int token ids.
+      mesh: (data, pipe, tensor) mesh; one device if None.
+      taco: compression of the tensor-parallel collectives (uncompressed if None).
+      sequence_parallel: run norms and residuals on sequence shards.
+
+    Returns:
+      float32 (B, S, vocab_size), sharded over the vocabulary on `mesh`.
+
+    Raises:
+      ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
+        vocabulary (or the sequence, with sequence parallelism).
+    """
+    mesh = _mesh_or_default(mesh)
+    check_tensor_parallel(config, mesh.shape[AXIS])
+    par = Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel)
+    batch = _batch_spec(mesh, tokens.shape[0])
+    fn = jax.shard_map(
+        lambda p, t: local_logits(config, p, t, par), mesh=mesh,
+        in_specs=(partition_specs(config), batch), out_specs=P(*batch, None, AXIS), check_vma=False,
+    )
+    out = jax.jit(fn)(shard_params(params, config, mesh), jnp.asarray(tokens))
+    return out[..., : config.vocab_size]
+
+
+def shard_loss_and_grads(config: ModelConfig, params: dict, tokens: jax.Array, par: Parallelism):
+    """Loss and gradients of this rank's batch, inside `shard_map(check_vma=False)`.
+
+    Each rank differentiates its own copy of the loss; the Megatron mappings carry the
+    cotangents across the tensor axis. With sequence parallelism, parameters replicated
+    over "tensor" but applied to sequence shards (norms, biases after a reduce-scatter,
+    positions) get their gradient summed over "tensor".
+
+    Returns:
+      (loss, grads) for the local batch; no averaging over "data".
+    """
+    loss, grads = jax.value_and_grad(lambda p: cross_entropy(config, p, tokens, par))(params)
+    if par.sequence_parallel:
+        grads = jax.tree.map(
+            lambda g, spec: g if AXIS in tuple(spec) else lax.psum(g, AXIS), grads, partition_specs(config)
+        )
+    return loss, grads
+
+
+def loss_and_grads(
+    config: ModelConfig,
+    params: dict,
+    tokens: jax.Array,
+    *,
+    mesh: Mesh | None = None,
+    taco: tj.TacoConfig | None = None,
+    sequence_parallel: bool = False,
+):
+    """Mean next-token loss and its gradients, averaged over the data axis.
+
+    Args:
+      config: model configuration.
+      params: parameters (placed on `mesh` with their partition specs).
+      tokens: (B, S + 1) int token ids, B divisible by the data axis.
+      mesh: (data, pipe, tensor) mesh; one device if None.
+      taco: compression of the tensor-parallel collectives (uncompressed if None).
+      sequence_parallel: run norms and residuals on sequence shards.
+
+    Returns:
+      (loss, grads), grads sharded like the parameters.
+    """
+    mesh = _mesh_or_default(mesh)
+    check_tensor_parallel(config, mesh.shape[AXIS])
+    par = Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel)
+    specs = partition_specs(config)
+
+    def body(p, t):
+        loss, grads = shard_loss_and_grads(config, p, t, par)
+        return lax.pmean(loss, "data"), jax.tree.map(lambda g: lax.pmean(g, "data"), grads)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
+    return jax.block_until_ready(jax.jit(fn)(shard_params(params, config, mesh), jnp.asarray(tokens)))

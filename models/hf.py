@@ -1,0 +1,177 @@
+"""Load GPT-2 and Qwen2 weights from a local HuggingFace folder (no hub access)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from models.config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
+
+_SAFETENSORS_DTYPES = {
+    "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+    "I64": np.int64, "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file as numpy arrays.
+
+    Raises:
+      ValueError: truncated or malformed file.
+    """
+    data = Path(path).read_bytes()
+    if len(data) < 8:
+        raise ValueError(f"{path}: not a safetensors file (too short)")
+    (header_size,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + header_size])
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: unreadable safetensors header ({error})") from None
+    base = 8 + header_size
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        if base + end > len(data):
+            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        tensors[name] = np.frombuffer(data[base + start : base + end], dtype=dtype).reshape(info["shape"])
+    return tensors
+
+
+def _read_folder(folder: Path) -> dict[str, np.ndarray]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for name in files:
+        tensors.update(read_safetensors(folder / name))
+    return tensors
+
+
+def _config_from_hf(hf: dict) -> ModelConfig:
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        d = hf["n_embd"]
+        return GPT2Config(hf["vocab_size"], hf["n_positions"], d, hf["n_layer"], hf["n_head"],
+                          hf.get("n_inner") or 4 * d, hf.get("layer_norm_epsilon", 1e-5))
+    if kind == "qwen2":
+        return Qwen2Config(hf["vocab_size"], hf.get("max_position_embeddings", 32768), hf["hidden_size"],
+                           hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
+                           hf["intermediate_size"], hf.get("rms_norm_eps", 1e-6),
+                           float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                           bool(hf.get("tie_word_embeddings", False)))
+    raise ValueError(f"unsupported model_type {kind!r} in config.json; expected 'gpt2' or 'qwen2'")
+
+
+class _Tensors:
+    """Name lookup that strips a model prefix and collects missing names."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], prefixes: tuple[str, ...]):
+        self.tensors = {}
+        for name, value in tensors.items():
+            for prefix in prefixes:
+                if name.startswith(prefix):
+                    name = name[len(prefix):]
+                    break
+            self.tensors[name] = value
+        self.missing: list[str] = []
+
+    def get(self, name: str) -> np.ndarray | None:
+        if name not in self.tensors:
+            self.missing.append(name)
+            return None
+        return self.tensors[name].astype(np.float32)
+
+    def stack(self, pattern: str, layers: int, transform) -> np.ndarray | None:
+        values = [self.get(pattern.format(i)) for i in range(layers)]
+        return None if any(v is None for v in values) else np.stack([transform(v) for v in values])
+
+
+def _pad_vocab(table: np.ndarray | None, config: ModelConfig) -> np.ndarray | None:
+    if table is None:
+        return None
+    return np.pad(table, ((0, padded_vocab(config) - table.shape[0]), (0, 0)))
+
+
+def _gpt2_params(t: _Tensors, c: GPT2Config) -> dict:
+    h, hd, d, L = c.n_heads, head_dim(c), c.d_model, c.n_layers
+    layer = lambda name, fn=lambda v: v: t.stack("h.{}." + name, L, fn)
+    return {
+        "embed": {"tokens": _pad_vocab(t.get("wte.weight"), c), "positions": t.get("wpe.weight")},
+        "layers": {
+            "norm1_scale": layer("ln_1.weight"), "norm1_bias": layer("ln_1.bias"),
+            "qkv_kernel": layer("attn.c_attn.weight", lambda v: v.reshape(d, 3, h, hd)),
+            "qkv_bias": layer("attn.c_attn.bias", lambda v: v.reshape(3, h, hd)),
+            "out_kernel": layer("attn.c_proj.weight", lambda v: v.reshape(h, hd, d)),
+            "out_bias": layer("attn.c_proj.bias"),
+            "norm2_scale": layer("ln_2.weight"), "norm2_bias": layer("ln_2.bias"),
+            "fc_kernel": layer("mlp.c_fc.weight"), "fc_bias": layer("mlp.c_fc.bias"),
+            "proj_kernel": layer("mlp.c_proj.weight"), "proj_bias": layer("mlp.c_proj.bias"),
+        },
+        "final": {"norm_scale": t.get("ln_f.weight"), "norm_bias": t.get("ln_f.bias")},
+    }
+
+
+def _qwen2_params(t: _Tensors, c: Qwen2Config) -> dict:
+    h, kv, hd, d, L = c.n_heads, c.n_kv_heads, head_dim(c), c.d_model, c.n_layers
+    layer = lambda name, fn=lambda v: v: t.stack("layers.{}." + name, L, fn)
+    heads_in = lambda n: (lambda v: v.T.reshape(d, n, hd))
+    params = {
+        "embed": {"tokens": _pad_vocab(t.get("embed_tokens.weight"), c)},
+        "layers": {
+            "norm1_scale": layer("input_layernorm.weight"),
+            "q_kernel": layer("self_attn.q_proj.weight", heads_in(h)),
+            "q_bias": layer("self_attn.q_proj.bias", lambda v: v.reshape(h, hd)),
+            "k_kernel": layer("self_attn.k_proj.weight", heads_in(kv)),
+            "k_bias": layer("self_attn.k_proj.bias", lambda v: v.reshape(kv, hd)),
+            "v_kernel": layer("self_attn.v_proj.weight", heads_in(kv)),
+            "v_bias": layer("self_attn.v_proj.bias", lambda v: v.reshape(kv, hd)),
+            "out_kernel": layer("self_attn.o_proj.weight", lambda v: v.T.reshape(h, hd, d)),
+            "norm2_scale": layer("post_attention_layernorm.weight"),
+            "gate_kernel": layer("mlp.gate_proj.weight", lambda v: v.T),
+            "up_kernel": layer("mlp.up_proj.weight", lambda v: v.T),
+            "down_kernel": layer("mlp.down_proj.weight", lambda v: v.T),
+        },
+        "final": {"norm_scale": t.get("norm.weight")},
+    }
+    if not c.tie_embeddings:
+        params["final"]["head"] = _pad_vocab(t.get("lm_head.weight"), c)
+    return params
+
+
+def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
+    """Read a local HuggingFace GPT-2 or Qwen2 folder (config.json + safetensors).
+
+    Args:
+      path: folder written by `save_pretrained` (single or sharded safetensors).
+
+    Returns:
+      (config, params): float32 numpy parameters in this package's global layout, for
+      any tensor-parallel degree (place them with `models.shard_params`).
+
+    Raises:
+      ValueError: missing files, an unsupported architecture, or missing tensors (named).
+    """
+    folder = Path(path)
+    if not (folder / "config.json").exists():
+        raise ValueError(f"{folder}: no config.json")
+    config = _config_from_hf(json.loads((folder / "config.json").read_text()))
+    if config.family == "gpt2":
+        tensors = _Tensors(_read_folder(folder), ("transformer.",))
+        params = _gpt2_params(tensors, config)
+    else:
+        tensors = _Tensors(_read_folder(folder), ("model.",))
+        params = _qwen2_params(tensors, config)
+    if tensors.missing:
+        raise ValueError(f"{folder}: {config.family} checkpoint is missing tensors: {sorted(set(tensors.missing))[:10]}")
+    return config, params

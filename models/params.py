@@ -1,0 +1,118 @@
+"""Parameter shapes with logical axis names, and the one place that maps them to the mesh.
+
+Global shapes do not depend on the tensor-parallel degree (attention heads are an axis of
+their own), so the same parameters and checkpoints serve every mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig, head_dim, padded_vocab
+
+# Logical axis -> mesh axis. Everything not named here is replicated.
+LOGICAL_RULES = {"vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "ff": "tensor"}
+
+
+def _gpt2_layout(config) -> dict:
+    d, f, h, hd, L = config.d_model, config.d_ff, config.n_heads, head_dim(config), config.n_layers
+    return {
+        "embed": {"tokens": ((padded_vocab(config), d), ("vocab", "embed")),
+                  "positions": ((config.max_positions, d), (None, "embed"))},
+        "layers": {
+            "norm1_scale": ((L, d), ("layers", "embed")), "norm1_bias": ((L, d), ("layers", "embed")),
+            "qkv_kernel": ((L, d, 3, h, hd), ("layers", "embed", None, "heads", None)),
+            "qkv_bias": ((L, 3, h, hd), ("layers", None, "heads", None)),
+            "out_kernel": ((L, h, hd, d), ("layers", "heads", None, "embed")),
+            "out_bias": ((L, d), ("layers", "embed")),
+            "norm2_scale": ((L, d), ("layers", "embed")), "norm2_bias": ((L, d), ("layers", "embed")),
+            "fc_kernel": ((L, d, f), ("layers", "embed", "ff")), "fc_bias": ((L, f), ("layers", "ff")),
+            "proj_kernel": ((L, f, d), ("layers", "ff", "embed")), "proj_bias": ((L, d), ("layers", "embed")),
+        },
+        "final": {"norm_scale": ((d,), ("embed",)), "norm_bias": ((d,), ("embed",))},
+    }
+
+
+def _qwen2_layout(config) -> dict:
+    d, f, h, kv, hd, L = config.d_model, config.d_ff, config.n_heads, config.n_kv_heads, head_dim(config), config.n_layers
+    layout = {
+        "embed": {"tokens": ((padded_vocab(config), d), ("vocab", "embed"))},
+        "layers": {
+            "norm1_scale": ((L, d), ("layers", "embed")),
+            "q_kernel": ((L, d, h, hd), ("layers", "embed", "heads", None)), "q_bias": ((L, h, hd), ("layers", "heads", None)),
+            "k_kernel": ((L, d, kv, hd), ("layers", "embed", "kv_heads", None)), "k_bias": ((L, kv, hd), ("layers", "kv_heads", None)),
+            "v_kernel": ((L, d, kv, hd), ("layers", "embed", "kv_heads", None)), "v_bias": ((L, kv, hd), ("layers", "kv_heads", None)),
+            "out_kernel": ((L, h, hd, d), ("layers", "heads", None, "embed")),
+            "norm2_scale": ((L, d), ("layers", "embed")),
+            "gate_kernel": ((L, d, f), ("layers", "embed", "ff")), "up_kernel": ((L, d, f), ("layers", "embed", "ff")),
+            "down_kernel": ((L, f, d), ("layers", "ff", "embed")),
+        },
+        "final": {"norm_scale": ((d,), ("embed",))},
+    }
+    if not config.tie_embeddings:
+        layout["final"]["head"] = ((padded_vocab(config), d), ("vocab", "embed"))
+    return layout
+
+
+def layout(config: ModelConfig) -> dict:
+    """Nested dict of (global shape, logical axes) for every parameter."""
+    return _gpt2_layout(config) if config.family == "gpt2" else _qwen2_layout(config)
+
+
+def _is_leaf(node) -> bool:
+    return isinstance(node, tuple) and len(node) == 2 and isinstance(node[1], tuple)
+
+
+def partition_specs(config: ModelConfig) -> dict:
+    """PartitionSpec of every parameter, from its logical axes and `LOGICAL_RULES`."""
+    return jax.tree.map(lambda leaf: P(*(LOGICAL_RULES.get(a) for a in leaf[1])), layout(config), is_leaf=_is_leaf)
+
+
+def _initial_value(path: str, key: jax.Array, shape: tuple, config: ModelConfig) -> jax.Array:
+    if "scale" in path:
+        return jnp.ones(shape, jnp.float32)
+    if "bias" in path:
+        return jnp.zeros(shape, jnp.float32)
+    std = 0.02
+    if path.endswith(("out_kernel", "proj_kernel", "down_kernel")):
+        std = 0.02 / np.sqrt(2 * config.n_layers)  # GPT-2's scaled init of residual projections
+    value = std * jax.random.normal(key, shape, jnp.float32)
+    if "tokens" in path or path.endswith("head"):
+        value = value.at[config.vocab_size:].set(0.0)  # padded vocabulary rows
+    return value
+
+
+def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None) -> dict:
+    """Random float32 parameters, born sharded on `mesh` (each device computes only its
+    shard; the values do not depend on the mesh).
+
+    Args:
+      config: the model configuration.
+      key: PRNG key.
+      mesh: target mesh; None for the default device.
+
+    Returns:
+      Nested dict of arrays.
+    """
+    shapes = layout(config)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_leaf)
+
+    def build(key):
+        keys = jax.random.split(key, len(flat))
+        leaves = [_initial_value(jax.tree_util.keystr(path), keys[i], leaf[0], config) for i, (path, leaf) in enumerate(flat)]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    if mesh is None:
+        return jax.jit(build)(key)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(config))
+    return jax.jit(build, out_shardings=shardings)(key)
+
+
+def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """Place (host or device) parameters on `mesh` with their partition specs."""
+    specs = partition_specs(config)
+    return jax.tree.map(lambda value, spec: jax.device_put(value, NamedSharding(mesh, spec)), params, specs)

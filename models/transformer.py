@@ -1,0 +1,217 @@
+"""Per-shard forward pass of GPT-2 and Qwen2 with Megatron tensor parallelism.
+
+Runs inside `jax.shard_map(..., check_vma=False)` over a mesh with a "tensor" axis (see
+`models.api` for the wrappers). Every tensor-parallel collective goes through
+`taco_jax.tp` with the model's `TacoConfig` and a site name; the layers are scanned, so a
+site named "layers.*" stands for that call in every layer.
+
+Without sequence parallelism activations are replicated over "tensor"; with it, norms
+and residuals run on sequence shards (axis 1) and the blocks gather / reduce-scatter
+around their column- and row-parallel matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import taco_jax as tj
+from models.config import ModelConfig, head_dim, padded_vocab
+
+AXIS = "tensor"
+_UNCOMPRESSED = tj.TacoConfig.preset("off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """How a forward pass is split.
+
+    Attributes:
+      taco: compression of the tensor-parallel collectives.
+      sequence_parallel: norms and residuals on sequence shards.
+      compute_dtype: dtype of matmul inputs and activations (parameters stay float32).
+    """
+
+    taco: tj.TacoConfig = tj.TacoConfig.preset("off")
+    sequence_parallel: bool = False
+    compute_dtype: jnp.dtype = jnp.float32
+
+
+def _enter(x, par: Parallelism, site: str):
+    """Full activation for a column-parallel matmul (Megatron f / SP all-gather)."""
+    if par.sequence_parallel:
+        return tj.tp.gather_from_sp(x, AXIS, par.taco, axis=1, site=site)
+    return tj.tp.copy_to_tp(x, AXIS, par.taco, site=site)
+
+
+def _leave(x, par: Parallelism, site: str):
+    """Sum of row-parallel partial outputs (Megatron g / SP reduce-scatter)."""
+    if par.sequence_parallel:
+        return tj.tp.reduce_scatter_to_sp(x, AXIS, par.taco, axis=1, site=site)
+    return tj.tp.reduce_from_tp(x, AXIS, par.taco, site=site)
+
+
+def _layer_norm(x, scale, bias, eps):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+
+def _rms_norm(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    return (x32 * lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+def _norm(config: ModelConfig, x, layer: dict, name: str):
+    if config.family == "gpt2":
+        return _layer_norm(x, layer[f"{name}_scale"], layer[f"{name}_bias"], config.norm_eps)
+    return _rms_norm(x, layer[f"{name}_scale"], config.norm_eps)
+
+
+def _rotary(x, positions, theta):
+    """Rotary embedding in HF's rotate-half layout. x: (B, S, heads, hd)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _attention(q, k, v):
+    """Causal attention over local heads; k/v heads are repeated for grouped queries."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def _attention_block(config: ModelConfig, layer: dict, h, positions, dtype):
+    c = lambda w: w.astype(dtype)
+    if config.family == "gpt2":
+        qkv = jnp.einsum("bsd,dthe->bsthe", h, c(layer["qkv_kernel"])) + c(layer["qkv_bias"])
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+        q = jnp.einsum("bsd,dhe->bshe", h, c(layer["q_kernel"])) + c(layer["q_bias"])
+        k = jnp.einsum("bsd,dhe->bshe", h, c(layer["k_kernel"])) + c(layer["k_bias"])
+        v = jnp.einsum("bsd,dhe->bshe", h, c(layer["v_kernel"])) + c(layer["v_bias"])
+        q, k = _rotary(q, positions, config.rope_theta), _rotary(k, positions, config.rope_theta)
+    return jnp.einsum("bshe,hed->bsd", _attention(q, k, v), c(layer["out_kernel"]))
+
+
+def _mlp_block(config: ModelConfig, layer: dict, h, dtype):
+    c = lambda w: w.astype(dtype)
+    if config.family == "gpt2":
+        hidden = jax.nn.gelu(h @ c(layer["fc_kernel"]) + c(layer["fc_bias"]), approximate=True)
+        return hidden @ c(layer["proj_kernel"])
+    hidden = jax.nn.silu(h @ c(layer["gate_kernel"])) * (h @ c(layer["up_kernel"]))
+    return hidden @ c(layer["down_kernel"])
+
+
+def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions):
+    dtype = par.compute_dtype
+    h = _enter(_norm(config, x, layer, "norm1"), par, "layers.attn.in")
+    out = _leave(_attention_block(config, layer, h, positions, dtype), par, "layers.attn.out")
+    if config.family == "gpt2":
+        out = out + layer["out_bias"].astype(dtype)
+    x = x + out
+    h = _enter(_norm(config, x, layer, "norm2"), par, "layers.mlp.in")
+    out = _leave(_mlp_block(config, layer, h, dtype), par, "layers.mlp.out")
+    if config.family == "gpt2":
+        out = out + layer["proj_bias"].astype(dtype)
+    return x + out
+
+
+def _vocab_range(config: ModelConfig) -> tuple[jax.Array, int]:
+    local = padded_vocab(config) // lax.axis_size(AXIS)
+    return lax.axis_index(AXIS) * local, local
+
+
+def _embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
+    """Vocabulary-parallel embedding: each rank looks up its rows, the partial sums are
+    reduced (the sequence-parallel variant leaves each rank its sequence shard)."""
+    start, local = _vocab_range(config)
+    offset = tokens - start
+    mine = (offset >= 0) & (offset < local)
+    rows = jnp.take(params["embed"]["tokens"], jnp.where(mine, offset, 0), axis=0)
+    x = _leave(jnp.where(mine[..., None], rows, 0.0).astype(par.compute_dtype), par, "embed")
+    if config.family == "gpt2":
+        positions = _local_positions(tokens.shape[1], par)
+        x = x + jnp.take(params["embed"]["positions"], positions, axis=0).astype(par.compute_dtype)
+    return x
+
+
+def _local_positions(length: int, par: Parallelism):
+    if not par.sequence_parallel:
+        return jnp.arange(length)
+    shard = length // lax.axis_size(AXIS)
+    return lax.axis_index(AXIS) * shard + jnp.arange(shard)
+
+
+def hidden_states(config: ModelConfig, params: dict, tokens, par: Parallelism):
+    """Final normalized hidden states (B, S, D), or (B, S / tp, D) with sequence parallelism.
+
+    Raises:
+      ValueError: the sequence does not split over the tensor axis (sequence parallel),
+        or is longer than the position table.
+    """
+    length = tokens.shape[1]
+    if par.sequence_parallel and length % lax.axis_size(AXIS):
+        raise ValueError(f"sequence length {length} is not divisible by the tensor axis size {lax.axis_size(AXIS)}")
+    if length > config.max_positions:
+        raise ValueError(f"sequence length {length} exceeds max_positions {config.max_positions}")
+    x = _embed(config, params, tokens, par)
+    positions = jnp.arange(length)
+
+    def step(carry, layer):
+        return _block(config, par, carry, layer, positions), None
+
+    x, _ = lax.scan(step, x, params["layers"])
+    final = params["final"]
+    if config.family == "gpt2":
+        return _layer_norm(x, final["norm_scale"], final["norm_bias"], config.norm_eps)
+    return _rms_norm(x, final["norm_scale"], config.norm_eps)
+
+
+def local_logits(config: ModelConfig, params: dict, tokens, par: Parallelism):
+    """This rank's vocabulary slice of the logits, float32 (B, S, V_padded / tp); padded
+    vocabulary entries are -1e30."""
+    h = _enter(hidden_states(config, params, tokens, par), par, "head.in")
+    head = params["embed"]["tokens"] if config.tie_embeddings else params["final"]["head"]
+    logits = jnp.einsum("bsd,vd->bsv", h, head.astype(par.compute_dtype)).astype(jnp.float32)
+    start, local = _vocab_range(config)
+    valid = start + jnp.arange(local) < config.vocab_size
+    return jnp.where(valid, logits, -1e30)
+
+
+def cross_entropy(config: ModelConfig, params: dict, tokens, par: Parallelism):
+    """Mean next-token cross-entropy of this rank's batch, from vocabulary-parallel
+    logits: no rank ever holds the full-vocabulary logits.
+
+    Args:
+      tokens: (B, S + 1) int token ids; predicts tokens[:, 1:] from tokens[:, :-1].
+
+    Returns:
+      Scalar float32 loss, identical on every tensor rank.
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = local_logits(config, params, inputs, par)
+    peak = lax.pmax(lax.stop_gradient(logits.max(-1)), AXIS)
+    # Statistics summed over the vocabulary shards; identity backward (each rank
+    # differentiates its own copy of the loss).
+    sum_exp = tj.tp.reduce_from_tp(jnp.exp(logits - peak[..., None]).sum(-1), AXIS, _UNCOMPRESSED)
+    start, local = _vocab_range(config)
+    offset = targets - start
+    mine = (offset >= 0) & (offset < local)
+    picked = jnp.take_along_axis(logits, jnp.where(mine, offset, 0)[..., None], axis=-1)[..., 0]
+    target_logit = tj.tp.reduce_from_tp(jnp.where(mine, picked, 0.0), AXIS, _UNCOMPRESSED)
+    return jnp.mean(jnp.log(sum_exp) + peak - target_logit)

@@ -1,0 +1,155 @@
+"""GPT-2 and Qwen2: parity with HuggingFace transformers, TP degrees against each other,
+clear errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+import taco_jax as tj
+from models.hf import read_safetensors
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
+
+
+def _mesh(data=1, pipe=1, tensor=1):
+    return tj.make_mesh(data, pipe, tensor, devices=jax.devices()[: data * pipe * tensor])
+
+
+def _randomize(model, std=0.05):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, std)  # non-trivial norms and biases too
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("hf")
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                bos_token_id=0, eos_token_id=0))
+    _randomize(gpt2).save_pretrained(root / "gpt2")
+    qwen2 = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                 rope_theta=10000.0, tie_word_embeddings=False))
+    # Sharded safetensors with an index file.
+    _randomize(qwen2).save_pretrained(root / "qwen2", max_shard_size="50KB")
+    return {"gpt2": (root / "gpt2", gpt2), "qwen2": (root / "qwen2", qwen2)}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_logits_match_transformers(hf_folders, family):
+    folder, reference = hf_folders[family]
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        expected = reference(torch.tensor(tokens)).logits.numpy()
+    config, params = models.load_hf(folder)
+    assert config.family == family and config.vocab_size == VOCAB
+    for tensor, sequence_parallel in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
+        got = np.asarray(models.logits(config, params, tokens, mesh=_mesh(tensor=tensor), sequence_parallel=sequence_parallel))
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), rtol=1e-4,
+                                   err_msg=f"tp={tensor} sp={sequence_parallel}")
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "qwen2-tiny"])
+def test_tp4_loss_and_grads_match_tp1(name):
+    config = models.preset(name)
+    params = models.init_params(config, jax.random.key(0))
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (4, 33))
+    loss1, grads1 = models.loss_and_grads(config, params, tokens, mesh=_mesh())
+    flat1 = jax.tree.leaves(grads1)
+    cases = [
+        ("off", _mesh(2, 1, 4), False, tj.TacoConfig.preset("off")),
+        ("off_sp", _mesh(2, 1, 4), True, tj.TacoConfig.preset("off")),
+        ("taco", _mesh(1, 1, 4), False, tj.TacoConfig.preset("taco", min_bytes=0)),
+        ("taco+_sp", _mesh(1, 1, 4), True, tj.TacoConfig.preset("taco+", min_bytes=0)),
+    ]
+    for label, mesh, sequence_parallel, taco in cases:
+        loss, grads = models.loss_and_grads(config, params, tokens, mesh=mesh, taco=taco, sequence_parallel=sequence_parallel)
+        flat = jax.tree.leaves(grads)
+        if taco.mode == "off":
+            np.testing.assert_allclose(float(loss), float(loss1), rtol=1e-5, err_msg=label)
+            for g, g1 in zip(flat, flat1):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(g1), rtol=1e-4, atol=1e-6, err_msg=label)
+        else:
+            assert abs(float(loss) - float(loss1)) / float(loss1) < 0.01, label
+            worst = max(_rel(g, g1) for g, g1 in zip(flat, flat1) if np.linalg.norm(np.asarray(g1)) > 0)
+            assert 0 < worst < 0.15, f"{label}: worst gradient error {worst}"
+
+
+def test_compressed_sites_are_named_and_accounted():
+    config = models.preset("gpt2-tiny")
+    params = models.init_params(config, jax.random.key(0))
+    tokens = np.zeros((2, 17), np.int32)
+    with tj.record_wire() as ledger:
+        models.loss_and_grads(config, params, tokens, mesh=_mesh(1, 1, 4),
+                              taco=tj.TacoConfig.preset("taco", min_bytes=0), sequence_parallel=True)
+    sites = {(r.site, r.direction) for r in ledger.records if r.compressed}
+    for site in ("embed", "layers.attn.in", "layers.attn.out", "layers.mlp.in", "layers.mlp.out", "head.in"):
+        assert (site, "forward") in sites and (site, "backward") in sites, site
+    assert ledger.total() < 0.6 * ledger.uncompressed_total()
+
+
+def test_init_is_born_sharded_and_mesh_independent():
+    config = models.preset("qwen2-tiny")
+    mesh = _mesh(2, 1, 4)
+    sharded = models.init_params(config, jax.random.key(3), mesh)
+    single = models.init_params(config, jax.random.key(3))
+    q = sharded["layers"]["q_kernel"]
+    assert q.sharding.spec == models.partition_specs(config)["layers"]["q_kernel"]
+    assert q.addressable_shards[0].data.shape[2] == config.n_heads // 4
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _write_safetensors(path, tensors):
+    header, offset, blobs = {}, 0, []
+    for name, value in tensors.items():
+        raw = np.ascontiguousarray(value, np.float32).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blobs.append(raw)
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs))
+
+
+def test_clear_errors(hf_folders, tmp_path):
+    with pytest.raises(ValueError, match="unknown model preset"):
+        models.preset("gpt5")
+    with pytest.raises(ValueError, match="n_kv_heads=2 is not divisible by the tensor axis size 4"):
+        models.check_tensor_parallel(models.Qwen2Config(n_heads=4, n_kv_heads=2), 4)
+    with pytest.raises(ValueError, match="n_heads=25 is not divisible"):
+        models.check_tensor_parallel(models.preset("gpt2-xl"), 2)
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        models.load_hf(other)
+    folder, _ = hf_folders["gpt2"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    tensors = read_safetensors(folder / "model.safetensors")
+    dropped = next(n for n in tensors if n.endswith("h.1.mlp.c_fc.bias"))
+    _write_safetensors(broken / "model.safetensors", {n: v for n, v in tensors.items() if n != dropped})
+    with pytest.raises(ValueError, match=r"missing tensors: \['h.1.mlp.c_fc.bias'\]"):
+        models.load_hf(broken)
+    (broken / "model.safetensors").write_bytes(b"\x10\x00")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        models.load_hf(broken)
