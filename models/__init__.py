@@ -8,7 +8,7 @@ logical axis names that map to the (data, pipe, tensor) mesh in one place
 from models.api import logits, loss_and_grads, shard_loss_and_grads
 from models.config import PRESETS, GPT2Config, ModelConfig, Qwen2Config, check_tensor_parallel, preset
 from models.hf import load_hf
-from models.params import LOGICAL_RULES, init_params, layout, partition_specs, shard_params
+from models.params import LOGICAL_RULES, abstract_params, init_params, layout, partition_specs, shard_params
 from models.transformer import Parallelism
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "ModelConfig",
     "Parallelism",
     "Qwen2Config",
+    "abstract_params",
     "check_tensor_parallel",
     "init_params",
     "layout",

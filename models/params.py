@@ -67,9 +67,13 @@ def _is_leaf(node) -> bool:
     return isinstance(node, tuple) and len(node) == 2 and isinstance(node[1], tuple)
 
 
+def _spec(logical_axes: tuple) -> P:
+    return P(*(LOGICAL_RULES.get(axis) for axis in logical_axes))
+
+
 def partition_specs(config: ModelConfig) -> dict:
     """PartitionSpec of every parameter, from its logical axes and `LOGICAL_RULES`."""
-    return jax.tree.map(lambda leaf: P(*(LOGICAL_RULES.get(a) for a in leaf[1])), layout(config), is_leaf=_is_leaf)
+    return jax.tree.map(lambda leaf: _spec(leaf[1]), layout(config), is_leaf=_is_leaf)
 
 
 def _initial_value(path: str, key: jax.Array, shape: tuple, config: ModelConfig) -> jax.Array:
@@ -116,3 +120,15 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     """Place (host or device) parameters on `mesh` with their partition specs."""
     specs = partition_specs(config)
     return jax.tree.map(lambda value, spec: jax.device_put(value, NamedSharding(mesh, spec)), params, specs)
+
+
+def abstract_params(config: ModelConfig, mesh: Mesh) -> dict:
+    """ShapeDtypeStructs (float32, with shardings on `mesh`) of every parameter, for
+    compiling or restoring without materializing anything."""
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(
+            leaf[0], jnp.float32, sharding=NamedSharding(mesh, _spec(leaf[1]))
+        ),
+        layout(config),
+        is_leaf=_is_leaf,
+    )

@@ -34,11 +34,15 @@ class Parallelism:
       taco: compression of the tensor-parallel collectives.
       sequence_parallel: norms and residuals on sequence shards.
       compute_dtype: dtype of matmul inputs and activations (parameters stay float32).
+      compressed_residuals: with sequence parallelism and compression on, keep the
+        gathered input of column-parallel layers for the backward pass in its 8-bit
+        wire form (`taco_jax.tp.gather_matmul`) instead of decoded.
     """
 
     taco: tj.TacoConfig = tj.TacoConfig.preset("off")
     sequence_parallel: bool = False
     compute_dtype: jnp.dtype = jnp.float32
+    compressed_residuals: bool = True
 
 
 def _enter(x, par: Parallelism, site: str):
@@ -46,6 +50,17 @@ def _enter(x, par: Parallelism, site: str):
     if par.sequence_parallel:
         return tj.tp.gather_from_sp(x, AXIS, par.taco, axis=1, site=site)
     return tj.tp.copy_to_tp(x, AXIS, par.taco, site=site)
+
+
+def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
+    """`_enter(x) @ kernel` for kernels (D, ...) sharded on their output axes."""
+    flat = tuple(k.reshape(k.shape[0], -1).astype(par.compute_dtype) for k in kernels)
+    if par.sequence_parallel and par.compressed_residuals:
+        outputs = tj.tp.gather_matmul(x, flat, AXIS, par.taco, axis=1, site=site)
+    else:
+        h = _enter(x, par, site)
+        outputs = tuple(h @ k for k in flat)
+    return tuple(o.reshape(*o.shape[:-1], *k.shape[1:]) for o, k in zip(outputs, kernels))
 
 
 def _leave(x, par: Parallelism, site: str):
@@ -95,37 +110,35 @@ def _attention(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def _attention_block(config: ModelConfig, layer: dict, h, positions, dtype):
-    c = lambda w: w.astype(dtype)
+def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parallelism):
+    c = lambda w: w.astype(par.compute_dtype)
     if config.family == "gpt2":
-        qkv = jnp.einsum("bsd,dthe->bsthe", h, c(layer["qkv_kernel"])) + c(layer["qkv_bias"])
+        (qkv,) = _column_parallel(x, (layer["qkv_kernel"],), par, "layers.attn.in")
+        qkv = qkv + c(layer["qkv_bias"])
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
-        q = jnp.einsum("bsd,dhe->bshe", h, c(layer["q_kernel"])) + c(layer["q_bias"])
-        k = jnp.einsum("bsd,dhe->bshe", h, c(layer["k_kernel"])) + c(layer["k_bias"])
-        v = jnp.einsum("bsd,dhe->bshe", h, c(layer["v_kernel"])) + c(layer["v_bias"])
+        kernels = (layer["q_kernel"], layer["k_kernel"], layer["v_kernel"])
+        q, k, v = (out + c(layer[f"{n}_bias"]) for out, n in zip(_column_parallel(x, kernels, par, "layers.attn.in"), "qkv"))
         q, k = _rotary(q, positions, config.rope_theta), _rotary(k, positions, config.rope_theta)
     return jnp.einsum("bshe,hed->bsd", _attention(q, k, v), c(layer["out_kernel"]))
 
 
-def _mlp_block(config: ModelConfig, layer: dict, h, dtype):
-    c = lambda w: w.astype(dtype)
+def _mlp_block(config: ModelConfig, layer: dict, x, par: Parallelism):
+    c = lambda w: w.astype(par.compute_dtype)
     if config.family == "gpt2":
-        hidden = jax.nn.gelu(h @ c(layer["fc_kernel"]) + c(layer["fc_bias"]), approximate=True)
-        return hidden @ c(layer["proj_kernel"])
-    hidden = jax.nn.silu(h @ c(layer["gate_kernel"])) * (h @ c(layer["up_kernel"]))
-    return hidden @ c(layer["down_kernel"])
+        (hidden,) = _column_parallel(x, (layer["fc_kernel"],), par, "layers.mlp.in")
+        return jax.nn.gelu(hidden + c(layer["fc_bias"]), approximate=True) @ c(layer["proj_kernel"])
+    gate, up = _column_parallel(x, (layer["gate_kernel"], layer["up_kernel"]), par, "layers.mlp.in")
+    return (jax.nn.silu(gate) * up) @ c(layer["down_kernel"])
 
 
 def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions):
     dtype = par.compute_dtype
-    h = _enter(_norm(config, x, layer, "norm1"), par, "layers.attn.in")
-    out = _leave(_attention_block(config, layer, h, positions, dtype), par, "layers.attn.out")
+    out = _leave(_attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par), par, "layers.attn.out")
     if config.family == "gpt2":
         out = out + layer["out_bias"].astype(dtype)
     x = x + out
-    h = _enter(_norm(config, x, layer, "norm2"), par, "layers.mlp.in")
-    out = _leave(_mlp_block(config, layer, h, dtype), par, "layers.mlp.out")
+    out = _leave(_mlp_block(config, layer, _norm(config, x, layer, "norm2"), par), par, "layers.mlp.out")
     if config.family == "gpt2":
         out = out + layer["proj_bias"].astype(dtype)
     return x + out
@@ -185,9 +198,9 @@ def hidden_states(config: ModelConfig, params: dict, tokens, par: Parallelism):
 def local_logits(config: ModelConfig, params: dict, tokens, par: Parallelism):
     """This rank's vocabulary slice of the logits, float32 (B, S, V_padded / tp); padded
     vocabulary entries are -1e30."""
-    h = _enter(hidden_states(config, params, tokens, par), par, "head.in")
     head = params["embed"]["tokens"] if config.tie_embeddings else params["final"]["head"]
-    logits = jnp.einsum("bsd,vd->bsv", h, head.astype(par.compute_dtype)).astype(jnp.float32)
+    (logits,) = _column_parallel(hidden_states(config, params, tokens, par), (head.T,), par, "head.in")
+    logits = logits.astype(jnp.float32)
     start, local = _vocab_range(config)
     valid = start + jnp.arange(local) < config.vocab_size
     return jnp.where(valid, logits, -1e30)

@@ -115,13 +115,28 @@ def _gather(x, axis_name, config, direction, axis, tiled, site):
     if spec is None:
         _record(site, "all_gather", direction, x, ranks, None, plain_sent, plain_sent)
         return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-    c = compress(_to_rows(x, spec.group_size, 0), spec)
-    _record(site, "all_gather", direction, x, ranks, spec, (ranks - 1) * c.nbytes, plain_sent)
-    received = lax.all_gather(_pack(c, 0), axis_name, axis=0, tiled=False)
-    pieces = _from_rows(decompress(_unpack(received, c)), x.shape, 1)
+    received = gather_packed(x, axis_name, spec)
+    _record(site, "all_gather", direction, x, ranks, spec, (ranks - 1) * received.shape[1], plain_sent)
+    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled)
+
+
+def gather_packed(x: jax.Array, axis_name: str, spec: QuantSpec) -> jax.Array:
+    """Compress `x` and all-gather it: the (ranks, nbytes) uint8 buffers as received."""
+    return lax.all_gather(_pack(compress(_to_rows(x, spec.group_size, 0), spec), 0), axis_name, axis=0, tiled=False)
+
+
+def decode_gathered(
+    received: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, spec: QuantSpec, axis: int, tiled: bool
+) -> jax.Array:
+    """Decode `gather_packed` buffers of per-rank arrays of `shape` into the all-gather
+    result (`lax.all_gather` layout)."""
+    ranks = received.shape[0]
+    last = shape[-1] if shape else 1
+    rows = (math.prod(shape[:-1]) * -(-last // spec.group_size), spec.group_size)
+    pieces = _from_rows(decompress(_unpack(received, _template(rows, dtype, spec))), shape, 1)
     out = jnp.moveaxis(pieces, 0, axis)
     if tiled:
-        out = out.reshape(*x.shape[:axis], ranks * x.shape[axis], *x.shape[axis + 1 :])
+        out = out.reshape(*shape[:axis], ranks * shape[axis], *shape[axis + 1 :])
     return out
 
 
