@@ -15,7 +15,11 @@ from models.transformer import AXIS, Parallelism, cross_entropy, local_logits
 
 
 def _mesh_or_default(mesh: Mesh | None) -> Mesh:
-    return mesh if mesh is not None else tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mesh = mesh if mesh is not None else tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    if mesh.shape["pipe"] != 1:
+        raise ValueError(f"models.logits / loss_and_grads run without a pipeline (pipe=1), got pipe={mesh.shape['pipe']}; "
+                         "the trainer (train.pipeline) runs pipelined meshes")
+    return mesh
 
 
 def _batch_spec(mesh: Mesh, batch: int) -> P:
@@ -72,11 +76,16 @@ def shard_loss_and_grads(config: ModelConfig, params: dict, tokens: jax.Array, p
       (loss, grads) for the local batch; no averaging over "data".
     """
     loss, grads = jax.value_and_grad(lambda p: cross_entropy(config, p, tokens, par))(params)
-    if par.sequence_parallel:
-        grads = jax.tree.map(
-            lambda g, spec: g if AXIS in tuple(spec) else lax.psum(g, AXIS), grads, partition_specs(config)
-        )
-    return loss, grads
+    return loss, sum_sequence_parallel_grads(config, grads, par)
+
+
+def sum_sequence_parallel_grads(config: ModelConfig, grads: dict, par: Parallelism) -> dict:
+    """With sequence parallelism, sum over "tensor" the gradients of parameters that are
+    replicated over "tensor" but applied to sequence shards (norms, biases after a
+    reduce-scatter, positions); identity otherwise."""
+    if not par.sequence_parallel:
+        return grads
+    return jax.tree.map(lambda g, spec: g if AXIS in tuple(spec) else lax.psum(g, AXIS), grads, partition_specs(config))
 
 
 def loss_and_grads(

@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig, head_dim, padded_vocab
 
-# Logical axis -> mesh axis. Everything not named here is replicated.
-LOGICAL_RULES = {"vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "ff": "tensor"}
+# Logical axis -> mesh axis. Everything not named here is replicated. Stacked layers are
+# split over "pipe" (pipeline stages); with pipe = 1 that is no split.
+LOGICAL_RULES = {"vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "ff": "tensor", "layers": "pipe"}
 
 
 def _gpt2_layout(config) -> dict:

@@ -170,6 +170,37 @@ def _local_positions(length: int, par: Parallelism):
     return lax.axis_index(AXIS) * shard + jnp.arange(shard)
 
 
+def check_sequence(config: ModelConfig, length: int, par: Parallelism) -> None:
+    """Raise ValueError unless a sequence of `length` fits the model and the mesh."""
+    if par.sequence_parallel and length % lax.axis_size(AXIS):
+        raise ValueError(f"sequence length {length} is not divisible by the tensor axis size {lax.axis_size(AXIS)}")
+    if length > config.max_positions:
+        raise ValueError(f"sequence length {length} exceeds max_positions {config.max_positions}")
+
+
+def embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
+    """Input activations (B, S, D), or (B, S / tp, D) with sequence parallelism."""
+    check_sequence(config, tokens.shape[1], par)
+    return _embed(config, params, tokens, par)
+
+
+def run_layers(config: ModelConfig, layers: dict, x, par: Parallelism):
+    """Apply the stacked `layers` (leading axis = layers) in order with `lax.scan`."""
+    positions = jnp.arange(x.shape[1] * (lax.axis_size(AXIS) if par.sequence_parallel else 1))
+
+    def step(carry, layer):
+        return _block(config, par, carry, layer, positions), None
+
+    return lax.scan(step, x, layers)[0]
+
+
+def final_norm(config: ModelConfig, params: dict, x):
+    final = params["final"]
+    if config.family == "gpt2":
+        return _layer_norm(x, final["norm_scale"], final["norm_bias"], config.norm_eps)
+    return _rms_norm(x, final["norm_scale"], config.norm_eps)
+
+
 def hidden_states(config: ModelConfig, params: dict, tokens, par: Parallelism):
     """Final normalized hidden states (B, S, D), or (B, S / tp, D) with sequence parallelism.
 
@@ -177,47 +208,34 @@ def hidden_states(config: ModelConfig, params: dict, tokens, par: Parallelism):
       ValueError: the sequence does not split over the tensor axis (sequence parallel),
         or is longer than the position table.
     """
-    length = tokens.shape[1]
-    if par.sequence_parallel and length % lax.axis_size(AXIS):
-        raise ValueError(f"sequence length {length} is not divisible by the tensor axis size {lax.axis_size(AXIS)}")
-    if length > config.max_positions:
-        raise ValueError(f"sequence length {length} exceeds max_positions {config.max_positions}")
-    x = _embed(config, params, tokens, par)
-    positions = jnp.arange(length)
-
-    def step(carry, layer):
-        return _block(config, par, carry, layer, positions), None
-
-    x, _ = lax.scan(step, x, params["layers"])
-    final = params["final"]
-    if config.family == "gpt2":
-        return _layer_norm(x, final["norm_scale"], final["norm_bias"], config.norm_eps)
-    return _rms_norm(x, final["norm_scale"], config.norm_eps)
+    x = run_layers(config, params["layers"], embed(config, params, tokens, par), par)
+    return final_norm(config, params, x)
 
 
-def local_logits(config: ModelConfig, params: dict, tokens, par: Parallelism):
+def logits_from_hidden(config: ModelConfig, params: dict, hidden, par: Parallelism):
     """This rank's vocabulary slice of the logits, float32 (B, S, V_padded / tp); padded
     vocabulary entries are -1e30."""
     head = params["embed"]["tokens"] if config.tie_embeddings else params["final"]["head"]
-    (logits,) = _column_parallel(hidden_states(config, params, tokens, par), (head.T,), par, "head.in")
+    (logits,) = _column_parallel(hidden, (head.T,), par, "head.in")
     logits = logits.astype(jnp.float32)
     start, local = _vocab_range(config)
     valid = start + jnp.arange(local) < config.vocab_size
     return jnp.where(valid, logits, -1e30)
 
 
-def cross_entropy(config: ModelConfig, params: dict, tokens, par: Parallelism):
-    """Mean next-token cross-entropy of this rank's batch, from vocabulary-parallel
-    logits: no rank ever holds the full-vocabulary logits.
+def local_logits(config: ModelConfig, params: dict, tokens, par: Parallelism):
+    """`logits_from_hidden` of `hidden_states`."""
+    return logits_from_hidden(config, params, hidden_states(config, params, tokens, par), par)
 
-    Args:
-      tokens: (B, S + 1) int token ids; predicts tokens[:, 1:] from tokens[:, :-1].
+
+def loss_from_hidden(config: ModelConfig, params: dict, hidden, targets, par: Parallelism):
+    """Mean cross-entropy of `targets` (B, S) from final hidden states, with
+    vocabulary-parallel logits: no rank ever holds the full-vocabulary logits.
 
     Returns:
       Scalar float32 loss, identical on every tensor rank.
     """
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = local_logits(config, params, inputs, par)
+    logits = logits_from_hidden(config, params, hidden, par)
     peak = lax.pmax(lax.stop_gradient(logits.max(-1)), AXIS)
     # Statistics summed over the vocabulary shards; identity backward (each rank
     # differentiates its own copy of the loss).
@@ -228,3 +246,16 @@ def cross_entropy(config: ModelConfig, params: dict, tokens, par: Parallelism):
     picked = jnp.take_along_axis(logits, jnp.where(mine, offset, 0)[..., None], axis=-1)[..., 0]
     target_logit = tj.tp.reduce_from_tp(jnp.where(mine, picked, 0.0), AXIS, _UNCOMPRESSED)
     return jnp.mean(jnp.log(sum_exp) + peak - target_logit)
+
+
+def cross_entropy(config: ModelConfig, params: dict, tokens, par: Parallelism):
+    """Mean next-token cross-entropy of this rank's batch.
+
+    Args:
+      tokens: (B, S + 1) int token ids; predicts tokens[:, 1:] from tokens[:, :-1].
+
+    Returns:
+      Scalar float32 loss, identical on every tensor rank.
+    """
+    hidden = hidden_states(config, params, tokens[:, :-1], par)
+    return loss_from_hidden(config, params, hidden, tokens[:, 1:], par)

@@ -1,0 +1,159 @@
+"""Training configuration: a dataclass, YAML files under configs/, key=value overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs; every field can be set from YAML or key=value.
+
+    Attributes:
+      model: model preset (models.PRESETS).
+      mesh: (data, pipe, tensor) degrees; their product is the device count.
+      taco: TACO preset for the tensor-parallel collectives (off | fp8 | taco | taco+).
+      taco_min_bytes: messages under this many bytes stay uncompressed (-1: preset's).
+      sequence_parallel: norms and residuals on sequence shards.
+      steps: optimizer steps to run (a resumed run continues up to this step).
+      seed: parameter init and data order seed.
+      batch_size: sequences per optimizer step (global).
+      seq_len: tokens per sequence.
+      microbatches: pipeline microbatches per accumulation step (GPipe schedule).
+      grad_accum: gradient-accumulation steps per optimizer step.
+      lr: peak learning rate; warmup_steps linear warmup, then cosine to lr * min_lr_ratio.
+      weight_decay, beta1, beta2, grad_clip: AdamW and global-norm clipping.
+      compute_dtype: "float32" or "bfloat16" (parameters and optimizer stay float32).
+      data: "shakespeare" (byte-level, shipped), a .npy/.bin token file, or a text file
+        to tokenize with `tokenizer`.
+      tokenizer: local HuggingFace tokenizer folder (tokenizer.json), for a text `data`.
+      data_dtype: element type of a raw .bin token file (uint16 as nanoGPT, or uint32).
+      val_fraction: tail of the corpus held out for validation.
+      eval_every, eval_batches: validation cadence and size.
+      out: run directory (checkpoints, metrics.jsonl, loss.png).
+      checkpoint_every, keep_checkpoints: checkpoint cadence and how many to keep.
+      max_bad_steps: stop after this many consecutive non-finite steps.
+      debug_nan_steps: steps whose gradients are replaced by NaN (tests the skip logic).
+    """
+
+    model: str = "gpt2-tiny"
+    mesh: tuple[int, int, int] = (2, 1, 4)
+    taco: str = "taco"
+    taco_min_bytes: int = 0
+    sequence_parallel: bool = False
+    steps: int = 300
+    seed: int = 0
+    batch_size: int = 16
+    seq_len: int = 128
+    microbatches: int = 1
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    compute_dtype: str = "float32"
+    data: str = "shakespeare"
+    tokenizer: str = ""
+    data_dtype: str = "uint16"
+    val_fraction: float = 0.05
+    eval_every: int = 100
+    eval_batches: int = 4
+    out: str = "runs/default"
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 5
+    debug_nan_steps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = []
+        if len(self.mesh) != 3 or any(int(d) < 1 for d in self.mesh):
+            problems.append(f"mesh must be three positive degrees DATA,PIPE,TENSOR, got {self.mesh}")
+        data, pipe, _ = self.mesh
+        per_step = data * self.grad_accum * self.microbatches
+        if self.batch_size % per_step:
+            problems.append(f"batch_size {self.batch_size} is not divisible by data x grad_accum x microbatches = {per_step}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            problems.append(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        for name in ("steps", "seq_len", "microbatches", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.val_fraction < 1:
+            problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if problems:
+            raise ValueError("bad training config: " + "; ".join(problems))
+
+
+def _coerce(name: str, text, kind):
+    """Convert a YAML/CLI value to the field's type."""
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        items = text if isinstance(text, (list, tuple)) else [t for t in str(text).replace(" ", "").split(",") if t]
+        return tuple(int(v) for v in items)
+    if kind is bool:
+        if isinstance(text, bool):
+            return text
+        if str(text).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(text).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {text!r}")
+    try:
+        return kind(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None
+
+
+def _field_types() -> dict:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+def apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
+    """Replace fields, converting values to their types.
+
+    Raises:
+      ValueError: unknown field or a value of the wrong type.
+    """
+    types = _field_types()
+    unknown = sorted(set(overrides) - set(types))
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(types)}")
+    values = {k: _coerce(k, v, types[k]) for k, v in overrides.items()}
+    return dataclasses.replace(config, **values)
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping of config fields (a name without a path looks in configs/)."""
+    path = Path(path)
+    if not path.exists() and not path.suffix:
+        path = CONFIG_DIR / f"{path}.yaml"
+    if not path.exists():
+        raise ValueError(f"config file {path} does not exist (presets: {sorted(p.stem for p in CONFIG_DIR.glob('*.yaml'))})")
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of field: value")
+    return values
+
+
+def parse_key_values(items: list[str]) -> dict:
+    """['lr=1e-3', 'steps=10'] -> {'lr': '1e-3', 'steps': '10'}."""
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not key=value")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}

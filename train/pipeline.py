@@ -1,0 +1,63 @@
+"""GPipe pipeline schedule over the "pipe" mesh axis, inside shard_map.
+
+Each pipe rank holds a contiguous block of layers (the stacked layer axis is split over
+"pipe"). The global batch of a rank is cut into M microbatches; at tick t stage s runs
+microbatch t - s, and `ppermute` hands activations to the next stage:
+
+    tick:     0    1    2    3    4          (M = 3 microbatches, 3 stages)
+    stage 0:  m0   m1   m2   .    .
+    stage 1:  .    m0   m1   m2   .
+    stage 2:  .    .    m0   m1   m2         loss of m_k on the last stage
+
+M + stages - 1 ticks; the bubble (idle fraction) is (stages - 1) / (M + stages - 1). Every
+stage executes every tick (SPMD), idle slots on garbage-free zero or repeated inputs
+whose results are masked out. The backward pass is the autodiff of this schedule:
+`ppermute` transposes to the reverse permutation, so gradients flow from the last stage
+back to the first (all forward ticks, then all backward ticks, as in GPipe).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from models.config import ModelConfig
+from models.transformer import Parallelism, embed, final_norm, loss_from_hidden, run_layers
+
+PIPE = "pipe"
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle fraction of the GPipe schedule."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, microbatches: int):
+    """Mean next-token loss of this rank's batch through the pipeline.
+
+    Args:
+      config: model configuration.
+      params: this rank's parameters (its stage's layers).
+      tokens: (B, S + 1) token ids, B divisible by `microbatches`.
+      par: tensor-parallel settings.
+      microbatches: M.
+
+    Returns:
+      This rank's share of the loss: the loss on the last stage, 0 elsewhere (their sum
+      over "pipe" is the loss).
+    """
+    stages, stage = lax.axis_size(PIPE), lax.axis_index(PIPE)
+    inputs = tokens[:, :-1].reshape(microbatches, -1, tokens.shape[1] - 1)
+    targets = tokens[:, 1:].reshape(microbatches, -1, tokens.shape[1] - 1)
+    carry, total = None, jnp.float32(0.0)
+    for tick in range(microbatches + stages - 1):
+        first = embed(config, params, inputs[min(tick, microbatches - 1)], par)
+        x = first if carry is None else jnp.where(stage == 0, first, carry)
+        y = run_layers(config, params["layers"], x, par)
+        out = tick - (stages - 1)
+        if 0 <= out < microbatches:
+            loss = loss_from_hidden(config, params, final_norm(config, params, y), targets[out], par)
+            total = total + jnp.where(stage == stages - 1, loss, 0.0)
+        if stages > 1:
+            carry = lax.ppermute(y, PIPE, [(i, (i + 1) % stages) for i in range(stages)])
+    return total / microbatches

@@ -1,0 +1,301 @@
+"""The 3-D parallel training loop: DP over "data", GPipe over "pipe", compressed TP over
+"tensor", all under one jit(shard_map) step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+import taco_jax as tj
+from models.api import sum_sequence_parallel_grads
+from models.transformer import Parallelism
+from train import data as data_lib
+from train.checkpoint import Checkpointer
+from train.config import TrainConfig, to_dict
+from train.pipeline import PIPE, bubble_fraction, pipeline_loss
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. too many consecutive non-finite steps)."""
+
+
+def _check_setup(cfg: TrainConfig, config: models.ModelConfig, vocab: int) -> None:
+    data, pipe, tensor = cfg.mesh
+    models.check_tensor_parallel(config, tensor)
+    if config.n_layers % pipe:
+        raise ValueError(f"{config.n_layers} layers do not split into pipe={pipe} stages")
+    if cfg.seq_len > config.max_positions:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_positions {config.max_positions}")
+    if cfg.sequence_parallel and cfg.seq_len % tensor:
+        raise ValueError(f"seq_len {cfg.seq_len} is not divisible by tensor={tensor} (sequence parallelism)")
+    if vocab > config.vocab_size:
+        raise ValueError(f"the data has {vocab} token ids but model {cfg.model} has vocab_size {config.vocab_size}")
+
+
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (no decay on vectors: norms, biases) with warmup + cosine, after global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, min(cfg.warmup_steps, cfg.steps), max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+    return tx, schedule
+
+
+def _parallelism(cfg: TrainConfig) -> Parallelism:
+    overrides = {} if cfg.taco_min_bytes < 0 else {"min_bytes": cfg.taco_min_bytes}
+    return Parallelism(tj.TacoConfig.preset(cfg.taco, **overrides), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype))
+
+
+def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings):
+    """(train_step, eval_step), jitted. train_step(params, opt_state, tokens, poison) ->
+    (params, opt_state, metrics); a non-finite loss or gradient leaves params and
+    optimizer state unchanged (metrics["ok"] is False). `state_shardings` (of params and
+    optimizer state) are kept on the outputs, so every step reuses one compilation."""
+    par = _parallelism(cfg)
+    specs = models.partition_specs(config)
+
+    def reduce_grads(loss, grads):
+        grads = sum_sequence_parallel_grads(config, grads, par)
+        # Parameters not split over "pipe" (embeddings, final norm, head) are used by one
+        # stage each: sum their gradients over the stages.
+        grads = jax.tree.map(lambda g, s: g if PIPE in tuple(s) else lax.psum(g, PIPE), grads, specs)
+        loss = lax.psum(loss, PIPE)
+        return lax.pmean(loss, "data"), jax.tree.map(lambda g: lax.pmean(g, "data"), grads)
+
+    def local_grads(params, tokens):
+        chunks = tokens.reshape(cfg.grad_accum, -1, tokens.shape[-1])
+        grad_fn = jax.value_and_grad(lambda p, t: pipeline_loss(config, p, t, par, cfg.microbatches))
+
+        def accumulate(total, chunk):
+            loss, grads = grad_fn(params, chunk)
+            return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+        zeros = (jnp.float32(0.0), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = lax.scan(accumulate, zeros, chunks)
+        return reduce_grads(loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads))
+
+    grads_fn = jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
+
+    def train_step(params, opt_state, tokens, poison):
+        loss, grads = grads_fn(params, tokens)
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+        return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), {
+            "loss": loss, "grad_norm": grad_norm, "ok": ok}
+
+    def local_eval(params, tokens):
+        loss = pipeline_loss(config, params, tokens, par, cfg.microbatches)
+        return lax.pmean(lax.psum(loss, PIPE), "data")
+
+    eval_fn = jax.shard_map(local_eval, mesh=mesh, in_specs=(specs, P("data")), out_specs=P(), check_vma=False)
+    jitted = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(*state_shardings, None))
+    return jitted, jax.jit(eval_fn)
+
+
+def _global_batch(tokens: np.ndarray, mesh) -> jax.Array:
+    """A batch every process computed identically, as a global array sharded over data."""
+    sharding = NamedSharding(mesh, P("data"))
+    return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
+
+
+def _scalar(x: jax.Array) -> float:
+    return float(np.asarray(x.addressable_shards[0].data))
+
+
+def wire_bytes_per_step(cfg: TrainConfig, config, train_step, params, opt_state, tokens) -> tuple[int, int]:
+    """(compressed, uncompressed) TP bytes sent per rank per optimizer step, from the
+    collectives traced in one step: scanned layer sites count once per local layer, and
+    everything once per accumulation step."""
+    with tj.record_wire() as ledger:
+        train_step.lower(params, opt_state, tokens, jnp.bool_(False))
+    layers_per_stage = config.n_layers // cfg.mesh[1]
+    factor = lambda r: (layers_per_stage if r.site.startswith("layers.") else 1) * cfg.grad_accum
+    records = [r for r in ledger.records if r.site != "all_reduce"]  # the loss statistics
+    return (sum(r.sent_bytes * factor(r) for r in records), sum(r.uncompressed_sent_bytes * factor(r) for r in records))
+
+
+@dataclasses.dataclass
+class _StopFlag:
+    signal_name: str | None = None
+
+    def __call__(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory (process 0 only); on resume, lines past the
+    restored step are dropped so the log matches the restored state."""
+
+    def __init__(self, path: Path, resume_step: int, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        lines = path.read_text().splitlines() if (resume_step and path.exists()) else []
+        kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def rows(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+
+def plot_losses(rows: list[dict], path: Path, title: str) -> None:
+    """Training (and validation) loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
+    """Run (or resume) training as configured.
+
+    Args:
+      cfg: the configuration.
+      resume: continue from the latest checkpoint in `cfg.out`.
+      progress: show a progress bar.
+
+    Returns:
+      Summary dict (also written to `summary.json` in the run directory).
+
+    Raises:
+      ValueError: bad mesh or config, data that does not fit the model, a run directory
+        that already holds checkpoints (without `resume`), no or a corrupt checkpoint
+        (with `resume`).
+      TrainingError: `max_bad_steps` consecutive non-finite steps.
+    """
+    mesh = tj.make_mesh(*cfg.mesh)
+    config = models.preset(cfg.model)
+    corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
+    _check_setup(cfg, config, corpus.vocab_size)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    main_process = jax.process_index() == 0
+    tx, schedule = make_optimizer(cfg)
+    params = models.init_params(config, jax.random.key(cfg.seed), mesh)
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.tree.map(  # optimizer scalars (step counts) replicated on the mesh
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), jax.jit(tx.init)(params))
+    checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
+    step, bad_total = 0, 0
+    latest = checkpoints.latest_step()
+    if resume:
+        if latest is None:
+            raise ValueError(f"--resume: no checkpoint in {checkpoints.directory}")
+        state, meta = checkpoints.restore(latest, {"params": params, "opt_state": opt_state})
+        if meta.get("model") != cfg.model:
+            raise ValueError(f"checkpoint at step {latest} is for model {meta.get('model')!r}, not {cfg.model!r}")
+        params, opt_state, step, bad_total = state["params"], state["opt_state"], meta["step"], meta["skipped_steps"]
+    elif latest is not None:
+        raise ValueError(f"{out} already holds checkpoints (latest step {latest}): pass --resume or another --out")
+    if main_process:
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings)
+    batch_of = lambda tokens, position, size: _global_batch(
+        data_lib.batch(tokens, seed=cfg.seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
+    wire, wire_plain = wire_bytes_per_step(cfg, config, train_step, params, opt_state, batch_of(corpus.train, 0, cfg.batch_size))
+    log = MetricsLog(out / "metrics.jsonl", step, main_process)
+    stop = _StopFlag()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def save(at_step):
+        meta = {"step": at_step, "data_position": at_step, "skipped_steps": bad_total, "model": cfg.model, "seed": cfg.seed}
+        checkpoints.save(at_step, {"params": params, "opt_state": opt_state}, meta)
+
+    def evaluate():
+        # Fixed validation batches: positions no training step uses.
+        losses = [_scalar(eval_step(params, batch_of(corpus.val, 10**9 + i, cfg.batch_size))) for i in range(cfg.eval_batches)]
+        return float(np.mean(losses))
+
+    bar = None
+    if progress and main_process:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc=f"{cfg.model} {cfg.taco}", unit="step", file=sys.stderr)
+    consecutive_bad, tokens_per_step = 0, cfg.batch_size * cfg.seq_len
+    started = time.time()
+    try:
+        while step < cfg.steps and stop.signal_name is None:
+            tick = time.perf_counter()
+            params, opt_state, metrics = train_step(
+                params, opt_state, batch_of(corpus.train, step, cfg.batch_size), jnp.bool_(step in cfg.debug_nan_steps))
+            jax.block_until_ready(metrics)  # also keeps CPU collective programs from overlapping
+            elapsed = time.perf_counter() - tick
+            ok = bool(np.asarray(metrics["ok"].addressable_shards[0].data))
+            consecutive_bad = 0 if ok else consecutive_bad + 1
+            bad_total += 0 if ok else 1
+            row = {"step": step + 1, "loss": _scalar(metrics["loss"]), "lr": float(schedule(step)),
+                   "grad_norm": _scalar(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
+                   "step_time_s": elapsed, "wire_bytes": wire, "wire_bytes_bf16": wire_plain,
+                   "skipped_steps": bad_total, "finite": ok}
+            step += 1
+            if consecutive_bad >= cfg.max_bad_steps:
+                raise TrainingError(f"{consecutive_bad} consecutive non-finite steps (last: step {step}); stopping")
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                row["val_loss"] = evaluate()
+            log.write(row)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", step_s=f"{elapsed:.3f}")
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop.signal_name:
+                save(step)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if bar is not None:
+            bar.close()
+    if stop.signal_name and (checkpoints.latest_step() or 0) < step:
+        save(step)
+    checkpoints.close()
+    rows = log.rows() if main_process else []
+    summary = {
+        "model": cfg.model, "mesh": list(cfg.mesh), "taco": cfg.taco, "steps": step, "stopped_by": stop.signal_name,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
+        "skipped_steps": bad_total, "seconds": round(time.time() - started, 1),
+        "wire_bytes_per_step": wire, "wire_bytes_per_step_bf16": wire_plain,
+        "pipeline_bubble": bubble_fraction(cfg.mesh[1], cfg.microbatches),
+    }
+    if main_process:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        if rows:
+            plot_losses(rows, out / "loss.png", f"{cfg.model}, mesh {tuple(cfg.mesh)}, taco={cfg.taco}")
+    return summary
