@@ -27,7 +27,8 @@ class TrainConfig:
       seq_len: tokens per sequence.
       microbatches: pipeline microbatches per accumulation step (GPipe schedule).
       grad_accum: gradient-accumulation steps per optimizer step.
-      lr: peak learning rate; warmup_steps linear warmup, then cosine to lr * min_lr_ratio.
+      lr: peak learning rate; warmup_steps linear warmup, then cosine to lr * min_lr_ratio
+        at decay_steps (0: at `steps`; set it to stop early and resume on the same schedule).
       weight_decay, beta1, beta2, grad_clip: AdamW and global-norm clipping.
       compute_dtype: "float32" or "bfloat16" (parameters and optimizer stay float32).
       data: "shakespeare" (byte-level, shipped), a .npy/.bin token file, or a text file
@@ -55,6 +56,7 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-3
     warmup_steps: int = 30
+    decay_steps: int = 0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9

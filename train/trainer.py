@@ -47,8 +47,9 @@ def _check_setup(cfg: TrainConfig, config: models.ModelConfig, vocab: int) -> No
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW (no decay on vectors: norms, biases) with warmup + cosine, after global-norm clipping."""
+    decay_steps = cfg.decay_steps or cfg.steps
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, min(cfg.warmup_steps, cfg.steps), max(cfg.steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
+        0.0, cfg.lr, min(cfg.warmup_steps, decay_steps), max(decay_steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     tx = optax.chain(
@@ -63,11 +64,9 @@ def _parallelism(cfg: TrainConfig) -> Parallelism:
     return Parallelism(tj.TacoConfig.preset(cfg.taco, **overrides), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype))
 
 
-def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings):
-    """(train_step, eval_step), jitted. train_step(params, opt_state, tokens, poison) ->
-    (params, opt_state, metrics); a non-finite loss or gradient leaves params and
-    optimizer state unchanged (metrics["ok"] is False). `state_shardings` (of params and
-    optimizer state) are kept on the outputs, so every step reuses one compilation."""
+def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh):
+    """shard_map'd (params, tokens) -> (loss, grads): the pipelined loss and its gradients,
+    averaged over data and accumulation steps, sharded like the parameters."""
     par = _parallelism(cfg)
     specs = models.partition_specs(config)
 
@@ -91,12 +90,22 @@ def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, 
         (loss, grads), _ = lax.scan(accumulate, zeros, chunks)
         return reduce_grads(loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads))
 
-    grads_fn = jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
+    return jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
+
+
+def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings):
+    """(train_step, eval_step), jitted. train_step(params, opt_state, tokens, poison) ->
+    (params, opt_state, metrics); a non-finite loss or gradient leaves params and
+    optimizer state unchanged (metrics["ok"] is False). `state_shardings` (of params and
+    optimizer state) are kept on the outputs, so every step reuses one compilation."""
+    par = _parallelism(cfg)
+    specs = models.partition_specs(config)
+    grads_fn = make_grads_fn(cfg, config, mesh)
 
     def train_step(params, opt_state, tokens, poison):
         loss, grads = grads_fn(params, tokens)
         grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)

@@ -1,0 +1,187 @@
+"""The trainer on simulated CPU devices: mesh equivalence, pipeline gradients, resume,
+signals, NaN steps, errors, and two processes through jax.distributed."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+import taco_jax as tj
+from train import trainer
+from train.config import TrainConfig, apply_overrides, parse_key_values
+from train.data import batch, load
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(model="gpt2-tiny", taco="off", steps=3, batch_size=8, seq_len=32, eval_every=1000, warmup_steps=1)
+
+
+def _cfg(tmp_path, name, **overrides):
+    return TrainConfig(**{**SMALL, "out": str(tmp_path / name), **overrides})
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _cli(args, devices, env_extra=None, **kwargs):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "taco_jax.train", "--no-progress", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def _cli_args(cfg_overrides):
+    return [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in cfg_overrides.items()]
+
+
+def test_meshes_match_the_single_device_run(tmp_path):
+    single = _cli(["--mesh", "1,1,1", "--out", str(tmp_path / "single"), *_cli_args({**SMALL, "microbatches": 2})], 1)
+    assert single.returncode == 0, single.stderr[-2000:]
+    reference = _losses(tmp_path / "single")
+    for mesh in [(2, 2, 2), (1, 2, 4), (8, 1, 1)]:
+        cfg = _cfg(tmp_path, "x".join(map(str, mesh)), mesh=mesh, microbatches=2 if mesh[0] < 8 else 1,
+                   batch_size=8 if mesh[0] < 8 else 16)
+        if mesh[0] == 8:  # a dp8 step over 16 sequences is two single-device steps' worth: compare loss per sequence
+            cfg = _cfg(tmp_path, "dp8", mesh=mesh, batch_size=8)
+        trainer.train(cfg, progress=False)
+        np.testing.assert_allclose(_losses(cfg.out), reference, rtol=2e-5, err_msg=str(mesh))
+
+
+@pytest.mark.parametrize("mesh", [(1, 2, 4), (1, 4, 2)], ids=["dp1_pp2_tp4", "dp1_pp4_tp2"])
+def test_pipeline_gradients_equal_the_sequential_model(mesh):
+    config = models.GPT2Config(n_layers=4)
+    cfg = TrainConfig(model="gpt2-tiny", mesh=mesh, taco="off", batch_size=8, seq_len=32, microbatches=4)
+    params = models.init_params(config, jax.random.key(1))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (8, 33)), jnp.int32)
+    pipe_mesh = tj.make_mesh(*mesh)
+    loss, grads = jax.jit(trainer.make_grads_fn(cfg, config, pipe_mesh))(models.shard_params(params, config, pipe_mesh), tokens)
+    ref_loss, ref_grads = models.loss_and_grads(config, params, tokens, mesh=tj.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_resume_continues_bit_exactly(tmp_path):
+    straight = _cfg(tmp_path, "straight", steps=6, checkpoint_every=3, taco="taco")
+    trainer.train(straight, progress=False)
+    first = _cfg(tmp_path, "resumed", steps=3, decay_steps=6, checkpoint_every=3, taco="taco")
+    trainer.train(first, progress=False)
+    summary = trainer.train(_cfg(tmp_path, "resumed", steps=6, checkpoint_every=3, taco="taco"), resume=True, progress=False)
+    assert summary["steps"] == 6
+    assert _losses(first.out) == _losses(straight.out)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        trainer.train(first, progress=False)
+
+
+def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
+    out = tmp_path / "signal"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "taco_jax.train", "--no-progress", "--out", str(out), "--steps", "500",
+                             *_cli_args({k: v for k, v in SMALL.items() if k != "steps"}), "checkpoint_every=1000"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    summary = json.loads(stdout[stdout.index("{"):])
+    assert summary["stopped_by"] == "SIGTERM" and 3 <= summary["steps"] < 500
+    steps_done = summary["steps"]
+    resumed = trainer.train(_cfg(tmp_path, "signal", steps=steps_done + 2, checkpoint_every=1000), resume=True, progress=False)
+    assert resumed["steps"] == steps_done + 2 and len(_losses(out)) == steps_done + 2
+
+
+def test_nan_steps_are_skipped_then_stop(tmp_path):
+    cfg = _cfg(tmp_path, "nan", steps=5, debug_nan_steps=(1, 2))
+    summary = trainer.train(cfg, progress=False)
+    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["finite"] for r in rows] == [True, False, False, True, True]
+    assert summary["skipped_steps"] == 2
+    # A skipped step leaves the parameters as they were: step 3 sees step 2's parameters.
+    assert rows[1]["loss"] != rows[2]["loss"] and np.isfinite(rows[3]["loss"])
+    with pytest.raises(trainer.TrainingError, match="3 consecutive non-finite steps"):
+        trainer.train(_cfg(tmp_path, "nan_stop", steps=6, debug_nan_steps=(1, 2, 3), max_bad_steps=3), progress=False)
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="= 6 devices, but 8"):
+        trainer.train(_cfg(tmp_path, "mesh", mesh=(1, 2, 3)), progress=False)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        apply_overrides(TrainConfig(), {"learning_rate": "1"})
+    with pytest.raises(ValueError, match="batch_size 9 is not divisible"):
+        TrainConfig(batch_size=9)
+    with pytest.raises(ValueError, match="expected int"):
+        apply_overrides(TrainConfig(), parse_key_values(["steps=many"]))
+    with pytest.raises(ValueError, match="3 layers do not split into pipe=2"):
+        trainer._check_setup(TrainConfig(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), 256)
+    cfg = _cfg(tmp_path, "corrupt", steps=2, checkpoint_every=2)
+    trainer.train(cfg, progress=False)
+    for path in (Path(cfg.out) / "checkpoints" / "2").rglob("*"):
+        if path.is_file() and "state" in str(path):
+            path.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="checkpoint at step 2 .* cannot be restored"):
+        trainer.train(_cfg(tmp_path, "corrupt", steps=4), resume=True, progress=False)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        trainer.train(_cfg(tmp_path, "empty"), resume=True, progress=False)
+    failed = _cli(["--steps", "1", "--out", str(tmp_path / "cli"), "lr"], 8)
+    assert failed.returncode != 0 and "not key=value" in failed.stderr
+
+
+def test_data_order_is_a_function_of_seed_and_position(tmp_path):
+    corpus = load("shakespeare", val_fraction=0.05)
+    assert corpus.vocab_size == 256 and len(corpus.train) > 4_000_000
+    a = batch(corpus.train, seed=1, position=7, batch_size=4, seq_len=16)
+    np.testing.assert_array_equal(a, batch(corpus.train, seed=1, position=7, batch_size=4, seq_len=16))
+    assert not np.array_equal(a, batch(corpus.train, seed=1, position=8, batch_size=4, seq_len=16))
+    tokens = np.arange(1000, dtype=np.uint16) % 50
+    tokens.tofile(tmp_path / "tokens.bin")
+    np.save(tmp_path / "tokens.npy", tokens.astype(np.uint32))
+    for name in ("tokens.bin", "tokens.npy"):
+        data = load(str(tmp_path / name), val_fraction=0.1)
+        assert data.vocab_size == 50 and len(data.train) == 900
+    with pytest.raises(ValueError, match="does not exist"):
+        load(str(tmp_path / "missing.npy"), val_fraction=0.1)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    args = ["--no-progress", "--mesh", "2,1,4", "--out", str(tmp_path / "mp"), "--coordinator", f"127.0.0.1:{port}",
+            "--num-processes", "2", *_cli_args({**SMALL, "taco": "taco"})]
+    procs = [subprocess.Popen([sys.executable, "-m", "taco_jax.train", *args, "--process-id", str(i)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)  # a hung worker ignores SIGTERM
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    summary = json.loads(outputs[0][0][outputs[0][0].index("{"):])
+    assert summary["steps"] == 3 and np.isfinite(summary["final_loss"])
+    assert len(_losses(tmp_path / "mp")) == 3
