@@ -185,3 +185,9 @@ def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
     summary = json.loads(outputs[0][0][outputs[0][0].index("{"):])
     assert summary["steps"] == 3 and np.isfinite(summary["final_loss"])
     assert len(_losses(tmp_path / "mp")) == 3
+
+
+def test_default_yaml_matches_the_dataclass_defaults():
+    from train.config import load_yaml
+
+    assert apply_overrides(TrainConfig(), load_yaml("default")) == TrainConfig()

@@ -48,18 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulated_cpu_devices(mesh: tuple[int, ...]) -> None:
-    """On a machine without accelerators, give XLA as many host devices as the mesh needs
-    (must happen before jax initializes)."""
-    if os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu") or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    try:
-        import jax._src.xla_bridge as xb  # noqa: F401  (import only; no backend started yet)
-    except ImportError:
+    """Give XLA's CPU backend as many devices as the mesh needs (a no-op for GPUs; must
+    run before jax initializes its backends)."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     devices = 1
-    for d in mesh:
-        devices *= int(d)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    for degree in mesh:
+        devices *= int(degree)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,6 +135,8 @@ def apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
 
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML mapping of config fields (a name without a path looks in configs/)."""
+    if str(path) == "default" and not (CONFIG_DIR / "default.yaml").exists():
+        return {}  # installed without the repository's configs/: the dataclass defaults are the same
     path = Path(path)
     if not path.exists() and not path.suffix:
         path = CONFIG_DIR / f"{path}.yaml"
