@@ -157,6 +157,21 @@ def test_data_order_is_a_function_of_seed_and_position(tmp_path):
         assert data.vocab_size == 50 and len(data.train) == 900
     with pytest.raises(ValueError, match="does not exist"):
         load(str(tmp_path / "missing.npy"), val_fraction=0.1)
+    with pytest.raises(ValueError, match="text file with tokenizer=FOLDER"):
+        (tmp_path / "corpus.txt").write_text("to be or not to be " * 100)
+        load(str(tmp_path / "corpus.txt"), val_fraction=0.1)
+
+
+def test_text_with_a_local_huggingface_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "to": 1, "be": 2, "or": 3, "not": 4}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text("to be or not to be " * 100)
+    data = load(str(tmp_path / "corpus.txt"), val_fraction=0.1, tokenizer=str(tmp_path / "tok"))
+    assert data.vocab_size == 5 and list(data.train[:6]) == [1, 2, 3, 4, 1, 2]
 
 
 def _free_port():
