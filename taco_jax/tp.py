@@ -71,6 +71,9 @@ def copy_to_tp(
 
     Returns:
       `x`.
+
+    Raises:
+      ValueError: `config` is not a `TacoConfig` or an unknown algorithm.
     """
     collectives.check_config(config)
     collectives.check_algorithm(algorithm)
@@ -92,6 +95,9 @@ def reduce_from_tp(
 
     Returns:
       The sum over `axis_name`, same shape and dtype as `x`.
+
+    Raises:
+      ValueError: `config` is not a `TacoConfig` or an unknown algorithm.
     """
     collectives.check_config(config)
     collectives.check_algorithm(algorithm)
@@ -113,6 +119,9 @@ def gather_from_sp(
 
     Returns:
       The full sequence (shard size x axis size along `axis`).
+
+    Raises:
+      ValueError: bad axis or config.
     """
     return collectives.all_gather(x, axis_name, config, axis=axis, tiled=True, site=site)
 
@@ -132,6 +141,9 @@ def reduce_scatter_to_sp(
 
     Returns:
       This rank's sequence block of the sum.
+
+    Raises:
+      ValueError: the sequence axis does not divide by the axis size, or a bad config.
     """
     return collectives.reduce_scatter(x, axis_name, config, scatter_dimension=axis, tiled=True, site=site)
 
@@ -205,6 +217,9 @@ def gather_matmul(
 
     Returns:
       One output (..., N_i) per kernel, over the gathered sequence.
+
+    Raises:
+      ValueError: `config` is not a `TacoConfig`.
     """
     collectives.check_config(config)
     return _gather_matmul(x, tuple(jnp.asarray(k) for k in kernels), axis_name, config, axis, site)
