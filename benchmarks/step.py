@@ -7,7 +7,7 @@ overhead bound. On several GPUs the same script gives the end-to-end speed-up (r
 with NCCL_P2P_DISABLE=1 for the slow-link proxy).
 
 Usage:
-  python benchmarks/step.py [--mesh 1,1,1] [--d-model 2048] [--layers 16] [--seq 2048]
+  python benchmarks/step.py [--mesh 1,1,1] [--model PRESET | --d-model 2048] [--layers 16] [--seq 2048]
       [--batch 4] [--modes off,taco,taco+] [--steps 10] [--out benchmarks/results/step.json]
 """
 
@@ -70,6 +70,7 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", default="1,1,1")
+    parser.add_argument("--model", help="a models preset (e.g. qwen2-7b, gpt2-xl) instead of the custom GPT below")
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)
@@ -82,11 +83,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step.json"))
     args = parser.parse_args()
     mesh_shape = tuple(int(d) for d in args.mesh.split(","))
-    config = models.GPT2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
-                               n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
+    if args.model:
+        config = models.preset(args.model)
+    else:
+        config = models.GPT2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
+                                   n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
     n_params = sum(int(np.prod(leaf[0])) for leaf in jax.tree.leaves(
         models.layout(config), is_leaf=lambda n: isinstance(n, tuple) and len(n) == 2 and isinstance(n[1], tuple)))
-    print(f"GPT {n_params / 1e9:.2f}B params, seq {args.seq}, batch {args.batch}, mesh {mesh_shape}, "
+    print(f"{config.family} {n_params / 1e9:.2f}B params, seq {args.seq}, batch {args.batch}, mesh {mesh_shape}, "
           f"{jax.devices()[0].device_kind} x {jax.device_count()}", file=sys.stderr, flush=True)
     rows = []
     for mode in args.modes.split(","):
