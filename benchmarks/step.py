@@ -38,11 +38,8 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
     cfg = TrainConfig(model="custom", mesh=mesh_shape, taco=mode, taco_min_bytes=0, batch_size=batch, seq_len=seq,
                       compute_dtype="bfloat16", sequence_parallel=sequence_parallel, steps=1000, warmup_steps=1)
     mesh = tj.make_mesh(*mesh_shape)
-    tx, _ = trainer.make_optimizer(cfg)
-    params = models.init_params(config, jax.random.key(0), mesh)
-    replicated = NamedSharding(mesh, P())
-    opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-                             jax.jit(tx.init)(params))
+    tx, _ = trainer.make_optimizer(cfg, config)
+    params, opt_state = trainer.init_state(config, 0, mesh, tx)
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
     rng = np.random.default_rng(0)

@@ -45,18 +45,35 @@ def _check_setup(cfg: TrainConfig, config: models.ModelConfig, vocab: int) -> No
         raise ValueError(f"the data has {vocab} token ids but model {cfg.model} has vocab_size {config.vocab_size}")
 
 
-def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW (no decay on vectors: norms, biases) with warmup + cosine, after global-norm clipping."""
+def _decay_mask(config: models.ModelConfig) -> dict:
+    """Weight decay on matrices only: not on norms, biases or positions' own vectors
+    (the stacked "layers" axis does not count as a dimension)."""
+    return jax.tree.map(
+        lambda leaf: sum(axis != "layers" for axis in leaf[1]) >= 2, models.layout(config),
+        is_leaf=lambda n: isinstance(n, tuple) and len(n) == 2 and isinstance(n[1], tuple),
+    )
+
+
+def make_optimizer(cfg: TrainConfig, config: models.ModelConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (decay on matrices only) with warmup + cosine, after global-norm clipping."""
     decay_steps = cfg.decay_steps or cfg.steps
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, min(cfg.warmup_steps, decay_steps), max(decay_steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
     )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask(config)),
     )
     return tx, schedule
+
+
+def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTransformation) -> tuple[dict, dict]:
+    """Parameters (born sharded) and optimizer state on `mesh`, scalars replicated."""
+    params = models.init_params(config, jax.random.key(seed), mesh)
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.tree.map(  # optimizer scalars (step counts) replicated on the mesh
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), jax.jit(tx.init)(params))
+    return params, opt_state
 
 
 def _parallelism(cfg: TrainConfig) -> Parallelism:
@@ -217,11 +234,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     main_process = jax.process_index() == 0
-    tx, schedule = make_optimizer(cfg)
-    params = models.init_params(config, jax.random.key(cfg.seed), mesh)
-    replicated = NamedSharding(mesh, P())
-    opt_state = jax.tree.map(  # optimizer scalars (step counts) replicated on the mesh
-        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), jax.jit(tx.init)(params))
+    tx, schedule = make_optimizer(cfg, config)
+    params, opt_state = init_state(config, cfg.seed, mesh, tx)
     checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
     step, bad_total = 0, 0
     latest = checkpoints.latest_step()
