@@ -46,8 +46,8 @@ def _check_setup(cfg: TrainConfig, config: models.ModelConfig, vocab: int) -> No
 
 
 def _decay_mask(config: models.ModelConfig) -> dict:
-    """Weight decay on matrices only: not on norms, biases or positions' own vectors
-    (the stacked "layers" axis does not count as a dimension)."""
+    """Weight decay on matrices only, not on norm scales or biases (the stacked "layers"
+    axis does not count as a dimension)."""
     return jax.tree.map(
         lambda leaf: sum(axis != "layers" for axis in leaf[1]) >= 2, models.layout(config),
         is_leaf=lambda n: isinstance(n, tuple) and len(n) == 2 and isinstance(n[1], tuple),
