@@ -22,7 +22,8 @@ class TrainConfig:
       taco_min_bytes: messages under this many bytes stay uncompressed (-1: preset's).
       sequence_parallel: norms and residuals on sequence shards.
       steps: optimizer steps to run (a resumed run continues up to this step).
-      seed: parameter init and data order seed.
+      seed: parameter init seed (and data order seed unless data_seed is set).
+      data_seed: data order seed; -1 uses `seed` (set it to compare seeds on one data order).
       batch_size: sequences per optimizer step (global).
       seq_len: tokens per sequence.
       microbatches: pipeline microbatches per accumulation step (GPipe schedule).
@@ -50,6 +51,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     steps: int = 300
     seed: int = 0
+    data_seed: int = -1
     batch_size: int = 16
     seq_len: int = 128
     microbatches: int = 1

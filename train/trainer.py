@@ -252,8 +252,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
     train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings)
+    data_seed = cfg.seed if cfg.data_seed < 0 else cfg.data_seed
     batch_of = lambda tokens, position, size: _global_batch(
-        data_lib.batch(tokens, seed=cfg.seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
+        data_lib.batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
     wire, wire_plain = wire_bytes_per_step(cfg, config, train_step, params, opt_state, batch_of(corpus.train, 0, cfg.batch_size))
     log = MetricsLog(out / "metrics.jsonl", step, main_process)
     stop = _StopFlag()
