@@ -104,7 +104,7 @@ def _check_axis(axis: int, ndim: int, what: str) -> int:
     return axis % max(ndim, 1)
 
 
-# ----------------------------------------------------------------------------- kernels of the ops
+# ----------------------------------------------------------------------------- implementations
 
 
 def _gather(x, axis_name, config, direction, axis, tiled, site):
