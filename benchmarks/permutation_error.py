@@ -18,11 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import taco_jax as tj  # noqa: E402
+from taco_jax import calibration  # noqa: E402
 from benchmarks import tp_tensors  # noqa: E402
 
 SPECS = {
@@ -32,16 +30,6 @@ SPECS = {
 }
 
 
-def permutations(x: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
-    channels = x.shape[-1]
-    order = np.argsort(np.sqrt(np.mean(np.square(x.astype(np.float64)), axis=0)))
-    return {
-        "identity": np.arange(channels),
-        "cluster": order,
-        "interleave": order.reshape(group_size, channels // group_size).T.reshape(-1),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/permutation_error.json"))
@@ -49,13 +37,11 @@ def main() -> None:
     rows = []
     for kind in tp_tensors.KINDS:
         x = tp_tensors.generate(kind, 1024, 4096, seed=1)
-        for strategy, perm in permutations(x, 128).items():
+        rms = calibration.channel_rms(x)
+        for strategy in calibration.STRATEGIES:
+            perm = calibration.permutation(rms, 128, strategy)
             for mode, spec in SPECS.items():
-                y = np.asarray(tj.decompress(tj.compress(jnp.asarray(x), spec, perm=perm), perm=perm), np.float64)
-                err = y - x
-                rows.append({"tensor": kind, "strategy": strategy, "mode": mode,
-                             "rel_rmse": float(np.linalg.norm(err) / np.linalg.norm(x)),
-                             "channel_median": float(np.median(np.linalg.norm(err, axis=0) / np.linalg.norm(x, axis=0)))})
+                rows.append({"tensor": kind, "strategy": strategy, "mode": mode, **calibration.codec_error(x, spec, perm)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
     print("| tensor | mode | identity | cluster | interleave |")

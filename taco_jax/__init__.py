@@ -6,7 +6,7 @@ mappings in `taco_jax.tp`, `make_mesh`, `record_wire` (wire-byte accounting) and
 `collectives_in_hlo` (what a compiled function sends).
 """
 
-from taco_jax import tp
+from taco_jax import calibration, tp
 from taco_jax.accounting import WireLedger, WireRecord, record_wire
 from taco_jax.codec import (
     KERNEL_MODES,
@@ -33,6 +33,7 @@ __all__ = [
     "TacoConfig",
     "WireLedger",
     "WireRecord",
+    "calibration",
     "all_gather",
     "all_reduce",
     "collective_bytes",
