@@ -86,7 +86,7 @@ def main() -> None:
         config = models.GPT2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
                                    n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
     n_params = sum(int(np.prod(leaf[0])) for leaf in jax.tree.leaves(
-        models.layout(config), is_leaf=lambda n: isinstance(n, tuple) and len(n) == 2 and isinstance(n[1], tuple)))
+        models.layout(config), is_leaf=models.params.is_layout_leaf))
     print(f"{config.family} {n_params / 1e9:.2f}B params, seq {args.seq}, batch {args.batch}, mesh {mesh_shape}, "
           f"{jax.devices()[0].device_kind} x {jax.device_count()}", file=sys.stderr, flush=True)
     rows = []

@@ -22,6 +22,12 @@ def _mesh_or_default(mesh: Mesh | None) -> Mesh:
     return mesh
 
 
+def _prepare(config: ModelConfig, mesh: Mesh | None, taco, sequence_parallel: bool) -> tuple[Mesh, Parallelism]:
+    mesh = _mesh_or_default(mesh)
+    check_tensor_parallel(config, mesh.shape[AXIS])
+    return mesh, Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel)
+
+
 def _batch_spec(mesh: Mesh, batch: int) -> P:
     return P("data") if batch % mesh.shape["data"] == 0 else P()
 
@@ -52,9 +58,7 @@ def logits(
       ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
         vocabulary (or the sequence, with sequence parallelism).
     """
-    mesh = _mesh_or_default(mesh)
-    check_tensor_parallel(config, mesh.shape[AXIS])
-    par = Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel)
+    mesh, par = _prepare(config, mesh, taco, sequence_parallel)
     batch = _batch_spec(mesh, tokens.shape[0])
     fn = jax.shard_map(
         lambda p, t: local_logits(config, p, t, par), mesh=mesh,
@@ -110,9 +114,7 @@ def loss_and_grads(
     Returns:
       (loss, grads), grads sharded like the parameters.
     """
-    mesh = _mesh_or_default(mesh)
-    check_tensor_parallel(config, mesh.shape[AXIS])
-    par = Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel)
+    mesh, par = _prepare(config, mesh, taco, sequence_parallel)
     specs = partition_specs(config)
 
     def body(p, t):

@@ -64,7 +64,8 @@ def layout(config: ModelConfig) -> dict:
     return _gpt2_layout(config) if config.family == "gpt2" else _qwen2_layout(config)
 
 
-def _is_leaf(node) -> bool:
+def is_layout_leaf(node) -> bool:
+    """True for a (shape, logical axes) leaf of `layout`."""
     return isinstance(node, tuple) and len(node) == 2 and isinstance(node[1], tuple)
 
 
@@ -74,7 +75,7 @@ def _spec(logical_axes: tuple) -> P:
 
 def partition_specs(config: ModelConfig) -> dict:
     """PartitionSpec of every parameter, from its logical axes and `LOGICAL_RULES`."""
-    return jax.tree.map(lambda leaf: _spec(leaf[1]), layout(config), is_leaf=_is_leaf)
+    return jax.tree.map(lambda leaf: _spec(leaf[1]), layout(config), is_leaf=is_layout_leaf)
 
 
 def _initial_value(path: str, key: jax.Array, shape: tuple, config: ModelConfig) -> jax.Array:
@@ -104,7 +105,7 @@ def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None) -
       Nested dict of arrays.
     """
     shapes = layout(config)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_leaf)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_layout_leaf)
 
     def build(key):
         keys = jax.random.split(key, len(flat))
@@ -131,5 +132,5 @@ def abstract_params(config: ModelConfig, mesh: Mesh) -> dict:
             leaf[0], jnp.float32, sharding=NamedSharding(mesh, _spec(leaf[1]))
         ),
         layout(config),
-        is_leaf=_is_leaf,
+        is_leaf=is_layout_leaf,
     )

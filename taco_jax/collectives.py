@@ -107,17 +107,24 @@ def _check_axis(axis: int, ndim: int, what: str) -> int:
 # ----------------------------------------------------------------------------- implementations
 
 
-def _gather(x, axis_name, config, direction, axis, tiled, site):
+def gather_and_received(x, axis_name, config, direction, axis, tiled, site) -> tuple[jax.Array, jax.Array]:
+    """The all-gather result and what crossed the wire: the (ranks, nbytes) uint8
+    buffers when compressed (decode again with `decode_gathered`), else the result."""
     ranks = lax.axis_size(axis_name)
     axis = _check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
     spec = _spec_for(x, config, direction)
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
     if spec is None:
         _record(site, "all_gather", direction, x, ranks, None, plain_sent, plain_sent)
-        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        return gathered, gathered
     received = gather_packed(x, axis_name, spec)
     _record(site, "all_gather", direction, x, ranks, spec, (ranks - 1) * received.shape[1], plain_sent)
-    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled)
+    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled), received
+
+
+def _gather(x, axis_name, config, direction, axis, tiled, site):
+    return gather_and_received(x, axis_name, config, direction, axis, tiled, site)[0]
 
 
 def gather_packed(x: jax.Array, axis_name: str, spec: QuantSpec) -> jax.Array:

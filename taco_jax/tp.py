@@ -154,20 +154,10 @@ def _gather_matmul(x, kernels, axis_name, config, axis, site):
 
 
 def _gather_matmul_fwd(x, kernels, axis_name, config, axis, site):
-    spec = collectives._spec_for(x, config, "forward")
-    if spec is None:
-        gathered = collectives._gather(x, axis_name, config, "forward", axis, True, site)
-        saved = gathered
-    else:
-        # Keep the received 8-bit buffers, not the decoded activation: ~half the bytes of
-        # bf16, a quarter of float32 (as Transformer Engine keeps FP8 residuals).
-        saved = collectives.gather_packed(x, axis_name, spec)
-        ranks = saved.shape[0]
-        collectives._record(site, "all_gather", "forward", x, ranks, spec, (ranks - 1) * saved.shape[1],
-                            (ranks - 1) * x.size * x.dtype.itemsize)
-        gathered = collectives.decode_gathered(saved, x.shape, x.dtype, spec, axis, True)
-    outputs = tuple(gathered @ kernel for kernel in kernels)
-    return outputs, (saved, kernels)
+    # Keep what was received (the 8-bit buffers when compressed), not the decoded
+    # activation: ~half the bytes of bf16 (as Transformer Engine keeps FP8 residuals).
+    gathered, saved = collectives.gather_and_received(x, axis_name, config, "forward", axis, True, site)
+    return tuple(gathered @ kernel for kernel in kernels), (saved, kernels)
 
 
 def _gather_matmul_bwd(axis_name, config, axis, site, residuals, cotangents):

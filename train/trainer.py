@@ -50,7 +50,7 @@ def _decay_mask(config: models.ModelConfig) -> dict:
     axis does not count as a dimension)."""
     return jax.tree.map(
         lambda leaf: sum(axis != "layers" for axis in leaf[1]) >= 2, models.layout(config),
-        is_leaf=lambda n: isinstance(n, tuple) and len(n) == 2 and isinstance(n[1], tuple),
+        is_leaf=models.params.is_layout_leaf,
     )
 
 
