@@ -37,26 +37,29 @@ class Parallelism:
       compressed_residuals: with sequence parallelism and compression on, keep the
         gathered input of column-parallel layers for the backward pass in its 8-bit
         wire form (`taco_jax.tp.gather_matmul`) instead of decoded.
+      calibration: per-site channel permutations and transform decisions
+        (`taco_jax.calibration`); empty = identity before calibration.
     """
 
     taco: tj.TacoConfig = tj.TacoConfig.preset("off")
     sequence_parallel: bool = False
     compute_dtype: jnp.dtype = jnp.float32
     compressed_residuals: bool = True
+    calibration: tj.calibration.Calibration = tj.calibration.Calibration()
 
 
 def _enter(x, par: Parallelism, site: str):
     """Full activation for a column-parallel matmul (Megatron f / SP all-gather)."""
     if par.sequence_parallel:
-        return tj.tp.gather_from_sp(x, AXIS, par.taco, axis=1, site=site)
-    return tj.tp.copy_to_tp(x, AXIS, par.taco, site=site)
+        return tj.tp.gather_from_sp(x, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
+    return tj.tp.copy_to_tp(x, AXIS, par.taco, site=site, calibration=par.calibration)
 
 
 def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
     """`_enter(x) @ kernel` for kernels (D, ...) sharded on their output axes."""
     flat = tuple(k.reshape(k.shape[0], -1).astype(par.compute_dtype) for k in kernels)
     if par.sequence_parallel and par.compressed_residuals:
-        outputs = tj.tp.gather_matmul(x, flat, AXIS, par.taco, axis=1, site=site)
+        outputs = tj.tp.gather_matmul(x, flat, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
     else:
         h = _enter(x, par, site)
         outputs = tuple(h @ k for k in flat)
@@ -66,8 +69,8 @@ def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
 def _leave(x, par: Parallelism, site: str):
     """Sum of row-parallel partial outputs (Megatron g / SP reduce-scatter)."""
     if par.sequence_parallel:
-        return tj.tp.reduce_scatter_to_sp(x, AXIS, par.taco, axis=1, site=site)
-    return tj.tp.reduce_from_tp(x, AXIS, par.taco, site=site)
+        return tj.tp.reduce_scatter_to_sp(x, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
+    return tj.tp.reduce_from_tp(x, AXIS, par.taco, site=site, calibration=par.calibration)
 
 
 def _layer_norm(x, scale, bias, eps):

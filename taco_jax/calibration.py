@@ -1,52 +1,209 @@
-"""Per-site calibration: channel permutations and the transform decision, from measured
-codec error on a site's own tensors.
+"""Data-driven reshaping: per-site channel permutations and the transform decision,
+from statistics of the tensors each compressed collective actually sends.
 
 A permutation reorders the channels (last axis) before grouping, so that each group of G
-channels is well conditioned for the codec; `compress(x, spec, perm)` /
-`decompress(c, perm)` apply it. Strategies, from per-channel RMS:
+channels is well conditioned for the codec. Strategies, from per-channel RMS:
 
   identity    no reordering (the state before calibration)
   cluster     channels sorted by RMS: each group holds channels of similar magnitude
   interleave  sorted channels dealt round-robin over the groups: each group gets a mix of
               high- and low-energy channels
 
-Measured on synthetic TP tensors (`benchmarks/permutation_error.py`), clustering is what
-the Hadamard path needs (median per-channel error of INT8 + H 9.3% -> 0.7% where channel
-scales spread widely); interleaving makes it worse.
+How it runs: inside `with observing(collector):` every compressed collective traced
+reports, per call site and direction, the per-channel sum of squares of what it would
+send and a strided sample of its rows (a host callback; the values are reduced over all
+local devices and, in multi-process runs, over processes). `calibrate` turns that into a
+`Calibration`: for each site and direction the permutation and whether the Walsh-Hadamard
+transform is on, chosen by the measured codec error on the site's own samples. Pass it
+to the collectives / `taco_jax.tp` mappings (`calibration=`) or to the models
+(`Parallelism.calibration`); it is static (part of the compiled program), saved with
+checkpoints as JSON (`to_json` / `from_json`), and the empty `Calibration()` means
+identity permutations and the config's own transform setting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import threading
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from taco_jax.codec import compress, decompress
-from taco_jax.spec import QuantSpec
+from taco_jax.spec import QuantSpec, TacoConfig
 
 STRATEGIES = ("identity", "cluster", "interleave")
 METRICS = ("channel_median", "rel_rmse")
+DIRECTIONS = ("forward", "backward")
+SAMPLE_ROWS = 64  # rows sampled per observed message
+MAX_SAMPLE_ROWS = 4096  # rows kept per site and direction for the codec-error decision
 
 
-@jax.tree_util.register_dataclass
+# ----------------------------------------------------------------------------- state
+
+
 @dataclasses.dataclass(frozen=True)
-class SiteCalibration:
-    """What calibration decided for one call site (a pytree, for checkpoints).
+class ChannelPlan:
+    """What calibration decided for one call site and direction.
 
     Attributes:
-      perm: int32 (C,) channel permutation applied before grouping.
-      hadamard: bool scalar array: whether the site uses the Walsh-Hadamard transform.
+      perm: channel permutation applied before grouping (`x[..., perm]`).
+      hadamard: whether the Walsh-Hadamard transform is on for this site.
     """
 
-    perm: jax.Array
-    hadamard: jax.Array
+    perm: tuple[int, ...]
+    hadamard: bool
+
+    def __post_init__(self) -> None:
+        if sorted(self.perm) != list(range(len(self.perm))):
+            raise ValueError(f"ChannelPlan.perm is not a permutation of range({len(self.perm)})")
+
+    @functools.cached_property
+    def indices(self) -> np.ndarray:
+        """The permutation as an int32 array."""
+        return np.asarray(self.perm, np.int32)
+
+    @functools.cached_property
+    def inverse(self) -> np.ndarray:
+        """The inverse permutation as an int32 array."""
+        return np.argsort(self.indices).astype(np.int32)
+
+    def spec(self, spec: QuantSpec) -> QuantSpec:
+        """`spec` with this plan's transform decision."""
+        return dataclasses.replace(spec, hadamard=self.hadamard)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Per-site, per-direction `ChannelPlan`s. Empty = identity everywhere.
+
+    Attributes:
+      plans: ((site, direction, ChannelPlan), ...), direction "forward" or "backward".
+    """
+
+    plans: tuple[tuple[str, str, ChannelPlan], ...] = ()
+
+    def __post_init__(self) -> None:
+        for site, direction, plan in self.plans:
+            if direction not in DIRECTIONS or not isinstance(plan, ChannelPlan):
+                raise ValueError(f"bad calibration entry for site {site!r}: direction {direction!r}, plan {plan!r}")
+
+    def plan(self, site: str | None, direction: str) -> ChannelPlan | None:
+        """The plan of `site` in `direction`, or None (identity, config's transform)."""
+        return self._table.get((site, direction))
+
+    @functools.cached_property
+    def _table(self) -> dict:
+        return {(site, direction): plan for site, direction, plan in self.plans}
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(self.plans)
+
+    def to_json(self) -> dict:
+        """A JSON-serializable form (for checkpoints)."""
+        return {"plans": [{"site": s, "direction": d, "perm": list(p.perm), "hadamard": p.hadamard}
+                          for s, d, p in self.plans]}
 
     @classmethod
-    def identity(cls, channels: int, hadamard: bool = True) -> SiteCalibration:
-        """The state before calibration: no permutation."""
-        return cls(jnp.arange(channels, dtype=jnp.int32), jnp.asarray(hadamard))
+    def from_json(cls, data: dict) -> Calibration:
+        """Inverse of `to_json`.
+
+        Raises:
+          ValueError: malformed data.
+        """
+        try:
+            return cls(tuple((e["site"], e["direction"], ChannelPlan(tuple(int(i) for i in e["perm"]), bool(e["hadamard"])))
+                             for e in data["plans"]))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"malformed calibration data: {error!r}") from None
+
+
+# ----------------------------------------------------------------------------- collection
+
+
+class Collector:
+    """Thread-safe host accumulator of what each compressed collective sends.
+
+    Per (site, direction): per-channel sum of squares (float64), row count, and up to
+    `MAX_SAMPLE_ROWS` sampled rows.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sum_squares: dict[tuple[str, str], np.ndarray] = {}
+        self.rows: dict[tuple[str, str], int] = {}
+        self.samples: dict[tuple[str, str], list[np.ndarray]] = {}
+
+    def add(self, key: tuple[str, str], sum_squares, rows: int, sample) -> None:
+        """Accumulate one observed message (called from the host callback)."""
+        sum_squares, sample = np.asarray(sum_squares, np.float64), np.asarray(sample, np.float32)
+        with self._lock:
+            self.sum_squares[key] = self.sum_squares.get(key, 0.0) + sum_squares
+            self.rows[key] = self.rows.get(key, 0) + int(rows)
+            kept = self.samples.setdefault(key, [])
+            if sum(len(s) for s in kept) < MAX_SAMPLE_ROWS:
+                kept.append(sample)
+
+    def keys(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return sorted(self.sum_squares)
+
+    def rms(self, key: tuple[str, str]) -> np.ndarray:
+        """Per-channel RMS of everything observed at `key`, over all processes."""
+        with self._lock:
+            sums, rows = self.sum_squares[key], self.rows[key]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            gathered = multihost_utils.process_allgather(np.append(sums, rows))
+            sums, rows = gathered[:, :-1].sum(0), gathered[:, -1].sum()
+        return np.sqrt(sums / max(rows, 1))
+
+    def sample(self, key: tuple[str, str]) -> np.ndarray:
+        """The sampled rows of `key` (this process)."""
+        with self._lock:
+            return np.concatenate(self.samples[key])[:MAX_SAMPLE_ROWS]
+
+
+_collector: Collector | None = None
+
+
+@contextlib.contextmanager
+def observing(collector: Collector) -> Iterator[Collector]:
+    """Compressed collectives traced inside the block report to `collector`.
+
+    Like `record_wire`, this acts at trace time: trace (or jit) the step inside the block,
+    then run it; every execution adds its statistics.
+    """
+    global _collector
+    previous, _collector = _collector, collector
+    try:
+        yield collector
+    finally:
+        _collector = previous
+
+
+def observe(x: jax.Array, site: str, direction: str) -> None:
+    """Report `x` (..., C), about to be compressed at `site`, to the active collector."""
+    collector = _collector
+    if collector is None:
+        return
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    stride = max(1, rows.shape[0] // SAMPLE_ROWS)
+    sample = rows[::stride][:SAMPLE_ROWS]
+    jax.debug.callback(functools.partial(collector.add, (site, direction)), jnp.sum(jnp.square(rows), axis=0),
+                       rows.shape[0], sample)
+
+
+# ----------------------------------------------------------------------------- decision
 
 
 def channel_rms(x: jax.Array) -> np.ndarray:
@@ -94,8 +251,13 @@ def codec_error(x: jax.Array, spec: QuantSpec, perm: np.ndarray) -> dict[str, fl
 
 
 def calibrate_site(
-    samples: jax.Array, spec: QuantSpec, *, strategies: tuple[str, ...] = STRATEGIES, metric: str = "channel_median"
-) -> tuple[SiteCalibration, list[dict]]:
+    samples: jax.Array,
+    spec: QuantSpec,
+    *,
+    rms: np.ndarray | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
+    metric: str = "channel_median",
+) -> tuple[ChannelPlan, list[dict]]:
     """Choose a site's permutation and transform by measured codec error on its tensors.
 
     Every strategy is tried with the transform on and off; the lowest `metric` wins (the
@@ -104,18 +266,19 @@ def calibrate_site(
     Args:
       samples: the site's tensors (..., C) as they would be sent.
       spec: the site's `QuantSpec` (its `hadamard` field is what is being decided).
+      rms: per-channel RMS to build permutations from (default: that of `samples`).
       strategies: permutation strategies to try.
       metric: "channel_median" or "rel_rmse".
 
     Returns:
-      (the chosen `SiteCalibration`, one report row per candidate).
+      (the chosen `ChannelPlan`, one report row per candidate).
 
     Raises:
       ValueError: unknown metric or strategy, or channels not divisible by the group size.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown calibration metric {metric!r}; expected one of {list(METRICS)}")
-    rms = channel_rms(samples)
+    rms = channel_rms(samples) if rms is None else rms
     other = METRICS[1 - METRICS.index(metric)]
     report = []
     for strategy in strategies:
@@ -124,5 +287,57 @@ def calibrate_site(
             error = codec_error(samples, dataclasses.replace(spec, hadamard=hadamard), perm)
             report.append({"strategy": strategy, "hadamard": hadamard, **error, "perm": perm})
     best = min(report, key=lambda row: (row[metric], row[other]))
-    chosen = SiteCalibration(jnp.asarray(best["perm"]), jnp.asarray(best["hadamard"]))
+    chosen = ChannelPlan(tuple(int(i) for i in best["perm"]), bool(best["hadamard"]))
     return chosen, [{k: v for k, v in row.items() if k != "perm"} for row in report]
+
+
+def calibrate(
+    collector: Collector,
+    config: TacoConfig,
+    *,
+    strategies: tuple[str, ...] = STRATEGIES,
+    metric: str = "channel_median",
+) -> tuple[Calibration, list[dict]]:
+    """Decide every observed site's permutation and transform.
+
+    Only mode "taco" is calibrated ("fp8" is the no-reshaping baseline by definition,
+    "off" compresses nothing): the result is then empty. Sites whose channel count does
+    not divide by the group size keep the identity. In multi-process runs the RMS is
+    reduced over processes and process 0's decisions are broadcast, so every rank holds
+    the same `Calibration`.
+
+    Args:
+      collector: what `observing` collected.
+      config: the `TacoConfig` the sites compress with.
+      strategies: permutation strategies to choose from.
+      metric: "channel_median" or "rel_rmse".
+
+    Returns:
+      (the `Calibration`, one report row per site, direction and candidate).
+    """
+    if config.mode != "taco":
+        return Calibration(), []
+    plans, report = [], []
+    for site, direction in collector.keys():
+        spec = config.forward if direction == "forward" else config.backward
+        rms = collector.rms((site, direction))
+        if len(rms) % spec.group_size:
+            continue
+        plan, rows = calibrate_site(collector.sample((site, direction)), spec, rms=rms, strategies=strategies,
+                                    metric=metric)
+        plans.append((site, direction, plan))
+        report += [{"site": site, "direction": direction, **row} for row in rows]
+    return _agreed(Calibration(tuple(plans))), report
+
+
+def _agreed(calibration: Calibration) -> Calibration:
+    """Process 0's calibration on every process."""
+    if jax.process_count() == 1:
+        return calibration
+    from jax.experimental import multihost_utils
+
+    flags = np.array([plan.hadamard for _, _, plan in calibration.plans], np.int32)
+    perms = tuple(plan.indices for _, _, plan in calibration.plans)
+    flags, perms = multihost_utils.broadcast_one_to_all((flags, perms))
+    return Calibration(tuple((s, d, ChannelPlan(tuple(int(i) for i in p), bool(f)))
+                             for (s, d, _), p, f in zip(calibration.plans, np.asarray(perms), np.asarray(flags))))

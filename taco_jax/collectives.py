@@ -17,9 +17,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from taco_jax import accounting
+from taco_jax import calibration as calibration_lib
+from taco_jax.calibration import Calibration
 from taco_jax.codec import Compressed, compress, decompress, decompress_sum, requantize_sum
 from taco_jax.spec import QuantSpec, TacoConfig
 
@@ -89,6 +92,34 @@ def _spec_for(x: jax.Array, config: TacoConfig, direction: str) -> QuantSpec | N
     return config.forward if direction == "forward" else config.backward
 
 
+def site_plan(calibration: Calibration | None, site: str, direction: str) -> calibration_lib.ChannelPlan | None:
+    """The calibrated plan of `site` in `direction`, or None."""
+    return calibration.plan(site, direction) if calibration is not None else None
+
+
+def _wire_view(x, config, direction, op, site, calibration, channel_axis_used=False):
+    """(x in wire channel order, spec, inverse permutation or None); spec None = send
+    `x` uncompressed. Reports `x` to an active calibration collector."""
+    spec = _spec_for(x, config, direction)
+    if spec is None:
+        return x, None, None
+    calibration_lib.observe(x, site or op, direction)
+    plan = site_plan(calibration, site or op, direction)
+    if plan is None:
+        return x, spec, None
+    if len(plan.perm) != x.shape[-1]:
+        raise ValueError(f"calibration of site {site or op!r} permutes {len(plan.perm)} channels, "
+                         f"but the message has {x.shape[-1]} (shape {x.shape})")
+    if channel_axis_used:
+        raise ValueError(f"site {site or op!r} has a channel permutation, so it cannot gather or scatter along "
+                         f"the last (channel) axis of shape {x.shape}")
+    return jnp.take(x, plan.indices, axis=-1), plan.spec(spec), plan.inverse
+
+
+def _unpermute(x: jax.Array, inverse) -> jax.Array:
+    return x if inverse is None else jnp.take(x, inverse, axis=-1)
+
+
 def _record(site, op, direction, x, ranks, spec, sent, plain_sent) -> None:
     accounting.record(
         accounting.WireRecord(
@@ -107,24 +138,26 @@ def _check_axis(axis: int, ndim: int, what: str) -> int:
 # ----------------------------------------------------------------------------- implementations
 
 
-def gather_and_received(x, axis_name, config, direction, axis, tiled, site) -> tuple[jax.Array, jax.Array]:
+def gather_and_received(
+    x, axis_name, config, direction, axis, tiled, site, calibration=None
+) -> tuple[jax.Array, jax.Array]:
     """The all-gather result and what crossed the wire: the (ranks, nbytes) uint8
     buffers when compressed (decode again with `decode_gathered`), else the result."""
     ranks = lax.axis_size(axis_name)
     axis = _check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
-    spec = _spec_for(x, config, direction)
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
+    wire, spec, inverse = _wire_view(x, config, direction, "all_gather", site, calibration)
     if spec is None:
         _record(site, "all_gather", direction, x, ranks, None, plain_sent, plain_sent)
         gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
         return gathered, gathered
-    received = gather_packed(x, axis_name, spec)
+    received = gather_packed(wire, axis_name, spec)
     _record(site, "all_gather", direction, x, ranks, spec, (ranks - 1) * received.shape[1], plain_sent)
-    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled), received
+    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse), received
 
 
-def _gather(x, axis_name, config, direction, axis, tiled, site):
-    return gather_and_received(x, axis_name, config, direction, axis, tiled, site)[0]
+def _gather(x, axis_name, config, direction, axis, tiled, site, calibration=None):
+    return gather_and_received(x, axis_name, config, direction, axis, tiled, site, calibration)[0]
 
 
 def gather_packed(x: jax.Array, axis_name: str, spec: QuantSpec) -> jax.Array:
@@ -133,14 +166,20 @@ def gather_packed(x: jax.Array, axis_name: str, spec: QuantSpec) -> jax.Array:
 
 
 def decode_gathered(
-    received: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, spec: QuantSpec, axis: int, tiled: bool
+    received: jax.Array,
+    shape: tuple[int, ...],
+    dtype: jnp.dtype,
+    spec: QuantSpec,
+    axis: int,
+    tiled: bool,
+    inverse_perm: np.ndarray | None = None,
 ) -> jax.Array:
     """Decode `gather_packed` buffers of per-rank arrays of `shape` into the all-gather
-    result (`lax.all_gather` layout)."""
+    result (`lax.all_gather` layout), undoing a channel permutation if given."""
     ranks = received.shape[0]
     last = shape[-1] if shape else 1
     rows = (math.prod(shape[:-1]) * -(-last // spec.group_size), spec.group_size)
-    pieces = _from_rows(decompress(_unpack(received, _template(rows, dtype, spec))), shape, 1)
+    pieces = _unpermute(_from_rows(decompress(_unpack(received, _template(rows, dtype, spec))), shape, 1), inverse_perm)
     out = jnp.moveaxis(pieces, 0, axis)
     if tiled:
         out = out.reshape(*shape[:axis], ranks * shape[axis], *shape[axis + 1 :])
@@ -156,35 +195,40 @@ def _exchange(chunks: jax.Array, axis_name: str, spec: QuantSpec) -> tuple[Compr
     return _unpack(received, template), (ranks - 1) * template.nbytes
 
 
-def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site):
+def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, calibration=None):
     ranks = lax.axis_size(axis_name)
     dim = _check_axis(scatter_dimension, x.ndim, "scatter_dimension")
     size = x.shape[dim]
     if (tiled and size % ranks) or (not tiled and size != ranks):
         need = f"divisible by {ranks}" if tiled else f"equal to {ranks}"
         raise ValueError(f"scatter_dimension {dim} of shape {x.shape} has size {size}, must be {need} (axis size)")
-    spec = _spec_for(x, config, direction)
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize // ranks
+    wire, spec, inverse = _wire_view(x, config, direction, "reduce_scatter", site, calibration, dim == x.ndim - 1)
     if spec is None:
         _record(site, "reduce_scatter", direction, x, ranks, None, plain_sent, plain_sent)
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-    moved = jnp.moveaxis(x, dim, 0)
+    moved = jnp.moveaxis(wire, dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
     chunks = _to_rows(moved.reshape(ranks, *chunk_shape), spec.group_size, 1)
     shards, sent = _exchange(chunks, axis_name, spec)
     _record(site, "reduce_scatter", direction, x, ranks, spec, sent, plain_sent)
-    out = _from_rows(decompress_sum(shards), chunk_shape, 0)
+    out = _unpermute(_from_rows(decompress_sum(shards), chunk_shape, 0), inverse)
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
 
-def _reduce(x, axis_name, config, direction, algorithm, site):
+def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
     ranks = lax.axis_size(axis_name)
-    spec = _spec_for(x, config, direction)
     nbytes = x.size * x.dtype.itemsize
     plain_sent = 2 * (ranks - 1) * nbytes // ranks
+    wire, spec, inverse = _wire_view(x, config, direction, "all_reduce", site, calibration)
     if spec is None:
         _record(site, "all_reduce", direction, x, ranks, None, plain_sent, plain_sent)
         return lax.psum(x, axis_name)
+    return _unpermute(_reduce_compressed(wire, axis_name, spec, direction, algorithm, site, ranks, plain_sent), inverse)
+
+
+def _reduce_compressed(x, axis_name, spec, direction, algorithm, site, ranks, plain_sent):
+    nbytes = x.size * x.dtype.itemsize
     if algorithm == "auto":
         algorithm = "one_shot" if nbytes < ONE_SHOT_MAX_BYTES else "two_shot"
     rows = _to_rows(x, spec.group_size, 0)
@@ -207,49 +251,49 @@ def _reduce(x, axis_name, config, direction, algorithm, site):
 # ----------------------------------------------------------------------------- differentiable API
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _all_gather(x, axis_name, config, axis, tiled, site):
-    return _gather(x, axis_name, config, "forward", axis, tiled, site)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _all_gather(x, axis_name, config, axis, tiled, site, calibration):
+    return _gather(x, axis_name, config, "forward", axis, tiled, site, calibration)
 
 
-def _all_gather_fwd(x, axis_name, config, axis, tiled, site):
-    return _all_gather(x, axis_name, config, axis, tiled, site), None
+def _all_gather_fwd(x, axis_name, config, axis, tiled, site, calibration):
+    return _all_gather(x, axis_name, config, axis, tiled, site, calibration), None
 
 
-def _all_gather_bwd(axis_name, config, axis, tiled, site, _, cotangent):
-    return (_scatter(cotangent, axis_name, config, "backward", axis, tiled, site),)
+def _all_gather_bwd(axis_name, config, axis, tiled, site, calibration, _, cotangent):
+    return (_scatter(cotangent, axis_name, config, "backward", axis, tiled, site, calibration),)
 
 
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site):
-    return _scatter(x, axis_name, config, "forward", scatter_dimension, tiled, site)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site, calibration):
+    return _scatter(x, axis_name, config, "forward", scatter_dimension, tiled, site, calibration)
 
 
-def _reduce_scatter_fwd(x, axis_name, config, scatter_dimension, tiled, site):
-    return _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site), None
+def _reduce_scatter_fwd(x, axis_name, config, scatter_dimension, tiled, site, calibration):
+    return _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site, calibration), None
 
 
-def _reduce_scatter_bwd(axis_name, config, scatter_dimension, tiled, site, _, cotangent):
-    return (_gather(cotangent, axis_name, config, "backward", scatter_dimension, tiled, site),)
+def _reduce_scatter_bwd(axis_name, config, scatter_dimension, tiled, site, calibration, _, cotangent):
+    return (_gather(cotangent, axis_name, config, "backward", scatter_dimension, tiled, site, calibration),)
 
 
 _reduce_scatter.defvjp(_reduce_scatter_fwd, _reduce_scatter_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _all_reduce(x, axis_name, config, algorithm, site):
-    return _reduce(x, axis_name, config, "forward", algorithm, site)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _all_reduce(x, axis_name, config, algorithm, site, calibration):
+    return _reduce(x, axis_name, config, "forward", algorithm, site, calibration)
 
 
-def _all_reduce_fwd(x, axis_name, config, algorithm, site):
-    return _all_reduce(x, axis_name, config, algorithm, site), None
+def _all_reduce_fwd(x, axis_name, config, algorithm, site, calibration):
+    return _all_reduce(x, axis_name, config, algorithm, site, calibration), None
 
 
-def _all_reduce_bwd(axis_name, config, algorithm, site, _, cotangent):
-    return (_reduce(cotangent, axis_name, config, "backward", algorithm, site),)
+def _all_reduce_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
+    return (_reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration),)
 
 
 _all_reduce.defvjp(_all_reduce_fwd, _all_reduce_bwd)
@@ -261,6 +305,12 @@ def check_config(config: TacoConfig) -> None:
         raise ValueError(f"config must be a TacoConfig, got {type(config).__name__}")
 
 
+def check_calibration(calibration: Calibration | None) -> None:
+    """Raise ValueError unless `calibration` is None or a `Calibration`."""
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration must be a taco_jax.calibration.Calibration, got {type(calibration).__name__}")
+
+
 def check_algorithm(algorithm: str) -> None:
     """Raise ValueError unless `algorithm` is one of `ALGORITHMS`."""
     if algorithm not in ALGORITHMS:
@@ -268,7 +318,14 @@ def check_algorithm(algorithm: str) -> None:
 
 
 def all_gather(
-    x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, tiled: bool = True, site: str | None = None
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 0,
+    tiled: bool = True,
+    site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> jax.Array:
     """Compressed `lax.all_gather` over `axis_name` (inside `shard_map`).
 
@@ -280,16 +337,20 @@ def all_gather(
         under `config.min_bytes` uses the plain collective.
       axis: where the gathered axis goes (as in `lax.all_gather`).
       tiled: concatenate along `axis` instead of stacking a new axis.
-      site: call-site name for wire-byte accounting (`taco_jax.record_wire`).
+      site: call-site name for wire-byte accounting (`taco_jax.record_wire`) and
+        calibration.
+      calibration: per-site channel permutations and transform decisions
+        (`taco_jax.calibration`); None = identity and the config's transform.
 
     Returns:
       The gathered array, shape and dtype as `lax.all_gather` gives.
 
     Raises:
-      ValueError: bad axis or config.
+      ValueError: bad axis, config or calibration (a permutation of the wrong length).
     """
     check_config(config)
-    return _all_gather(x, axis_name, config, axis, tiled, site)
+    check_calibration(calibration)
+    return _all_gather(x, axis_name, config, axis, tiled, site, calibration)
 
 
 def reduce_scatter(
@@ -300,6 +361,7 @@ def reduce_scatter(
     scatter_dimension: int = 0,
     tiled: bool = True,
     site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> jax.Array:
     """Compressed `lax.psum_scatter`: sum over `axis_name`, each rank keeps its block.
 
@@ -312,20 +374,29 @@ def reduce_scatter(
       config: `TacoConfig` (see `all_gather`).
       scatter_dimension: the dimension split over the ranks.
       tiled: keep the dimension (size / ranks) instead of removing it (size == ranks).
-      site: call-site name for wire-byte accounting.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: see `all_gather`.
 
     Returns:
       This rank's block of the sum, shape and dtype as `lax.psum_scatter` gives.
 
     Raises:
-      ValueError: the scattered dimension does not divide by (or equal) the axis size.
+      ValueError: the scattered dimension does not divide by (or equal) the axis size,
+        or a channel permutation on a site that scatters along the channel axis.
     """
     check_config(config)
-    return _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site)
+    check_calibration(calibration)
+    return _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site, calibration)
 
 
 def all_reduce(
-    x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    algorithm: str = "auto",
+    site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> jax.Array:
     """Compressed `lax.psum` over `axis_name`.
 
@@ -341,14 +412,16 @@ def all_reduce(
       axis_name: the mesh axis.
       config: `TacoConfig` (see `all_gather`).
       algorithm: "auto", "one_shot" or "two_shot".
-      site: call-site name for wire-byte accounting.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: see `all_gather`.
 
     Returns:
       The sum, same shape and dtype as `x`.
 
     Raises:
-      ValueError: unknown algorithm or bad config.
+      ValueError: unknown algorithm, bad config or calibration.
     """
     check_config(config)
     check_algorithm(algorithm)
-    return _all_reduce(x, axis_name, config, algorithm, site)
+    check_calibration(calibration)
+    return _all_reduce(x, axis_name, config, algorithm, site, calibration)

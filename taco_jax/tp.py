@@ -21,35 +21,36 @@ import jax
 import jax.numpy as jnp
 
 from taco_jax import collectives
+from taco_jax.calibration import Calibration
 from taco_jax.spec import TacoConfig
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _copy(x, axis_name, config, algorithm, site):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _copy(x, axis_name, config, algorithm, site, calibration):
     return x
 
 
-def _copy_fwd(x, axis_name, config, algorithm, site):
+def _copy_fwd(x, axis_name, config, algorithm, site, calibration):
     return x, None
 
 
-def _copy_bwd(axis_name, config, algorithm, site, _, cotangent):
-    return (collectives._reduce(cotangent, axis_name, config, "backward", algorithm, site),)
+def _copy_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
+    return (collectives._reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration),)
 
 
 _copy.defvjp(_copy_fwd, _copy_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _reduce(x, axis_name, config, algorithm, site):
-    return collectives._reduce(x, axis_name, config, "forward", algorithm, site)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _reduce(x, axis_name, config, algorithm, site, calibration):
+    return collectives._reduce(x, axis_name, config, "forward", algorithm, site, calibration)
 
 
-def _reduce_fwd(x, axis_name, config, algorithm, site):
-    return _reduce(x, axis_name, config, algorithm, site), None
+def _reduce_fwd(x, axis_name, config, algorithm, site, calibration):
+    return _reduce(x, axis_name, config, algorithm, site, calibration), None
 
 
-def _reduce_bwd(axis_name, config, algorithm, site, _, cotangent):
+def _reduce_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
     return (cotangent,)
 
 
@@ -57,7 +58,13 @@ _reduce.defvjp(_reduce_fwd, _reduce_bwd)
 
 
 def copy_to_tp(
-    x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    algorithm: str = "auto",
+    site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> jax.Array:
     """Enter a tensor-parallel region: identity forward, compressed all-reduce of the
     gradient backward (every rank's partial input gradient is summed).
@@ -67,21 +74,29 @@ def copy_to_tp(
       axis_name: the tensor-parallel mesh axis.
       config: `TacoConfig`; the backward all-reduce uses `config.backward`.
       algorithm: all-reduce algorithm ("auto", "one_shot", "two_shot").
-      site: call-site name for wire-byte accounting.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
       `x`.
 
     Raises:
-      ValueError: `config` is not a `TacoConfig` or an unknown algorithm.
+      ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad calibration.
     """
     collectives.check_config(config)
     collectives.check_algorithm(algorithm)
-    return _copy(x, axis_name, config, algorithm, site)
+    collectives.check_calibration(calibration)
+    return _copy(x, axis_name, config, algorithm, site, calibration)
 
 
 def reduce_from_tp(
-    x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    algorithm: str = "auto",
+    site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> jax.Array:
     """Leave a tensor-parallel region: compressed all-reduce of the partial sums forward
     (`config.forward`), identity backward.
@@ -91,21 +106,29 @@ def reduce_from_tp(
       axis_name: the tensor-parallel mesh axis.
       config: `TacoConfig`.
       algorithm: all-reduce algorithm ("auto", "one_shot", "two_shot").
-      site: call-site name for wire-byte accounting.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
       The sum over `axis_name`, same shape and dtype as `x`.
 
     Raises:
-      ValueError: `config` is not a `TacoConfig` or an unknown algorithm.
+      ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad calibration.
     """
     collectives.check_config(config)
     collectives.check_algorithm(algorithm)
-    return _reduce(x, axis_name, config, algorithm, site)
+    collectives.check_calibration(calibration)
+    return _reduce(x, axis_name, config, algorithm, site, calibration)
 
 
 def gather_from_sp(
-    x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 0,
+    site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> jax.Array:
     """Leave a sequence-parallel region: compressed all-gather of the sequence shards
     forward, compressed reduce-scatter of the gradient backward.
@@ -115,19 +138,26 @@ def gather_from_sp(
       axis_name: the tensor-parallel mesh axis.
       config: `TacoConfig`.
       axis: the sequence axis.
-      site: call-site name for wire-byte accounting.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
       The full sequence (shard size x axis size along `axis`).
 
     Raises:
-      ValueError: bad axis or config.
+      ValueError: bad axis, config or calibration.
     """
-    return collectives.all_gather(x, axis_name, config, axis=axis, tiled=True, site=site)
+    return collectives.all_gather(x, axis_name, config, axis=axis, tiled=True, site=site, calibration=calibration)
 
 
 def reduce_scatter_to_sp(
-    x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 0,
+    site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> jax.Array:
     """Enter a sequence-parallel region: compressed reduce-scatter of the partial sums
     along the sequence forward, compressed all-gather of the gradient backward.
@@ -137,36 +167,42 @@ def reduce_scatter_to_sp(
       axis_name: the tensor-parallel mesh axis.
       config: `TacoConfig`.
       axis: the sequence axis (its size must divide by the axis size).
-      site: call-site name for wire-byte accounting.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
       This rank's sequence block of the sum.
 
     Raises:
-      ValueError: the sequence axis does not divide by the axis size, or a bad config.
+      ValueError: the sequence axis does not divide by the axis size, or a bad config
+        or calibration.
     """
-    return collectives.reduce_scatter(x, axis_name, config, scatter_dimension=axis, tiled=True, site=site)
+    return collectives.reduce_scatter(
+        x, axis_name, config, scatter_dimension=axis, tiled=True, site=site, calibration=calibration
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _gather_matmul(x, kernels, axis_name, config, axis, site):
-    return _gather_matmul_fwd(x, kernels, axis_name, config, axis, site)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _gather_matmul(x, kernels, axis_name, config, axis, site, calibration):
+    return _gather_matmul_fwd(x, kernels, axis_name, config, axis, site, calibration)[0]
 
 
-def _gather_matmul_fwd(x, kernels, axis_name, config, axis, site):
+def _gather_matmul_fwd(x, kernels, axis_name, config, axis, site, calibration):
     # Keep what was received (the 8-bit buffers when compressed), not the decoded
     # activation: ~half the bytes of bf16 (as Transformer Engine keeps FP8 residuals).
-    gathered, saved = collectives.gather_and_received(x, axis_name, config, "forward", axis, True, site)
+    gathered, saved = collectives.gather_and_received(x, axis_name, config, "forward", axis, True, site, calibration)
     return tuple(gathered @ kernel for kernel in kernels), (saved, kernels)
 
 
-def _gather_matmul_bwd(axis_name, config, axis, site, residuals, cotangents):
+def _gather_matmul_bwd(axis_name, config, axis, site, calibration, residuals, cotangents):
     saved, kernels = residuals
     if saved.dtype == jnp.uint8:  # the compressed buffers of gather_packed
         gathered_shape = (*cotangents[0].shape[:-1], kernels[0].shape[0])
         shape = list(gathered_shape)
         shape[axis] //= saved.shape[0]
-        gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, config.forward, axis, True)
+        plan = collectives.site_plan(calibration, site or "all_gather", "forward")
+        spec, inverse = (config.forward, None) if plan is None else (plan.spec(config.forward), plan.inverse)
+        gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, spec, axis, True, inverse)
     else:
         gathered = saved
     flat = gathered.reshape(-1, gathered.shape[-1])
@@ -175,7 +211,9 @@ def _gather_matmul_bwd(axis_name, config, axis, site, residuals, cotangents):
         for kernel, cotangent in zip(kernels, cotangents)
     )
     input_grad = sum(cotangent @ kernel.T for kernel, cotangent in zip(kernels, cotangents))
-    scattered = collectives._scatter(input_grad.astype(kernels[0].dtype), axis_name, config, "backward", axis, True, site)
+    scattered = collectives._scatter(
+        input_grad.astype(kernels[0].dtype), axis_name, config, "backward", axis, True, site, calibration
+    )
     return scattered, kernel_grads
 
 
@@ -190,6 +228,7 @@ def gather_matmul(
     *,
     axis: int = 1,
     site: str | None = None,
+    calibration: Calibration | None = None,
 ) -> tuple[jax.Array, ...]:
     """Sequence-parallel column-parallel matmuls: `gather_from_sp(x) @ k` for each kernel.
 
@@ -203,13 +242,15 @@ def gather_matmul(
       axis_name: the tensor-parallel mesh axis.
       config: `TacoConfig`.
       axis: the sequence axis of `x`.
-      site: call-site name for wire-byte accounting.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
       One output (..., N_i) per kernel, over the gathered sequence.
 
     Raises:
-      ValueError: `config` is not a `TacoConfig`.
+      ValueError: `config` is not a `TacoConfig`, or a bad calibration.
     """
     collectives.check_config(config)
-    return _gather_matmul(x, tuple(jnp.asarray(k) for k in kernels), axis_name, config, axis, site)
+    collectives.check_calibration(calibration)
+    return _gather_matmul(x, tuple(jnp.asarray(k) for k in kernels), axis_name, config, axis, site, calibration)

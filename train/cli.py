@@ -13,7 +13,8 @@ Any config field can also be set as key=value (after the flags), e.g.
 Fields: model mesh taco taco_min_bytes sequence_parallel steps seed data_seed batch_size seq_len
 microbatches grad_accum lr warmup_steps decay_steps min_lr_ratio weight_decay beta1 beta2 grad_clip
 compute_dtype data tokenizer data_dtype val_fraction eval_every eval_batches out
-checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps (see train/config.py).
+checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps calibration_steps
+calibration_strategy recalibrate (see train/config.py).
 Precedence: defaults < --config file < flags < key=value.
 
 Multi-host: start one process per host with the same flags plus --coordinator HOST:PORT
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="seed of the parameter init and the data order")
     parser.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, summary.json, loss.png")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="observe the compressed tensors again for calibration_steps and recalibrate")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--coordinator", help="multi-host: coordinator address HOST:PORT (jax.distributed)")
     parser.add_argument("--num-processes", type=int, help="multi-host: number of processes")
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("model", "mesh", "taco", "steps", "seed", "out"):
         if getattr(args, flag) is not None:
             values[flag] = getattr(args, flag)
+    if args.recalibrate:
+        values["recalibrate"] = True
     values.update(config_lib.parse_key_values(args.overrides))
     cfg = config_lib.apply_overrides(config_lib.TrainConfig(), values)
     if args.coordinator or args.distributed:

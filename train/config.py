@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,15 @@ class TrainConfig:
       checkpoint_every, keep_checkpoints: checkpoint cadence and how many to keep.
       max_bad_steps: stop after this many consecutive non-finite steps.
       debug_nan_steps: steps whose gradients are replaced by NaN (tests the skip logic).
+      calibration_steps: with a "taco" preset, the tensors every compressed site sends
+        during the first this many steps are observed (training proceeds with identity
+        permutations), then each site's channel permutation and transform are chosen
+        by measured codec error (taco_jax.calibration) and kept in checkpoints; 0: no
+        calibration.
+      calibration_strategy: permutation strategy: "auto" (the lowest error of identity,
+        cluster and interleave per site) or one of them.
+      recalibrate: observe and calibrate again for calibration_steps from the
+        (resumed) start step, replacing the checkpoint's calibration.
     """
 
     model: str = "gpt2-tiny"
@@ -76,6 +86,9 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_bad_steps: int = 5
     debug_nan_steps: tuple[int, ...] = ()
+    calibration_steps: int = 20
+    calibration_strategy: str = "auto"
+    recalibrate: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,6 +103,11 @@ class TrainConfig:
         for name in ("steps", "seq_len", "microbatches", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.calibration_steps < 0:
+            problems.append(f"calibration_steps must be >= 0, got {self.calibration_steps}")
+        if self.calibration_strategy not in CALIBRATION_STRATEGIES:
+            problems.append(f"calibration_strategy must be one of {list(CALIBRATION_STRATEGIES)}, "
+                            f"got {self.calibration_strategy!r}")
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if problems:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -22,6 +23,7 @@ import models
 import taco_jax as tj
 from models.api import sum_sequence_parallel_grads
 from models.transformer import Parallelism
+from taco_jax.calibration import Calibration
 from train import data as data_lib
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, to_dict
@@ -76,15 +78,22 @@ def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTr
     return params, opt_state
 
 
-def _parallelism(cfg: TrainConfig) -> Parallelism:
+def taco_config(cfg: TrainConfig) -> tj.TacoConfig:
+    """The run's TACO configuration (preset plus the min_bytes override)."""
     overrides = {} if cfg.taco_min_bytes < 0 else {"min_bytes": cfg.taco_min_bytes}
-    return Parallelism(tj.TacoConfig.preset(cfg.taco, **overrides), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype))
+    return tj.TacoConfig.preset(cfg.taco, **overrides)
 
 
-def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh):
+def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
+    return Parallelism(taco_config(cfg), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype), calibration=calibration)
+
+
+def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibration: Calibration = Calibration(),
+                  collector: tj.calibration.Collector | None = None):
     """shard_map'd (params, tokens) -> (loss, grads): the pipelined loss and its gradients,
-    averaged over data and accumulation steps, sharded like the parameters."""
-    par = _parallelism(cfg)
+    averaged over data and accumulation steps, sharded like the parameters. With a
+    `collector`, every compressed collective reports what it sends to it."""
+    par = _parallelism(cfg, calibration)
     specs = models.partition_specs(config)
 
     def reduce_grads(loss, grads):
@@ -96,6 +105,12 @@ def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh):
         return lax.pmean(loss, "data"), jax.tree.map(lambda g: lax.pmean(g, "data"), grads)
 
     def local_grads(params, tokens):
+        with contextlib.ExitStack() as stack:
+            if collector is not None:
+                stack.enter_context(tj.calibration.observing(collector))
+            return accumulated_grads(params, tokens)
+
+    def accumulated_grads(params, tokens):
         chunks = tokens.reshape(cfg.grad_accum, -1, tokens.shape[-1])
         grad_fn = jax.value_and_grad(lambda p, t: pipeline_loss(config, p, t, par, cfg.microbatches))
 
@@ -110,14 +125,16 @@ def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh):
     return jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
 
 
-def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings):
+def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings,
+                        calibration: Calibration = Calibration(), collector: tj.calibration.Collector | None = None):
     """(train_step, eval_step), jitted. train_step(params, opt_state, tokens, poison) ->
     (params, opt_state, metrics); a non-finite loss or gradient leaves params and
     optimizer state unchanged (metrics["ok"] is False). `state_shardings` (of params and
-    optimizer state) are kept on the outputs, so every step reuses one compilation."""
-    par = _parallelism(cfg)
+    optimizer state) are kept on the outputs, so every step reuses one compilation.
+    `calibration` and `collector` as in `make_grads_fn`."""
+    par = _parallelism(cfg, calibration)
     specs = models.partition_specs(config)
-    grads_fn = make_grads_fn(cfg, config, mesh)
+    grads_fn = make_grads_fn(cfg, config, mesh, calibration, collector)
 
     def train_step(params, opt_state, tokens, poison):
         loss, grads = grads_fn(params, tokens)
@@ -158,6 +175,20 @@ def wire_bytes_per_step(cfg: TrainConfig, config, train_step, params, opt_state,
     factor = lambda r: (layers_per_stage if r.site.startswith("layers.") else 1) * cfg.grad_accum
     records = [r for r in ledger.records if r.site != "all_reduce"]  # the loss statistics
     return (sum(r.sent_bytes * factor(r) for r in records), sum(r.uncompressed_sent_bytes * factor(r) for r in records))
+
+
+def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Path | None, bar=None) -> Calibration:
+    """Decide the run's calibration from what `collector` observed; write the per-site
+    report (every candidate's codec error) to `out`/calibration.json."""
+    jax.effects_barrier()  # every host callback of the observed steps has run
+    strategies = tj.calibration.STRATEGIES if cfg.calibration_strategy == "auto" else (cfg.calibration_strategy,)
+    calibration, report = tj.calibration.calibrate(collector, taco_config(cfg), strategies=strategies)
+    if out is not None:
+        (out / "calibration.json").write_text(json.dumps({"calibration": calibration.to_json(), "report": report}))
+    chosen = ", ".join(f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans)
+    message = f"calibrated {len(calibration.plans)} site directions ({chosen})"
+    (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(message)
+    return calibration
 
 
 @dataclasses.dataclass
@@ -238,6 +269,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     params, opt_state = init_state(config, cfg.seed, mesh, tx)
     checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
     step, bad_total = 0, 0
+    calibration, calibrated = Calibration(), False
     latest = checkpoints.latest_step()
     if resume:
         if latest is None:
@@ -246,12 +278,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         if meta.get("model") != cfg.model:
             raise ValueError(f"checkpoint at step {latest} is for model {meta.get('model')!r}, not {cfg.model!r}")
         params, opt_state, step, bad_total = state["params"], state["opt_state"], meta["step"], meta["skipped_steps"]
+        calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
+        calibrated = bool(meta.get("calibrated", False))
     elif latest is not None:
         raise ValueError(f"{out} already holds checkpoints (latest step {latest}): pass --resume or another --out")
     if main_process:
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings)
+    observe = taco_config(cfg).mode == "taco" and cfg.calibration_steps > 0 and (cfg.recalibrate or not calibrated)
+    calibrate_at = step + cfg.calibration_steps if observe else None
+    collector = tj.calibration.Collector() if observe else None
+    train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
     data_seed = cfg.seed if cfg.data_seed < 0 else cfg.data_seed
     batch_of = lambda tokens, position, size: _global_batch(
         data_lib.batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
@@ -261,7 +298,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def save(at_step):
-        meta = {"step": at_step, "data_position": at_step, "skipped_steps": bad_total, "model": cfg.model, "seed": cfg.seed}
+        meta = {"step": at_step, "data_position": at_step, "skipped_steps": bad_total, "model": cfg.model, "seed": cfg.seed,
+                "calibrated": calibrated, "calibration": calibration.to_json()}
         checkpoints.save(at_step, {"params": params, "opt_state": opt_state}, meta)
 
     def evaluate():
@@ -291,6 +329,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
                    "step_time_s": elapsed, "wire_bytes": wire, "wire_bytes_bf16": wire_plain,
                    "skipped_steps": bad_total, "finite": ok}
             step += 1
+            if step == calibrate_at:
+                calibration = calibrate_run(cfg, collector, out if main_process else None, bar)
+                calibrated, collector = True, None
+                train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration)
             if consecutive_bad >= cfg.max_bad_steps:
                 raise TrainingError(f"{consecutive_bad} consecutive non-finite steps (last: step {step}); stopping")
             if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -317,6 +359,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         "skipped_steps": bad_total, "seconds": round(time.time() - started, 1),
         "wire_bytes_per_step": wire, "wire_bytes_per_step_bf16": wire_plain,
         "pipeline_bubble": bubble_fraction(cfg.mesh[1], cfg.microbatches),
+        "calibrated_sites": len(calibration.plans),
+        "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),
     }
     if main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
