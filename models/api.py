@@ -22,10 +22,11 @@ def _mesh_or_default(mesh: Mesh | None) -> Mesh:
     return mesh
 
 
-def _prepare(config: ModelConfig, mesh: Mesh | None, taco, sequence_parallel: bool) -> tuple[Mesh, Parallelism]:
+def _prepare(config: ModelConfig, mesh: Mesh | None, taco, sequence_parallel: bool, calibration) -> tuple[Mesh, Parallelism]:
     mesh = _mesh_or_default(mesh)
     check_tensor_parallel(config, mesh.shape[AXIS])
-    return mesh, Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel)
+    calibration = calibration if calibration is not None else tj.calibration.Calibration()
+    return mesh, Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel, calibration=calibration)
 
 
 def _batch_spec(mesh: Mesh, batch: int) -> P:
@@ -40,6 +41,7 @@ def logits(
     mesh: Mesh | None = None,
     taco: tj.TacoConfig | None = None,
     sequence_parallel: bool = False,
+    calibration: tj.calibration.Calibration | None = None,
 ) -> jax.Array:
     """Next-token logits for evaluation.
 
@@ -50,6 +52,7 @@ def logits(
       mesh: (data, pipe, tensor) mesh; one device if None.
       taco: compression of the tensor-parallel collectives (uncompressed if None).
       sequence_parallel: run norms and residuals on sequence shards.
+      calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
       float32 (B, S, vocab_size), sharded over the vocabulary on `mesh`.
@@ -58,7 +61,7 @@ def logits(
       ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
         vocabulary (or the sequence, with sequence parallelism).
     """
-    mesh, par = _prepare(config, mesh, taco, sequence_parallel)
+    mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)
     batch = _batch_spec(mesh, tokens.shape[0])
     fn = jax.shard_map(
         lambda p, t: local_logits(config, p, t, par), mesh=mesh,
@@ -100,6 +103,7 @@ def loss_and_grads(
     mesh: Mesh | None = None,
     taco: tj.TacoConfig | None = None,
     sequence_parallel: bool = False,
+    calibration: tj.calibration.Calibration | None = None,
 ):
     """Mean next-token loss and its gradients, averaged over the data axis.
 
@@ -110,11 +114,12 @@ def loss_and_grads(
       mesh: (data, pipe, tensor) mesh; one device if None.
       taco: compression of the tensor-parallel collectives (uncompressed if None).
       sequence_parallel: run norms and residuals on sequence shards.
+      calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
       (loss, grads), grads sharded like the parameters.
     """
-    mesh, par = _prepare(config, mesh, taco, sequence_parallel)
+    mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)
     specs = partition_specs(config)
 
     def body(p, t):

@@ -1,8 +1,12 @@
 """Calibration: permutation strategies and the per-site choice by measured codec error."""
 
+import json
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
 from benchmarks import tp_tensors
@@ -30,19 +34,135 @@ def test_calibration_picks_clustering_for_spread_channel_scales():
     assert (best["strategy"], best["hadamard"]) == ("cluster", True)
     identity_h = next(r for r in report if (r["strategy"], r["hadamard"]) == ("identity", True))
     assert best["channel_median"] < 0.25 * identity_h["channel_median"]
-    np.testing.assert_array_equal(np.asarray(chosen.perm), calibration.permutation(calibration.channel_rms(x), 128, "cluster"))
-    assert bool(chosen.hadamard)
-    # The state is a pytree that survives jit (and so checkpoints).
-    same = jax.jit(lambda c: c)(chosen)
-    np.testing.assert_array_equal(np.asarray(same.perm), np.asarray(chosen.perm))
+    np.testing.assert_array_equal(chosen.indices, calibration.permutation(calibration.channel_rms(x), 128, "cluster"))
+    assert chosen.hadamard
+    np.testing.assert_array_equal(chosen.indices[chosen.inverse], np.arange(1024))
 
 
-def test_identity_state_and_errors():
-    state = calibration.SiteCalibration.identity(256)
-    np.testing.assert_array_equal(np.asarray(state.perm), np.arange(256))
+def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="unknown permutation strategy"):
         calibration.permutation(np.ones(256), 128, "shuffle")
     with pytest.raises(ValueError, match="not divisible by group_size 128"):
         calibration.permutation(np.ones(200), 128, "cluster")
     with pytest.raises(ValueError, match="unknown calibration metric"):
         calibration.calibrate_site(np.ones((4, 256), np.float32), tj.QuantSpec(), metric="mse")
+    with pytest.raises(ValueError, match="not a permutation"):
+        calibration.ChannelPlan((0, 0, 1), True)
+    with pytest.raises(ValueError, match="direction 'sideways'"):
+        calibration.Calibration((("s", "sideways", calibration.ChannelPlan((0, 1), True)),))
+    with pytest.raises(ValueError, match="malformed calibration data"):
+        calibration.Calibration.from_json({"plans": [{"site": "s"}]})
+
+
+def test_state_round_trips_through_json_and_is_hashable():
+    plan = calibration.ChannelPlan(tuple(np.random.default_rng(0).permutation(256).tolist()), False)
+    state = calibration.Calibration((("layers.mlp.out", "forward", plan),))
+    again = calibration.Calibration.from_json(json.loads(json.dumps(state.to_json())))
+    assert again == state and hash(again) == hash(state)
+    assert again.plan("layers.mlp.out", "forward") == plan
+    assert again.plan("layers.mlp.out", "backward") is None and calibration.Calibration().plan("x", "forward") is None
+
+
+# ----------------------------------------------------------------------------- in the collectives
+
+RANKS = 4
+CHANNELS = 256
+TACO = tj.TacoConfig.preset("taco", min_bytes=0)
+
+
+def _spread_channels(seed=0, rows=16):
+    """Rank-coded (RANKS, rows, CHANNELS) f32 with log-normal channel scales."""
+    rng = np.random.default_rng(seed)
+    scales = np.exp(rng.normal(0, 2, CHANNELS))
+    return np.stack([(r + 1) * rng.normal(size=(rows, CHANNELS)) * scales for r in range(RANKS)]).astype(np.float32)
+
+
+def _sharded(fn):
+    mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
+
+
+def _observe_reduce(x):
+    collector = calibration.Collector()
+    with calibration.observing(collector):
+        out = _sharded(lambda v: tj.all_reduce(v[0], "tensor", TACO, site="s")[None])(x)
+        jax.block_until_ready(out)
+    jax.effects_barrier()
+    return collector, np.asarray(out)
+
+
+def test_collector_sees_every_rank_and_the_statistics_are_exact():
+    x = _spread_channels()
+    collector, _ = _observe_reduce(x)
+    assert collector.keys() == [("s", "forward")]
+    expected = np.sqrt(np.mean(np.square(x.astype(np.float64)).reshape(-1, CHANNELS), axis=0))
+    np.testing.assert_allclose(collector.rms(("s", "forward")), expected, rtol=1e-5)
+    assert collector.sample(("s", "forward")).shape[1] == CHANNELS
+
+
+def test_calibrated_collectives_cut_the_per_channel_error():
+    x = _spread_channels()
+    collector, identity_out = _observe_reduce(x)
+    state, report = calibration.calibrate(collector, TACO)
+    (site, direction, plan), = state.plans
+    assert (site, direction) == ("s", "forward") and {r["site"] for r in report} == {"s"}
+    out = np.asarray(_sharded(lambda v: tj.all_reduce(v[0], "tensor", TACO, site="s", calibration=state)[None])(x))
+    exact = x.astype(np.float64).sum(0)
+    per_channel = lambda y: np.median(np.linalg.norm(y[0] - exact, axis=0) / np.linalg.norm(exact, axis=0))
+    assert per_channel(out) < 0.25 * per_channel(identity_out)
+    assert per_channel(out) < 0.05
+    for r in range(RANKS):  # every rank decodes the same sum
+        np.testing.assert_array_equal(out[r], out[0])
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_gather_with_a_plan_equals_the_codec_round_trip(hadamard):
+    x = _spread_channels(1)
+    perm = tuple(np.random.default_rng(2).permutation(CHANNELS).tolist())
+    plan = calibration.ChannelPlan(perm, hadamard)
+    state = calibration.Calibration((("g", "forward", plan),))
+    out = _sharded(lambda v: tj.all_gather(v, "tensor", TACO, axis=0, site="g", calibration=state))(x)
+    spec = plan.spec(TACO.forward)
+    expected = np.concatenate([np.asarray(tj.decompress(tj.compress(x[r], spec, perm=plan.indices), perm=plan.indices))
+                               for r in range(RANKS)])
+    # rank 0's result; jit and eager may round the decode's last multiply differently (1 ulp)
+    np.testing.assert_allclose(np.asarray(out)[:RANKS], expected.reshape(RANKS, 16, CHANNELS), rtol=1e-6, atol=0)
+
+
+def test_backward_plan_is_used_for_the_gradient_collective():
+    """gather_from_sp's backward reduce-scatter uses the site's backward plan: every rank
+    holds the same cotangent 2 * gathered (gathered = the forward codec's round trip),
+    so rank r's gradient is 4 decoded copies of its chunk compressed with that plan."""
+    x = _spread_channels(3)
+    plan = calibration.ChannelPlan(tuple(np.random.default_rng(5).permutation(CHANNELS).tolist()), True)
+    state = calibration.Calibration((("g", "backward", plan),))
+
+    def grad(cal):
+        loss = lambda v: jnp.sum(tj.tp.gather_from_sp(v, "tensor", TACO, axis=0, site="g", calibration=cal) ** 2)
+        return np.asarray(_sharded(jax.grad(loss))(x))
+
+    backward = lambda v: np.asarray(tj.decompress(tj.compress(v, plan.spec(TACO.backward), perm=plan.indices),
+                                                  perm=plan.indices))
+    forward = lambda v: np.asarray(tj.decompress(tj.compress(v, TACO.forward)))
+    expected = np.stack([4 * backward(2 * forward(x[r])) for r in range(RANKS)])
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(grad(state), expected, rtol=1e-5, atol=1e-6 * scale)
+    assert np.abs(grad(None) - expected).max() > 1e-3 * scale  # the plan changed the result
+
+
+def test_plans_that_do_not_fit_are_errors():
+    x = _spread_channels()
+    short = calibration.Calibration((("s", "forward", calibration.ChannelPlan(tuple(range(128)), True)),))
+    with pytest.raises(ValueError, match="permutes 128 channels, but the message has 256"):
+        _sharded(lambda v: tj.all_reduce(v[0], "tensor", TACO, site="s", calibration=short)[None])(x)
+    full = calibration.Calibration((("s", "forward", calibration.ChannelPlan(tuple(range(CHANNELS)), True)),))
+    with pytest.raises(ValueError, match="cannot gather or scatter along the last"):
+        _sharded(lambda v: tj.reduce_scatter(v[0], "tensor", TACO, scatter_dimension=1, site="s", calibration=full)[None])(x)
+    with pytest.raises(ValueError, match="calibration must be a taco_jax.calibration.Calibration"):
+        _sharded(lambda v: tj.all_reduce(v, "tensor", TACO, calibration={"s": 1}))(x)
+
+
+def test_fp8_and_off_are_never_calibrated():
+    collector, _ = _observe_reduce(_spread_channels())
+    for preset in ("fp8", "off"):
+        assert calibration.calibrate(collector, tj.TacoConfig.preset(preset)) == (calibration.Calibration(), [])

@@ -153,3 +153,26 @@ def test_clear_errors(hf_folders, tmp_path):
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
     with pytest.raises(ValueError, match="not a safetensors file"):
         models.load_hf(broken)
+
+
+def test_calibration_observes_every_site_and_stays_within_codec_error():
+    config = models.preset("gpt2-tiny")
+    params = models.init_params(config, jax.random.key(0))
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (4, 33))
+    loss1, grads1 = models.loss_and_grads(config, params, tokens, mesh=_mesh())
+    taco = tj.TacoConfig.preset("taco", min_bytes=0)
+    run = lambda cal: models.loss_and_grads(config, params, tokens, mesh=_mesh(1, 1, 4), taco=taco,
+                                            sequence_parallel=True, calibration=cal)
+    collector = tj.calibration.Collector()
+    with tj.calibration.observing(collector):
+        run(None)
+    jax.effects_barrier()
+    sites = ("embed", "layers.attn.in", "layers.attn.out", "layers.mlp.in", "layers.mlp.out", "head.in")
+    assert collector.keys() == sorted((s, d) for s in sites for d in ("backward", "forward"))
+    calibration, _ = tj.calibration.calibrate(collector, taco)
+    assert len(calibration.plans) == 12
+    loss, grads = run(calibration)
+    assert abs(float(loss) - float(loss1)) / float(loss1) < 0.01
+    worst = max(_rel(g, g1) for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1))
+                if np.linalg.norm(np.asarray(g1)) > 0)
+    assert 0 < worst < 0.15

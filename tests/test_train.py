@@ -72,13 +72,24 @@ def test_pipeline_gradients_equal_the_sequential_model(mesh):
 
 
 def test_resume_continues_bit_exactly(tmp_path):
-    straight = _cfg(tmp_path, "straight", steps=6, checkpoint_every=3, taco="taco")
-    trainer.train(straight, progress=False)
-    first = _cfg(tmp_path, "resumed", steps=3, decay_steps=6, checkpoint_every=3, taco="taco")
+    # Calibrated after step 2, before the interruption: the checkpoint carries it.
+    calibrated = dict(taco="taco", calibration_steps=2, checkpoint_every=3)
+    straight = _cfg(tmp_path, "straight", steps=6, **calibrated)
+    assert trainer.train(straight, progress=False)["calibrated_sites"] == 6
+    first = _cfg(tmp_path, "resumed", steps=3, decay_steps=6, **calibrated)
     trainer.train(first, progress=False)
-    summary = trainer.train(_cfg(tmp_path, "resumed", steps=6, checkpoint_every=3, taco="taco"), resume=True, progress=False)
-    assert summary["steps"] == 6
+    decided = json.loads((Path(first.out) / "calibration.json").read_text())["calibration"]
+    (Path(first.out) / "calibration.json").unlink()
+    summary = trainer.train(_cfg(tmp_path, "resumed", steps=6, **calibrated), resume=True, progress=False)
+    assert summary["steps"] == 6 and summary["calibrated_sites"] == 6
+    assert not (Path(first.out) / "calibration.json").exists()  # restored, not recalibrated
     assert _losses(first.out) == _losses(straight.out)
+    restored = trainer.Checkpointer(Path(first.out) / "checkpoints", 3)
+    assert restored.meta(6)["calibration"] == decided
+    restored.close()
+    again = trainer.train(_cfg(tmp_path, "resumed", steps=7, **{**calibrated, "calibration_steps": 1}, recalibrate=True),
+                          resume=True, progress=False)
+    assert again["calibrated_sites"] == 6 and (Path(first.out) / "calibration.json").exists()
     with pytest.raises(ValueError, match="already holds checkpoints"):
         trainer.train(first, progress=False)
 
@@ -185,7 +196,7 @@ def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     args = ["--no-progress", "--mesh", "2,1,4", "--out", str(tmp_path / "mp"), "--coordinator", f"127.0.0.1:{port}",
-            "--num-processes", "2", *_cli_args({**SMALL, "taco": "taco"})]
+            "--num-processes", "2", *_cli_args({**SMALL, "taco": "taco", "calibration_steps": 2})]
     procs = [subprocess.Popen([sys.executable, "-m", "taco_jax.train", *args, "--process-id", str(i)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outputs = []
@@ -199,7 +210,7 @@ def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
     summary = json.loads(outputs[0][0][outputs[0][0].index("{"):])
     assert summary["steps"] == 3 and np.isfinite(summary["final_loss"])
-    assert len(_losses(tmp_path / "mp")) == 3
+    assert len(_losses(tmp_path / "mp")) == 3 and summary["calibrated_sites"] == 6
 
 
 def test_default_yaml_matches_the_dataclass_defaults():

@@ -44,5 +44,9 @@ class Checkpointer:
             ) from error
         return restored["state"], restored["meta"]
 
+    def meta(self, step: int) -> dict:
+        """The metadata saved with `step`."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
     def close(self) -> None:
         self.manager.close()
