@@ -2,7 +2,8 @@
 
 Public API: `QuantSpec`, `TacoConfig`, `compress` / `decompress` (`Compressed`),
 `wire_bytes`, the collectives `all_gather`, `reduce_scatter`, `all_reduce`, the Megatron
-mappings in `taco_jax.tp`, `make_mesh`, `record_wire` (wire-byte accounting) and
+mappings in `taco_jax.tp`, per-site calibration in `taco_jax.calibration`, `make_mesh`,
+`simulated_shard_map` (a mesh as named vmaps on one device), `record_wire` (wire-byte accounting) and
 `collectives_in_hlo` (what a compiled function sends).
 """
 
@@ -20,7 +21,7 @@ from taco_jax.codec import (
 )
 from taco_jax.collectives import all_gather, all_reduce, reduce_scatter
 from taco_jax.hlo import HloCollective, collective_bytes, collectives_in_hlo
-from taco_jax.mesh import MESH_AXES, make_mesh
+from taco_jax.mesh import MESH_AXES, make_mesh, simulated_shard_map
 from taco_jax.spec import PRESETS, QuantSpec, TacoConfig
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "record_wire",
     "reduce_scatter",
     "requantize_sum",
+    "simulated_shard_map",
     "tp",
     "wire_bytes",
 ]

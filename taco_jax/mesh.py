@@ -1,12 +1,14 @@
-"""The (data, pipe, tensor) device mesh."""
+"""The (data, pipe, tensor) device mesh, real or simulated on one device."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "pipe", "tensor")
 
@@ -38,3 +40,70 @@ def make_mesh(data: int = 1, pipe: int = 1, tensor: int = 1, devices: Sequence[j
             f"but {len(devices)} devices are available"
         )
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _sharded_dim(spec: P, axis: str) -> int | None:
+    """The array dimension `spec` splits over mesh axis `axis`, or None."""
+    for dim, entry in enumerate(spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if axis in names:
+            if len(names) > 1:
+                raise ValueError(f"simulated meshes split a dimension over one axis only, got {spec}")
+            return dim
+    return None
+
+
+def _split(x: jax.Array, spec: P, axis: str, size: int) -> jax.Array:
+    dim = _sharded_dim(spec, axis)
+    if dim is None:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of shape {x.shape} is not divisible by mesh axis {axis}={size}")
+    x = x.reshape(*x.shape[:dim], size, x.shape[dim] // size, *x.shape[dim + 1:])
+    return jnp.moveaxis(x, dim, 0)
+
+
+def _merge(y: jax.Array, spec: P, axis: str) -> jax.Array:
+    dim = _sharded_dim(spec, axis)
+    if dim is None:
+        return y[0]  # replicated over `axis`: every simulated rank holds the same value
+    y = jnp.moveaxis(y, 0, dim)
+    return y.reshape(*y.shape[:dim], -1, *y.shape[dim + 2:])
+
+
+def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out_specs) -> Callable:
+    """`jax.shard_map(fn, ...)` on one device: each mesh axis becomes a named `jax.vmap`.
+
+    The per-shard code (collectives over the axis names, `lax.axis_index`, custom VJPs)
+    runs unchanged, so a TP=4 run's arithmetic can be reproduced on a single GPU. Inputs
+    are split and outputs reassembled by their `PartitionSpec`s; outputs replicated over
+    an axis are taken from rank 0 of it.
+
+    Args:
+      fn: the per-shard function.
+      axes: mesh axis names and sizes, outermost first, e.g. {"data": 2, "pipe": 1, "tensor": 4}.
+      in_specs: one PartitionSpec (or a pytree prefix of them) per positional argument.
+      out_specs: PartitionSpec pytree prefix of the outputs.
+
+    Returns:
+      A function of the global arrays.
+
+    Raises:
+      ValueError: a dimension not divisible by its axis size, or split over two axes.
+    """
+    if not axes:
+        return fn
+    (axis, size), rest = next(iter(axes.items())), dict(list(axes.items())[1:])
+    inner = simulated_shard_map(fn, rest, in_specs, out_specs)
+    is_spec = lambda s: isinstance(s, P)
+
+    def outer(*args):
+        per_spec = lambda f: jax.tree.map(lambda spec, tree: jax.tree.map(lambda x: f(x, spec), tree),
+                                          tuple(in_specs), args, is_leaf=is_spec)
+        split = per_spec(lambda x, spec: _split(x, spec, axis, size))
+        in_axes = per_spec(lambda x, spec: None if _sharded_dim(spec, axis) is None else 0)
+        out = jax.vmap(inner, in_axes=in_axes, axis_name=axis, axis_size=size)(*split)
+        return jax.tree.map(lambda spec, tree: jax.tree.map(lambda y: _merge(y, spec, axis), tree),
+                            out_specs, out, is_leaf=is_spec)
+
+    return outer

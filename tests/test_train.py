@@ -217,3 +217,26 @@ def test_default_yaml_matches_the_dataclass_defaults():
     from train.config import load_yaml
 
     assert apply_overrides(TrainConfig(), load_yaml("default")) == TrainConfig()
+
+
+def test_simulated_mesh_reproduces_the_device_mesh(tmp_path):
+    """The same run as named vmaps on one device (quality studies on one GPU)."""
+    run = dict(mesh=(2, 2, 2), taco="taco", sequence_parallel=True, calibration_steps=2)
+    real = _cfg(tmp_path, "real", **run)
+    simulated = _cfg(tmp_path, "simulated", **run, simulate_mesh=True)
+    assert trainer.train(simulated, progress=False)["calibrated_sites"] == 12
+    trainer.train(real, progress=False)
+    np.testing.assert_allclose(_losses(simulated.out), _losses(real.out), rtol=1e-4)
+
+
+def test_simulated_shard_map_splits_and_merges_by_spec():
+    from jax.sharding import PartitionSpec as P
+
+    x = np.arange(24.0).reshape(4, 6)
+    fn = tj.simulated_shard_map(lambda a: (jax.lax.psum(a, "tensor"), a * jax.lax.axis_index("tensor")),
+                                {"data": 2, "tensor": 3}, (P("data", "tensor"),), (P("data"), P("data", "tensor")))
+    total, scaled = fn(jnp.asarray(x))
+    np.testing.assert_array_equal(total, x.reshape(4, 3, 2).sum(1))
+    np.testing.assert_array_equal(scaled, x * np.repeat(np.arange(3), 2))
+    with pytest.raises(ValueError, match="not divisible by mesh axis tensor=4"):
+        tj.simulated_shard_map(lambda a: a, {"tensor": 4}, (P("tensor"),), P("tensor"))(jnp.ones(6))

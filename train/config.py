@@ -50,6 +50,8 @@ class TrainConfig:
         calibration.
       calibration_strategy: permutation strategy: "auto" (the lowest error of identity,
         cluster and interleave per site) or one of them.
+      simulate_mesh: run the mesh as named vmaps on one device (`taco_jax.simulated_shard_map`):
+        the arithmetic of a data x pipe x tensor run on a single GPU, for quality studies.
       recalibrate: observe and calibrate again for calibration_steps from the
         (resumed) start step, replacing the checkpoint's calibration.
     """
@@ -89,6 +91,7 @@ class TrainConfig:
     calibration_steps: int = 20
     calibration_strategy: str = "auto"
     recalibrate: bool = False
+    simulate_mesh: bool = False
 
     def __post_init__(self) -> None:
         problems = []

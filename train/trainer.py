@@ -88,6 +88,17 @@ def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
     return Parallelism(taco_config(cfg), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype), calibration=calibration)
 
 
+def _shard_map(cfg: TrainConfig, mesh, fn, in_specs, out_specs):
+    if cfg.simulate_mesh:
+        return tj.simulated_shard_map(fn, dict(zip(tj.MESH_AXES, cfg.mesh)), in_specs, out_specs)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def device_mesh(cfg: TrainConfig):
+    """The run's device mesh: cfg.mesh, or one device when the mesh is simulated."""
+    return tj.make_mesh(1, 1, 1, devices=jax.devices()[:1]) if cfg.simulate_mesh else tj.make_mesh(*cfg.mesh)
+
+
 def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibration: Calibration = Calibration(),
                   collector: tj.calibration.Collector | None = None):
     """shard_map'd (params, tokens) -> (loss, grads): the pipelined loss and its gradients,
@@ -122,7 +133,7 @@ def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibratio
         (loss, grads), _ = lax.scan(accumulate, zeros, chunks)
         return reduce_grads(loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads))
 
-    return jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
+    return _shard_map(cfg, mesh, local_grads, (specs, P("data")), (P(), specs))
 
 
 def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings,
@@ -150,7 +161,7 @@ def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, 
         loss = pipeline_loss(config, params, tokens, par, cfg.microbatches)
         return lax.pmean(lax.psum(loss, PIPE), "data")
 
-    eval_fn = jax.shard_map(local_eval, mesh=mesh, in_specs=(specs, P("data")), out_specs=P(), check_vma=False)
+    eval_fn = _shard_map(cfg, mesh, local_eval, (specs, P("data")), P())
     jitted = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(*state_shardings, None))
     return jitted, jax.jit(eval_fn)
 
@@ -258,7 +269,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         (with `resume`).
       TrainingError: `max_bad_steps` consecutive non-finite steps.
     """
-    mesh = tj.make_mesh(*cfg.mesh)
+    mesh = device_mesh(cfg)
     config = models.preset(cfg.model)
     corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
     _check_setup(cfg, config, corpus.vocab_size)
