@@ -1,98 +1,179 @@
-"""Training quality per TACO mode: the same model, data order and steps, several seeds.
+"""Training quality per compression variant: same model, data order and steps, several seeds.
 
-For each model and mode, trains `--seeds` runs (init seeds 0..n-1, one data order) with
-the trainer on a (1, 1, tensor) mesh and reports final train loss (mean of the last 10
-steps) and validation loss as mean ± spread (max - min) over seeds, the gap to `off`, and
-the seed-to-seed spread of `off` itself: a gap inside that spread is no evidence either
-way. Writes JSON, a markdown table and a PNG of the loss curves.
+Each run trains with the trainer on a (1, 1, tensor) mesh (simulated as named vmaps on
+one device with --simulate, which reproduces a TP run's arithmetic on a single GPU) and
+reports the final train loss (mean of the last 20 steps) and validation loss as
+mean ± spread (max - min) over seeds, the gap to `off`, and the seed-to-seed spread of
+`off` itself: a gap inside that spread is no evidence either way. Runs go to worker
+processes (--jobs) and are appended to the JSON as they finish, so a cut-short
+experiment keeps what it measured (--report-only rebuilds the table from it).
 
-Usage (8 simulated CPU devices are plenty for the tiny presets):
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/quality.py \\
-      [--models gpt2-tiny,qwen2-tiny] [--modes off,fp8,taco,taco+] [--seeds 2] [--steps 200]
+Variants:
+  off            plain collectives (the reference)
+  fp8            per-group absmax E4M3, no transform (the naive baseline)
+  taco           E4M3 + Hadamard + dual scales, calibrated (the authors' method)
+  taco+          INT8 + Hadamard + bf16 scales, calibrated
+  taco-noreshape taco without calibration (identity permutation, transform everywhere)
+  taco-e5m2bwd   taco with E5M2 activation gradients
+  int4           INT4 absmax, no transform (4-bit control: can the experiment see a codec?)
+  int4+H         INT4 + Hadamard + bf16 scales, calibrated
+
+Usage (GPU, one device):
+  python benchmarks/quality.py --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
+CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/quality.py \\
+      --models gpt2-tiny --steps 200
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train.config import TrainConfig  # noqa: E402
-from train.trainer import train  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VARIANTS: dict[str, dict] = {
+    "off": {"taco": "off"},
+    "fp8": {"taco": "fp8"},
+    "taco": {"taco": "taco"},
+    "taco+": {"taco": "taco+"},
+    "taco-noreshape": {"taco": "taco", "calibration_steps": 0},
+    "taco-e5m2bwd": {"taco": "taco", "taco_backward": "e5m2:128:H:dual"},
+    "int4": {"taco": "fp8", "taco_forward": "int4:128:-:single", "taco_backward": "int4:128:-:single"},
+    "int4+H": {"taco": "taco+", "taco_forward": "int4:128:H:bf16", "taco_backward": "int4:128:H:bf16"},
+}
 
 
-def run(model: str, mode: str, seed: int, steps: int, tensor: int, root: Path) -> dict:
-    out = root / f"{model}_{mode}_seed{seed}"
-    cfg = TrainConfig(model=model, mesh=(1, 1, tensor), taco=mode, taco_min_bytes=0, steps=steps, seed=seed, data_seed=0,
-                      batch_size=16, seq_len=128, eval_every=steps, eval_batches=8, checkpoint_every=steps, out=str(out))
+def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> dict:
+    """One run in this process; returns its result row."""
+    from train.config import TrainConfig
+    from train.trainer import train
+
+    out = args.runs / f"{model}_{variant}_seed{seed}"
+    cfg = TrainConfig(model=model, mesh=(1, 1, args.tensor), simulate_mesh=args.simulate, taco_min_bytes=0,
+                      steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
+                      lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
+                      checkpoint_every=args.steps, keep_checkpoints=1, calibration_steps=args.calibration_steps,
+                      compute_dtype=args.compute_dtype, out=str(out), **VARIANTS[variant])
     summary = train(cfg, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"model": model, "mode": mode, "seed": seed, "train_loss": float(np.mean([r["loss"] for r in rows[-10:]])),
-            "val_loss": summary["final_val_loss"], "curve": [r["loss"] for r in rows]}
+    result = {"model": model, "variant": variant, "seed": seed, "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
+              "val_loss": summary["final_val_loss"], "curve": [r["loss"] for r in rows], "seconds": summary["seconds"],
+              "wire_fraction": summary["wire_bytes_per_step"] / summary["wire_bytes_per_step_bf16"]}
+    calibration = out / "calibration.json"
+    if calibration.exists():
+        result["calibration_report"] = json.loads(calibration.read_text())["report"]
+    return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="gpt2-tiny,qwen2-tiny")
-    parser.add_argument("--modes", default="off,fp8,taco,taco+")
-    parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--tensor", type=int, default=4)
-    parser.add_argument("--runs", type=Path, default=Path("runs/quality"))
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    results = []
-    for model in args.models.split(","):
-        for mode in args.modes.split(","):
-            for seed in range(args.seeds):
-                results.append(run(model, mode, seed, args.steps, args.tensor, args.runs))
-                r = results[-1]
-                print(f"  {model} {mode:6s} seed {seed}: train {r['train_loss']:.4f} val {r['val_loss']:.4f}",
-                      file=sys.stderr, flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": results}))
-    lines = ["| model | mode | train loss | val loss | val gap vs off |", "|---|---|---|---|---|"]
-    for model in args.models.split(","):
-        base = [r["val_loss"] for r in results if r["model"] == model and r["mode"] == "off"]
-        for mode in args.modes.split(","):
-            train_l = [r["train_loss"] for r in results if r["model"] == model and r["mode"] == mode]
-            val_l = [r["val_loss"] for r in results if r["model"] == model and r["mode"] == mode]
-            gap = 100 * (np.mean(val_l) / np.mean(base) - 1) if base else float("nan")
-            lines.append(f"| {model} | {mode} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
-                         f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap:+.2f}% |")
-        if base:
-            lines.append(f"| {model} | off seed spread | | {100 * np.ptp(base) / np.mean(base):.2f}% of the mean | |")
+def _spawn(args: argparse.Namespace, model: str, variant: str, seed: int) -> dict:
+    env = dict(os.environ)
+    if args.jobs > 1:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.2f}")
+    forwarded = [a for a in sys.argv[1:] if a != "--report-only"]
+    proc = subprocess.run([sys.executable, __file__, *forwarded, "--one", model, variant, str(seed)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{model} {variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def report(results: list[dict], models: list[str], variants: list[str], out: Path) -> str:
+    """Markdown table; writes quality.md and quality.png next to the JSON."""
+    lines = ["| model | variant | seeds | train loss | val loss | val gap vs off | wire bytes vs bf16 |",
+             "|---|---|---|---|---|---|---|"]
+    for model in models:
+        base = [r["val_loss"] for r in results if r["model"] == model and r["variant"] == "off"]
+        for variant in variants:
+            runs = [r for r in results if r["model"] == model and r["variant"] == variant]
+            if not runs:
+                continue
+            train_l, val_l = [r["train_loss"] for r in runs], [r["val_loss"] for r in runs]
+            gap = f"{100 * (np.mean(val_l) / np.mean(base) - 1):+.2f}%" if base else "n/a"
+            lines.append(f"| {model} | {variant} | {len(runs)} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
+                         f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {100 * runs[0]['wire_fraction']:.1f}% |")
+        if len(base) > 1:
+            lines.append(f"| {model} | off seed spread | | | {100 * np.ptp(base) / np.mean(base):.2f}% of the mean | | |")
     table = "\n".join(lines)
-    (args.out / "quality.md").write_text(table + "\n")
-    _plot(results, args.out / "quality.png")
-    print(table)
+    (out / "quality.md").write_text(table + "\n")
+    _plot(results, models, variants, out / "quality.png")
+    return table
 
 
-def _plot(results: list[dict], path: Path) -> None:
+def _plot(results: list[dict], models: list[str], variants: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in results})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4))
-    for ax, model in zip(np.atleast_1d(axes), models):
-        for mode in dict.fromkeys(r["mode"] for r in results):
-            curves = np.array([r["curve"] for r in results if r["model"] == model and r["mode"] == mode])
-            smooth = np.convolve(curves.mean(0), np.ones(10) / 10, mode="valid")
-            ax.plot(np.arange(len(smooth)) + 10, smooth, label=mode)
-        ax.set_title(model)
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant in variants:
+            curves = [r["curve"] for r in results if r["model"] == model and r["variant"] == variant]
+            if not curves:
+                continue
+            smooth = np.convolve(np.mean(curves, axis=0), np.ones(20) / 20, mode="valid")
+            ax.plot(np.arange(len(smooth)) + 20, smooth, label=variant, lw=1)
+        ax.set_title(f"{model}, TP=4")
         ax.set_xlabel("step")
-        ax.set_ylabel("train loss (mean over seeds, 10-step average)")
-        ax.set_ylim(top=3.2)
-        ax.legend()
+        ax.set_ylabel("train loss (mean over seeds, 20-step average)")
+        ax.set_ylim(top=2.2)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2-mini,qwen2-mini")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-batches", type=int, default=32)
+    parser.add_argument("--calibration-steps", type=int, default=50)
+    parser.add_argument("--compute-dtype", default="bfloat16")
+    parser.add_argument("--tensor", type=int, default=4)
+    parser.add_argument("--simulate", action="store_true", help="simulate the mesh on one device (named vmaps)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (worker processes)")
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs/quality")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the table from the JSON")
+    parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(train_one(args, args.one[0], args.one[1], int(args.one[2]))))
+        return
+    models, variants = args.models.split(","), args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "quality.json"
+    results = json.loads(path.read_text())["runs"] if path.exists() else []
+    done = {(r["model"], r["variant"], r["seed"]) for r in results}
+    todo = [(m, v, s) for s in range(args.seeds) for m in models for v in variants if (m, v, s) not in done]
+    if not args.report_only:
+        settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")}
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(_spawn, args, *key) for key in todo]
+            for future in as_completed(futures):
+                result = future.result()
+                results.append(result)
+                path.write_text(json.dumps({"settings": settings, "runs": results}))
+                print(f"  {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
+                      f"val {result['val_loss']:.4f} ({result['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    print(report(results, models, variants, args.out))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""8-bit wire formats and per-group scale encodings."""
+"""Wire element formats (8-bit, and 4-bit integers packed two per byte) and per-group
+scale encodings."""
 
 from __future__ import annotations
 
@@ -11,26 +12,31 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class WireFormat:
-    """One 8-bit element format of the compressed payload.
+    """One element format of the compressed payload.
 
     Attributes:
-      name: "e4m3", "e5m2" or "int8".
-      dtype: the JAX dtype of the payload.
+      name: "e4m3", "e5m2", "int8" or "int4".
+      dtype: the JAX dtype of the payload in a `Compressed` (int4 codes are held as
+        int8 and packed two per byte on the wire).
       max_value: largest finite magnitude; values are clipped to it before the cast
         because JAX's FP8 casts are not saturating (out of range becomes NaN).
       is_integer: symmetric integer grid (round half to even) instead of a float grid.
+      bits: bits per element on the wire.
     """
 
     name: str
     dtype: np.dtype
     max_value: float
     is_integer: bool
+    bits: int = 8
 
 
 WIRE_FORMATS: dict[str, WireFormat] = {
     "e4m3": WireFormat("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, False),
     "e5m2": WireFormat("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, False),
     "int8": WireFormat("int8", jnp.dtype(jnp.int8), 127.0, True),
+    # Symmetric [-7, 7]: the 4-bit control of the quality experiment (half the bytes again).
+    "int4": WireFormat("int4", jnp.dtype(jnp.int8), 7.0, True, bits=4),
 }
 
 # Bytes per group on the wire for each scale encoding:
@@ -52,7 +58,7 @@ def wire_format(name: str) -> WireFormat:
     """Look up a wire format by name.
 
     Args:
-      name: "e4m3", "e5m2" or "int8".
+      name: "e4m3", "e5m2", "int8" or "int4".
 
     Returns:
       The `WireFormat`.
@@ -145,3 +151,17 @@ def round_up_to_bf16(scale: jnp.ndarray) -> jnp.ndarray:
     ceil_bits = (bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)
     ceil_bits = jnp.where(jnp.isfinite(scale), ceil_bits, bits)
     return jax.lax.bitcast_convert_type(ceil_bits, jnp.float32).astype(jnp.bfloat16)
+
+
+def pack_nibbles(codes: jnp.ndarray) -> jnp.ndarray:
+    """int8 codes in [-8, 7], last axis even, -> uint8 with two codes per byte (the
+    even-indexed code in the low nibble)."""
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2).astype(jnp.uint8) & 0xF
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: jnp.ndarray) -> jnp.ndarray:
+    """Invert `pack_nibbles`: uint8 (..., n) -> int8 codes (..., 2n)."""
+    nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.int8)
+    signed = jnp.where(nibbles > 7, nibbles - 16, nibbles).astype(jnp.int8)
+    return signed.reshape(*packed.shape[:-1], -1)

@@ -49,12 +49,13 @@ def kernel_mode(mode: str) -> Iterator[None]:
         _kernel_mode = previous
 
 
-def _kernel_choice(group_size: int, dtype: jnp.dtype, shards: int = 1) -> tuple[bool, bool]:
+def _kernel_choice(spec: QuantSpec, dtype: jnp.dtype, shards: int = 1) -> tuple[bool, bool]:
     """(use the Pallas kernel, in interpret mode) for this call."""
     mode = _kernel_mode
     if mode == "auto":
         mode = "pallas" if jax.default_backend() == "gpu" else "jnp"
-    supported = 16 <= group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES and shards & (shards - 1) == 0
+    supported = (16 <= spec.group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES and shards & (shards - 1) == 0
+                 and spec.element_bits == 8)
     return mode in ("pallas", "interpret") and supported, mode == "interpret"
 
 
@@ -65,7 +66,8 @@ class Compressed:
 
     Attributes:
       payload: (..., C) array in the spec's element dtype (float8_e4m3fn, float8_e5m2
-        or int8), in the permuted and (if `spec.hadamard`) transformed domain.
+        or int8; int4 codes as int8, packed on the wire), in the permuted and (if
+        `spec.hadamard`) transformed domain.
       scales: per-group scales, layout given by `spec.scales`: float32 (..., C/G, 2) for
         "dual", float32 (..., C/G) for "single", bfloat16 for "bf16", uint8 for "e8m0".
       shape: shape of the original tensor.
@@ -82,7 +84,7 @@ class Compressed:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: payload plus scales."""
-        return int(self.payload.size * self.payload.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize)
+        return int(self.payload.size * self.spec.element_bits // 8 + self.scales.size * self.scales.dtype.itemsize)
 
     def dequantize(self, perm: jax.Array | None = None) -> jax.Array:
         """Same as `decompress(self, perm)`."""
@@ -124,7 +126,7 @@ def check_permutation(perm: jax.Array, channels: int) -> jax.Array:
 
 def _quantize(values: jax.Array, spec: QuantSpec, transform: bool) -> tuple[jax.Array, jax.Array]:
     """Payload and wire scales of `values` (..., C), kernel or jnp."""
-    use_kernel, interpret = _kernel_choice(spec.group_size, values.dtype)
+    use_kernel, interpret = _kernel_choice(spec, values.dtype)
     if not use_kernel:
         return group_codec.quantize_groups(
             values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=transform
@@ -143,7 +145,7 @@ def _dequantize_sum(shards: Compressed, *, requantize: bool, dtype: jnp.dtype = 
     count, group = shards.payload.shape[0], spec.group_size
     payload = shards.payload.reshape(count, -1, group)
     multiplier = group_codec.dequantize_scale(shards.scales, spec.scales).reshape(count, -1)
-    use_kernel, interpret = _kernel_choice(group, dtype, count)
+    use_kernel, interpret = _kernel_choice(spec, dtype, count)
     kwargs = dict(transform=spec.hadamard, requantize=(spec.fmt, spec.scales) if requantize else None)
     if use_kernel:
         return decompress_kernel.decompress(payload, multiplier, out_dtype=dtype, interpret=interpret, **kwargs)
@@ -257,4 +259,4 @@ def wire_bytes(shape: Sequence[int], dtype: jnp.dtype, spec: QuantSpec | None) -
     if spec is None:
         return size * np.dtype(dtype).itemsize
     check_groupable(shape, spec)
-    return size + (size // spec.group_size) * spec.scale_bytes
+    return size * spec.element_bits // 8 + (size // spec.group_size) * spec.scale_bytes

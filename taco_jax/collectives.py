@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import formats
 from taco_jax import accounting
 from taco_jax import calibration as calibration_lib
 from taco_jax.calibration import Calibration
@@ -60,7 +61,8 @@ def _as_bytes(a: jax.Array, lead: int) -> jax.Array:
 
 def _pack(c: Compressed, lead: int) -> jax.Array:
     """Payload and scales as one uint8 buffer per leading index: (*lead_dims, nbytes)."""
-    return jnp.concatenate([_as_bytes(c.payload, lead), _as_bytes(c.scales, lead)], axis=-1)
+    payload = formats.pack_nibbles(c.payload) if c.spec.element_bits == 4 else c.payload
+    return jnp.concatenate([_as_bytes(payload, lead), _as_bytes(c.scales, lead)], axis=-1)
 
 
 def _from_bytes(buf: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
@@ -72,8 +74,12 @@ def _from_bytes(buf: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax
 def _unpack(buf: jax.Array, template: Compressed) -> Compressed:
     """Invert `_pack`; `template` has the per-message (unbatched) shapes."""
     lead_shape = buf.shape[:-1]
-    payload_bytes = template.payload.size * template.payload.dtype.itemsize
-    payload = _from_bytes(buf[..., :payload_bytes], (*lead_shape, *template.payload.shape), template.payload.dtype)
+    payload_bytes = template.payload.size * template.spec.element_bits // 8
+    if template.spec.element_bits == 4:
+        packed = buf[..., :payload_bytes].reshape(*lead_shape, *template.payload.shape[:-1], -1)
+        payload = formats.unpack_nibbles(packed)
+    else:
+        payload = _from_bytes(buf[..., :payload_bytes], (*lead_shape, *template.payload.shape), template.payload.dtype)
     scales = _from_bytes(buf[..., payload_bytes:], (*lead_shape, *template.scales.shape), template.scales.dtype)
     return Compressed(payload, scales, (*lead_shape, *template.shape), template.dtype, template.spec)
 

@@ -16,7 +16,8 @@ class QuantSpec:
     """How one direction of a tensor-parallel collective is quantized.
 
     Attributes:
-      fmt: element format on the wire: "e4m3", "e5m2" or "int8".
+      fmt: element format on the wire: "e4m3", "e5m2", "int8" or "int4" (packed two
+        per byte; the 4-bit control, no Pallas kernel).
       group_size: G, contiguous elements of the last axis sharing one scale; a power of
         two (the Hadamard transform needs one), at least 2.
       hadamard: apply the adaptive-scale Walsh-Hadamard transform per group.
@@ -42,6 +43,23 @@ class QuantSpec:
             raise ValueError(f"group_size must be a power of two >= 2, got {size!r}")
         if not isinstance(self.hadamard, bool):
             raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> QuantSpec:
+        """A spec from "fmt:group_size:H|-:scales", e.g. "int8:128:H:bf16".
+
+        Raises:
+          ValueError: malformed text or an invalid field.
+        """
+        parts = text.split(":")
+        if len(parts) != 4 or parts[2] not in ("H", "-") or not parts[1].isdigit():
+            raise ValueError(f"quantizer spec {text!r} is not fmt:group_size:H|-:scales (e.g. int8:128:H:bf16)")
+        return cls(parts[0], int(parts[1]), parts[2] == "H", parts[3])
+
+    @property
+    def element_bits(self) -> int:
+        """Wire bits per element."""
+        return WIRE_FORMATS[self.fmt].bits
 
     @property
     def scale_bytes(self) -> int:

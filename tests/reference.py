@@ -6,6 +6,7 @@ FORMATS = {  # name: (max, mantissa bits, min normal exponent, integer)
     "e4m3": (448.0, 3, -6, False),
     "e5m2": (57344.0, 2, -14, False),
     "int8": (127.0, 0, 0, True),
+    "int4": (7.0, 0, 0, True),
 }
 
 

@@ -13,7 +13,8 @@ import taco_jax as tj
 from pallas_kernels import formats
 from tests import reference as ref
 
-FMTS = ["e4m3", "e5m2", "int8"]
+FMTS = ["e4m3", "e5m2", "int8", "int4"]
+INTEGER = {"int8": 127.0, "int4": 7.0}
 SCALES = ["dual", "single", "bf16", "e8m0"]
 # Worst relative error per group on the y grid, by format (half an ulp of the mantissa;
 # for int8, half a step of absmax/127 spread over the group).
@@ -35,10 +36,10 @@ def _group_rel_error(out, x, group_size):
 
 
 def _group_bound(spec, dtype):
-    if spec.fmt == "int8":
+    if spec.fmt in INTEGER:
         # A scale rounded up to a power of two can double the step; to bf16, by 2**-7.
         steps = {"e8m0": 2.0, "bf16": 1.0 + 2.0**-7}.get(spec.scales, 1.0)
-        fmt_bound = 0.5 * steps * np.sqrt(spec.group_size) / 127
+        fmt_bound = 0.5 * steps * np.sqrt(spec.group_size) / INTEGER[spec.fmt]
     else:
         fmt_bound = REL_BOUND[spec.fmt]
     return fmt_bound + float(jnp.finfo(dtype).eps) + 1e-5
@@ -57,7 +58,7 @@ def test_matches_float64_reference(fmt, scales, hadamard):
     mismatch = got_codes != codes
     # f32 vs f64 arithmetic can only flip values lying within f32 rounding of a tie.
     assert mismatch.mean() < 2e-3
-    step = np.maximum(np.abs(codes), 1.0) * (2.0**-3 if fmt != "int8" else 1.0)
+    step = np.maximum(np.abs(codes), 1.0) * (2.0**-3 if fmt not in INTEGER else 1.0)
     assert np.all(np.abs(got_codes - codes)[mismatch] <= step[mismatch] + 1e-12)
 
     scales_arr = ref.as_float64(c.scales)
@@ -271,3 +272,16 @@ def test_property_round_trip(lead, groups, group_size, dtype, fmt, scales, hadam
 def test_dataclass_replace_keeps_validation():
     with pytest.raises(ValueError, match="unknown format"):
         dataclasses.replace(tj.QuantSpec(), fmt="fp4")
+
+
+def test_int4_packs_two_codes_per_byte_on_the_wire():
+    codes = jnp.asarray(np.tile(np.arange(-7, 8), 4)[:, None].repeat(2, 1).reshape(-1)[:32].reshape(2, 16), jnp.int8)
+    packed = formats.pack_nibbles(codes)
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, 8)
+    np.testing.assert_array_equal(np.asarray(formats.unpack_nibbles(packed)), np.asarray(codes))
+    every = jnp.asarray(np.arange(-8, 8), jnp.int8)
+    np.testing.assert_array_equal(np.asarray(formats.unpack_nibbles(formats.pack_nibbles(every))), np.arange(-8, 8))
+    spec = tj.QuantSpec(fmt="int4", scales="bf16", group_size=128)
+    x = jnp.ones((3, 512), jnp.bfloat16)
+    assert tj.compress(x, spec).nbytes == tj.wire_bytes(x.shape, x.dtype, spec) == 3 * 256 + 3 * 4 * 2
+    assert np.abs(np.asarray(tj.compress(_random((4, 256)), spec).payload)).max() <= 7

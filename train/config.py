@@ -21,6 +21,8 @@ class TrainConfig:
       mesh: (data, pipe, tensor) degrees; their product is the device count.
       taco: TACO preset for the tensor-parallel collectives (off | fp8 | taco | taco+).
       taco_min_bytes: messages under this many bytes stay uncompressed (-1: preset's).
+      taco_forward, taco_backward: replace the preset's forward / backward quantizer,
+        as "fmt:group_size:H|-:scales" (e.g. "int4:128:H:bf16"); empty: the preset's.
       sequence_parallel: norms and residuals on sequence shards.
       steps: optimizer steps to run (a resumed run continues up to this step).
       seed: parameter init seed (and data order seed unless data_seed is set).
@@ -60,6 +62,8 @@ class TrainConfig:
     mesh: tuple[int, int, int] = (2, 1, 4)
     taco: str = "taco"
     taco_min_bytes: int = 0
+    taco_forward: str = ""
+    taco_backward: str = ""
     sequence_parallel: bool = False
     steps: int = 300
     seed: int = 0

@@ -81,6 +81,9 @@ def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTr
 def taco_config(cfg: TrainConfig) -> tj.TacoConfig:
     """The run's TACO configuration (preset plus the min_bytes override)."""
     overrides = {} if cfg.taco_min_bytes < 0 else {"min_bytes": cfg.taco_min_bytes}
+    for field in ("forward", "backward"):
+        if getattr(cfg, f"taco_{field}"):
+            overrides[field] = tj.QuantSpec.parse(getattr(cfg, f"taco_{field}"))
     return tj.TacoConfig.preset(cfg.taco, **overrides)
 
 
