@@ -57,11 +57,12 @@ def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> 
     from train.trainer import train
 
     out = args.runs / f"{model}_{variant}_seed{seed}"
-    cfg = TrainConfig(model=model, mesh=(1, 1, args.tensor), simulate_mesh=args.simulate, taco_min_bytes=0,
-                      steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
-                      lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
-                      checkpoint_every=args.steps, keep_checkpoints=1, calibration_steps=args.calibration_steps,
-                      compute_dtype=args.compute_dtype, out=str(out), **VARIANTS[variant])
+    settings = dict(model=model, mesh=(1, 1, args.tensor), simulate_mesh=args.simulate, taco_min_bytes=0,
+                    steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
+                    lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
+                    checkpoint_every=args.steps, keep_checkpoints=1, calibration_steps=args.calibration_steps,
+                    compute_dtype=args.compute_dtype, out=str(out))
+    cfg = TrainConfig(**{**settings, **VARIANTS[variant]})
     summary = train(cfg, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = {"model": model, "variant": variant, "seed": seed, "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
