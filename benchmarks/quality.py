@@ -169,7 +169,11 @@ def main() -> None:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(_spawn, args, *key) for key in todo]
             for future in as_completed(futures):
-                result = future.result()
+                try:
+                    result = future.result()
+                except RuntimeError as error:  # keep the other runs going; the table shows what finished
+                    print(error, file=sys.stderr, flush=True)
+                    continue
                 results.append(result)
                 path.write_text(json.dumps({"settings": settings, "runs": results}))
                 print(f"  {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
