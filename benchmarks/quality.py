@@ -3,8 +3,10 @@
 Each run trains with the trainer on a (1, 1, tensor) mesh (simulated as named vmaps on
 one device with --simulate, which reproduces a TP run's arithmetic on a single GPU) and
 reports the final train loss (mean of the last 20 steps) and validation loss as
-mean ± spread (max - min) over seeds, the gap to `off`, and the seed-to-seed spread of
-`off` itself: a gap inside that spread is no evidence either way. Runs go to worker
+mean ± spread (max - min) over seeds, the gap to `off`, the seed-to-seed spread of `off`
+itself, and the paired gap: per seed (same init and data order) the relative gap to
+that seed's `off` run, mean ± standard error. Seeds pair up, so the paired gap is the
+sharper test; a gap inside its error is no evidence either way. Runs go to worker
 processes (--jobs) and are appended to the JSON as they finish, so a cut-short
 experiment keeps what it measured (--report-only rebuilds the table from it).
 
@@ -88,24 +90,34 @@ def _spawn(args: argparse.Namespace, model: str, variant: str, seed: int) -> dic
 
 def report(results: list[dict], models: list[str], variants: list[str], out: Path) -> str:
     """Markdown table; writes quality.md and quality.png next to the JSON."""
-    lines = ["| model | variant | seeds | train loss | val loss | val gap vs off | wire bytes vs bf16 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | variant | seeds | train loss | val loss | val gap vs off | paired val gap | "
+             "paired train gap | TP bytes vs bf16 |", "|---|---|---|---|---|---|---|---|---|"]
     for model in models:
-        base = [r["val_loss"] for r in results if r["model"] == model and r["variant"] == "off"]
+        base = {r["seed"]: r for r in results if r["model"] == model and r["variant"] == "off"}
         for variant in variants:
             runs = [r for r in results if r["model"] == model and r["variant"] == variant]
             if not runs:
                 continue
             train_l, val_l = [r["train_loss"] for r in runs], [r["val_loss"] for r in runs]
-            gap = f"{100 * (np.mean(val_l) / np.mean(base) - 1):+.2f}%" if base else "n/a"
+            gap = f"{100 * (np.mean(val_l) / np.mean([r['val_loss'] for r in base.values()]) - 1):+.2f}%" if base else "n/a"
             lines.append(f"| {model} | {variant} | {len(runs)} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
-                         f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {100 * runs[0]['wire_fraction']:.1f}% |")
+                         f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {_paired(runs, base, 'val_loss')} | "
+                         f"{_paired(runs, base, 'train_loss')} | {100 * runs[0]['wire_fraction']:.1f}% |")
         if len(base) > 1:
-            lines.append(f"| {model} | off seed spread | | | {100 * np.ptp(base) / np.mean(base):.2f}% of the mean | | |")
+            spread = np.ptp([r["val_loss"] for r in base.values()]) / np.mean([r["val_loss"] for r in base.values()])
+            lines.append(f"| {model} | off seed spread (max - min) | | | {100 * spread:.2f}% of the mean | | | | |")
     table = "\n".join(lines)
     (out / "quality.md").write_text(table + "\n")
     _plot(results, models, variants, out / "quality.png")
     return table
+
+
+def _paired(runs: list[dict], base: dict, key: str) -> str:
+    """Mean ± standard error of the per-seed relative gap to `off` (same init and data)."""
+    gaps = [100 * (r[key] / base[r["seed"]][key] - 1) for r in runs if r["seed"] in base]
+    if len(gaps) < 2:
+        return "n/a"
+    return f"{np.mean(gaps):+.2f} ± {np.std(gaps, ddof=1) / np.sqrt(len(gaps)):.2f}%"
 
 
 def _plot(results: list[dict], models: list[str], variants: list[str], path: Path) -> None:
