@@ -45,7 +45,7 @@ GROUP = 128
 SHARDS = 4
 
 
-def _time_ms(fn, inputs, trials: int = 7, calls: int = 5) -> float:
+def time_ms(fn, inputs, trials: int = 7, calls: int = 5) -> float:
     """Median over trials of (time per call / number of inputs per call)."""
     jax.block_until_ready(fn(*inputs))
     times = []
@@ -152,11 +152,11 @@ def sweep_blocks(key, tokens: int, channels: int) -> list[dict]:
             cfg_c = kc.CompressConfig(block_rows=block_rows, num_warps=warps)
             cfg_d = kd.DecompressConfig(block_rows=block_rows, num_warps=warps)
             timings = {
-                "compress": _time_ms(jax.jit(lambda v: kc.compress(v, fmt="e4m3", scale_format="dual", transform=True,
+                "compress": time_ms(jax.jit(lambda v: kc.compress(v, fmt="e4m3", scale_format="dual", transform=True,
                                                                     config=cfg_c)), (x,)),
-                "decompress": _time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
+                "decompress": time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
                                                                           config=cfg_d)), (payload[None], multiplier)),
-                "decompress_sum": _time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
+                "decompress_sum": time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
                                                                               config=cfg_d)), (payload_k, multiplier_k)),
             }
             results.append(dict(block_rows=block_rows, num_warps=warps, **timings))
@@ -176,7 +176,7 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
         results.append(dict(tokens=tokens, channels=channels, op=op, preset=preset, impl=impl, ms=ms,
                             bytes=nbytes, tb_per_s=nbytes / ms / 1e9))
 
-    add("copy", "-", "xla", _time_ms(_over_list(lambda v: v + jnp.bfloat16(1)), (xs,)), 4 * elements)
+    add("copy", "-", "xla", time_ms(_over_list(lambda v: v + jnp.bfloat16(1)), (xs,)), 4 * elements)
     copy_bw = torch_copy_tb_per_s(elements)
     if copy_bw is not None:
         results.append(dict(tokens=tokens, channels=channels, op="copy", preset="-", impl="torch", ms=4 * elements / copy_bw / 1e9,
@@ -184,15 +184,15 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
     for preset, (fmt, scale_format, transform) in PRESETS.items():
         kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
         scale_bytes = _scales_bytes(rows_n, scale_format)
-        add("compress", preset, "pallas", _time_ms(_over_list(lambda v: kc.compress(v, **kw)), (xs,)), 3 * elements + scale_bytes)
-        add("compress", preset, "jnp", _time_ms(_over_list(lambda v: kc.compress_reference(v, **kw)), (xs,)), 3 * elements + scale_bytes)
+        add("compress", preset, "pallas", time_ms(_over_list(lambda v: kc.compress(v, **kw)), (xs,)), 3 * elements + scale_bytes)
+        add("compress", preset, "jnp", time_ms(_over_list(lambda v: kc.compress_reference(v, **kw)), (xs,)), 3 * elements + scale_bytes)
         compressed = [kc.compress(v, **kw) for v in xs]
         payloads = [p[None] for p, _ in compressed]
         multipliers = [group_codec.dequantize_scale(s, scale_format).reshape(1, -1) for _, s in compressed]
         decode = dict(transform=transform, out_dtype=jnp.bfloat16)
         for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
             run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, **decode) for p, m in zip(ps, ms)])
-            add("decompress", preset, impl, _time_ms(run, (payloads, multipliers)), 3 * elements + 4 * rows_n)
+            add("decompress", preset, impl, time_ms(run, (payloads, multipliers)), 3 * elements + 4 * rows_n)
         # k shards of the reduced block, as a reduce-scatter receives them: same total payload.
         shard_rows = rows_n // SHARDS
         stacked = [p[0].reshape(SHARDS, shard_rows, GROUP) for p in payloads]
@@ -200,10 +200,10 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
         out_bytes = 2 * shard_rows * GROUP
         for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
             run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, **decode) for p, m in zip(ps, ms)])
-            add("decompress_sum", preset, impl, _time_ms(run, (stacked, stacked_m)), elements + 4 * rows_n + out_bytes)
+            add("decompress_sum", preset, impl, time_ms(run, (stacked, stacked_m)), elements + 4 * rows_n + out_bytes)
             run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, requantize=(fmt, scale_format))
                                                   for p, m in zip(ps, ms)])
-            add("requantize_sum", preset, impl, _time_ms(run, (stacked, stacked_m)),
+            add("requantize_sum", preset, impl, time_ms(run, (stacked, stacked_m)),
                 elements + 4 * rows_n + shard_rows * GROUP + _scales_bytes(shard_rows, scale_format))
     for r in results:
         print(f"  {tokens}x{channels} {r['op']:15s} {r['preset']:6s} {r['impl']:6s} {r['ms']:8.3f} ms "

@@ -39,6 +39,8 @@ from taco_jax.spec import QuantSpec, TacoConfig
 STRATEGIES = ("identity", "cluster", "interleave")
 METRICS = ("channel_median", "rel_rmse")
 DIRECTIONS = ("forward", "backward")
+# A permutation must cut the codec error by this fraction to be worth its two gathers.
+DEFAULT_MIN_GAIN = 0.1
 SAMPLE_ROWS = 64  # rows sampled per observed message
 MAX_SAMPLE_ROWS = 4096  # rows kept per site and direction for the codec-error decision
 
@@ -61,6 +63,11 @@ class ChannelPlan:
     def __post_init__(self) -> None:
         if sorted(self.perm) != list(range(len(self.perm))):
             raise ValueError(f"ChannelPlan.perm is not a permutation of range({len(self.perm)})")
+
+    @functools.cached_property
+    def is_identity(self) -> bool:
+        """Whether the permutation leaves the channels in place (no gather needed)."""
+        return self.perm == tuple(range(len(self.perm)))
 
     @functools.cached_property
     def indices(self) -> np.ndarray:
@@ -257,11 +264,14 @@ def calibrate_site(
     rms: np.ndarray | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
     metric: str = "channel_median",
+    min_gain: float = DEFAULT_MIN_GAIN,
 ) -> tuple[ChannelPlan, list[dict]]:
     """Choose a site's permutation and transform by measured codec error on its tensors.
 
     Every strategy is tried with the transform on and off; the lowest `metric` wins (the
-    other metric breaks ties).
+    other metric breaks ties), except that a permutation must beat the best unpermuted
+    candidate by `min_gain` (relative) to be chosen: applying one costs a gather on
+    both sides of the collective (`benchmarks/permutation_cost.py`).
 
     Args:
       samples: the site's tensors (..., C) as they would be sent.
@@ -269,6 +279,7 @@ def calibrate_site(
       rms: per-channel RMS to build permutations from (default: that of `samples`).
       strategies: permutation strategies to try.
       metric: "channel_median" or "rel_rmse".
+      min_gain: relative error reduction a permutation must bring over the identity.
 
     Returns:
       (the chosen `ChannelPlan`, one report row per candidate).
@@ -286,7 +297,13 @@ def calibrate_site(
         for hadamard in (False, True):
             error = codec_error(samples, dataclasses.replace(spec, hadamard=hadamard), perm)
             report.append({"strategy": strategy, "hadamard": hadamard, **error, "perm": perm})
-    best = min(report, key=lambda row: (row[metric], row[other]))
+    rank = lambda row: (row[metric], row[other])
+    best = min(report, key=rank)
+    unpermuted = [row for row in report if row["strategy"] == "identity"]
+    if unpermuted and best["strategy"] != "identity":
+        fallback = min(unpermuted, key=rank)
+        if best[metric] > (1 - min_gain) * fallback[metric]:
+            best = fallback
     chosen = ChannelPlan(tuple(int(i) for i in best["perm"]), bool(best["hadamard"]))
     return chosen, [{k: v for k, v in row.items() if k != "perm"} for row in report]
 
@@ -297,6 +314,7 @@ def calibrate(
     *,
     strategies: tuple[str, ...] = STRATEGIES,
     metric: str = "channel_median",
+    min_gain: float = DEFAULT_MIN_GAIN,
 ) -> tuple[Calibration, list[dict]]:
     """Decide every observed site's permutation and transform.
 
@@ -311,6 +329,7 @@ def calibrate(
       config: the `TacoConfig` the sites compress with.
       strategies: permutation strategies to choose from.
       metric: "channel_median" or "rel_rmse".
+      min_gain: see `calibrate_site`.
 
     Returns:
       (the `Calibration`, one report row per site, direction and candidate).
@@ -324,7 +343,7 @@ def calibrate(
         if len(rms) % spec.group_size:
             continue
         plan, rows = calibrate_site(collector.sample((site, direction)), spec, rms=rms, strategies=strategies,
-                                    metric=metric)
+                                    metric=metric, min_gain=min_gain)
         plans.append((site, direction, plan))
         report += [{"site": site, "direction": direction, **row} for row in rows]
     return _agreed(Calibration(tuple(plans))), report

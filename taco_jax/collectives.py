@@ -116,6 +116,8 @@ def _wire_view(x, config, direction, op, site, calibration, channel_axis_used=Fa
     if len(plan.perm) != x.shape[-1]:
         raise ValueError(f"calibration of site {site or op!r} permutes {len(plan.perm)} channels, "
                          f"but the message has {x.shape[-1]} (shape {x.shape})")
+    if plan.is_identity:
+        return x, plan.spec(spec), None
     if channel_axis_used:
         raise ValueError(f"site {site or op!r} has a channel permutation, so it cannot gather or scatter along "
                          f"the last (channel) axis of shape {x.shape}")

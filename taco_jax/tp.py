@@ -201,7 +201,8 @@ def _gather_matmul_bwd(axis_name, config, axis, site, calibration, residuals, co
         shape = list(gathered_shape)
         shape[axis] //= saved.shape[0]
         plan = collectives.site_plan(calibration, site or "all_gather", "forward")
-        spec, inverse = (config.forward, None) if plan is None else (plan.spec(config.forward), plan.inverse)
+        spec = config.forward if plan is None else plan.spec(config.forward)
+        inverse = None if plan is None or plan.is_identity else plan.inverse
         gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, spec, axis, True, inverse)
     else:
         gathered = saved

@@ -155,7 +155,7 @@ def test_plans_that_do_not_fit_are_errors():
     short = calibration.Calibration((("s", "forward", calibration.ChannelPlan(tuple(range(128)), True)),))
     with pytest.raises(ValueError, match="permutes 128 channels, but the message has 256"):
         _sharded(lambda v: tj.all_reduce(v[0], "tensor", TACO, site="s", calibration=short)[None])(x)
-    full = calibration.Calibration((("s", "forward", calibration.ChannelPlan(tuple(range(CHANNELS)), True)),))
+    full = calibration.Calibration((("s", "forward", calibration.ChannelPlan(tuple(range(CHANNELS))[::-1], True)),))
     with pytest.raises(ValueError, match="cannot gather or scatter along the last"):
         _sharded(lambda v: tj.reduce_scatter(v[0], "tensor", TACO, scatter_dimension=1, site="s", calibration=full)[None])(x)
     with pytest.raises(ValueError, match="calibration must be a taco_jax.calibration.Calibration"):
@@ -166,3 +166,12 @@ def test_fp8_and_off_are_never_calibrated():
     collector, _ = _observe_reduce(_spread_channels())
     for preset in ("fp8", "off"):
         assert calibration.calibrate(collector, tj.TacoConfig.preset(preset)) == (calibration.Calibration(), [])
+
+
+def test_a_permutation_must_earn_its_gather():
+    """Gaussian channels: no permutation helps, so the identity is kept (no gather)."""
+    x = np.random.default_rng(6).normal(size=(512, 256)).astype(np.float32)
+    plan, report = calibration.calibrate_site(x, tj.QuantSpec("int8", 128, True, "bf16"))
+    assert plan.is_identity
+    forced, _ = calibration.calibrate_site(x, tj.QuantSpec("int8", 128, True, "bf16"), strategies=("cluster",))
+    assert not forced.is_identity  # with no unpermuted candidate, the best permutation stands

@@ -14,7 +14,7 @@ Fields: model mesh taco taco_min_bytes sequence_parallel steps seed data_seed ba
 microbatches grad_accum lr warmup_steps decay_steps min_lr_ratio weight_decay beta1 beta2 grad_clip
 compute_dtype data tokenizer data_dtype val_fraction eval_every eval_batches out
 checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps calibration_steps
-calibration_strategy recalibrate simulate_mesh taco_forward taco_backward (see train/config.py).
+calibration_strategy calibration_min_gain recalibrate simulate_mesh taco_forward taco_backward (see train/config.py).
 Precedence: defaults < --config file < flags < key=value.
 
 Multi-host: start one process per host with the same flags plus --coordinator HOST:PORT

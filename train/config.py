@@ -52,6 +52,8 @@ class TrainConfig:
         calibration.
       calibration_strategy: permutation strategy: "auto" (the lowest error of identity,
         cluster and interleave per site) or one of them.
+      calibration_min_gain: relative codec-error cut a permutation must bring over the
+        identity to be used (it costs a gather on both sides of the collective).
       simulate_mesh: run the mesh as named vmaps on one device (`taco_jax.simulated_shard_map`):
         the arithmetic of a data x pipe x tensor run on a single GPU, for quality studies.
       recalibrate: observe and calibrate again for calibration_steps from the
@@ -94,6 +96,7 @@ class TrainConfig:
     debug_nan_steps: tuple[int, ...] = ()
     calibration_steps: int = 20
     calibration_strategy: str = "auto"
+    calibration_min_gain: float = 0.1
     recalibrate: bool = False
     simulate_mesh: bool = False
 

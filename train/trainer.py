@@ -196,7 +196,8 @@ def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Pa
     report (every candidate's codec error) to `out`/calibration.json."""
     jax.effects_barrier()  # every host callback of the observed steps has run
     strategies = tj.calibration.STRATEGIES if cfg.calibration_strategy == "auto" else (cfg.calibration_strategy,)
-    calibration, report = tj.calibration.calibrate(collector, taco_config(cfg), strategies=strategies)
+    calibration, report = tj.calibration.calibrate(collector, taco_config(cfg), strategies=strategies,
+                                                   min_gain=cfg.calibration_min_gain)
     if out is not None:
         (out / "calibration.json").write_text(json.dumps({"calibration": calibration.to_json(), "report": report}))
     chosen = ", ".join(f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans)
