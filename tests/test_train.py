@@ -240,3 +240,21 @@ def test_simulated_shard_map_splits_and_merges_by_spec():
     np.testing.assert_array_equal(scaled, x * np.repeat(np.arange(3), 2))
     with pytest.raises(ValueError, match="not divisible by mesh axis tensor=4"):
         tj.simulated_shard_map(lambda a: a, {"tensor": 4}, (P("tensor"),), P("tensor"))(jnp.ones(6))
+
+
+def test_standalone_calibration_feeds_other_runs(tmp_path):
+    calibrate = _cfg(tmp_path, "calibrate", taco="taco+", calibration_steps=2)
+    summary = trainer.calibrate_only(calibrate)
+    assert summary["calibrated_sites"] == 6 and summary["step"] == 0
+    assert not (Path(calibrate.out) / "metrics.jsonl").exists()  # nothing was trained
+    decided = trainer.load_calibration(summary["file"])
+    run = _cfg(tmp_path, "uses_it", taco="taco+", steps=2, calibration_file=summary["file"])
+    assert trainer.train(run, progress=False)["calibrated_sites"] == 6
+    assert not (Path(run.out) / "calibration.json").exists()  # loaded, not observed
+    checkpoint = trainer.Checkpointer(Path(run.out) / "checkpoints", 3)
+    assert trainer.Calibration.from_json(checkpoint.meta(2)["calibration"]) == decided
+    checkpoint.close()
+    with pytest.raises(ValueError, match="needs a taco preset"):
+        trainer.calibrate_only(_cfg(tmp_path, "fp8", taco="fp8"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        trainer.train(_cfg(tmp_path, "missing", taco="taco", calibration_file=str(tmp_path / "nope.json")), progress=False)

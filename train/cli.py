@@ -14,7 +14,7 @@ Fields: model mesh taco taco_min_bytes sequence_parallel steps seed data_seed ba
 microbatches grad_accum lr warmup_steps decay_steps min_lr_ratio weight_decay beta1 beta2 grad_clip
 compute_dtype data tokenizer data_dtype val_fraction eval_every eval_batches out
 checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps calibration_steps
-calibration_strategy calibration_min_gain recalibrate simulate_mesh taco_forward taco_backward (see train/config.py).
+calibration_strategy calibration_min_gain calibration_file recalibrate simulate_mesh taco_forward taco_backward (see train/config.py).
 Precedence: defaults < --config file < flags < key=value.
 
 Multi-host: start one process per host with the same flags plus --coordinator HOST:PORT
@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     parser.add_argument("--recalibrate", action="store_true",
                         help="observe the compressed tensors again for calibration_steps and recalibrate")
+    parser.add_argument("--calibrate-only", action="store_true",
+                        help="observe calibration_steps batches without training (from the checkpoint with --resume), "
+                        "write OUT/calibration.json for calibration_file=")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--coordinator", help="multi-host: coordinator address HOST:PORT (jax.distributed)")
     parser.add_argument("--num-processes", type=int, help="multi-host: number of processes")
@@ -82,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
         _simulated_cpu_devices(cfg.mesh)
-    from train.trainer import TrainingError, train
+    from train.trainer import TrainingError, calibrate_only, train
 
     try:
-        summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+        if args.calibrate_only:
+            summary = calibrate_only(cfg, resume=args.resume)
+        else:
+            summary = train(cfg, resume=args.resume, progress=not args.no_progress)
     except (ValueError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

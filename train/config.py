@@ -56,6 +56,8 @@ class TrainConfig:
         identity to be used (it costs a gather on both sides of the collective).
       simulate_mesh: run the mesh as named vmaps on one device (`taco_jax.simulated_shard_map`):
         the arithmetic of a data x pipe x tensor run on a single GPU, for quality studies.
+      calibration_file: use the calibration in this JSON (a run's calibration.json or the
+        output of --calibrate-only) instead of observing.
       recalibrate: observe and calibrate again for calibration_steps from the
         (resumed) start step, replacing the checkpoint's calibration.
     """
@@ -97,6 +99,7 @@ class TrainConfig:
     calibration_steps: int = 20
     calibration_strategy: str = "auto"
     calibration_min_gain: float = 0.1
+    calibration_file: str = ""
     recalibrate: bool = False
     simulate_mesh: bool = False
 

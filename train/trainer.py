@@ -256,6 +256,108 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+@dataclasses.dataclass
+class _Run:
+    """A run's setup and the state it starts from (fresh or restored)."""
+
+    mesh: jax.sharding.Mesh
+    config: models.ModelConfig
+    corpus: data_lib.TokenData
+    out: Path
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    checkpoints: Checkpointer
+    params: dict
+    opt_state: dict
+    step: int = 0
+    bad_total: int = 0
+    calibration: Calibration = Calibration()
+    calibrated: bool = False
+
+
+def _start(cfg: TrainConfig, resume: bool) -> _Run:
+    mesh = device_mesh(cfg)
+    config = models.preset(cfg.model)
+    corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
+    _check_setup(cfg, config, corpus.vocab_size)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tx, schedule = make_optimizer(cfg, config)
+    params, opt_state = init_state(config, cfg.seed, mesh, tx)
+    run = _Run(mesh, config, corpus, out, tx, schedule, Checkpointer(out / "checkpoints", cfg.keep_checkpoints),
+               params, opt_state)
+    latest = run.checkpoints.latest_step()
+    if resume:
+        if latest is None:
+            raise ValueError(f"--resume: no checkpoint in {run.checkpoints.directory}")
+        state, meta = run.checkpoints.restore(latest, {"params": params, "opt_state": opt_state})
+        if meta.get("model") != cfg.model:
+            raise ValueError(f"checkpoint at step {latest} is for model {meta.get('model')!r}, not {cfg.model!r}")
+        run.params, run.opt_state, run.step, run.bad_total = (
+            state["params"], state["opt_state"], meta["step"], meta["skipped_steps"])
+        run.calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
+        run.calibrated = bool(meta.get("calibrated", False))
+    elif latest is not None:
+        raise ValueError(f"{out} already holds checkpoints (latest step {latest}): pass --resume or another --out")
+    if cfg.calibration_file:
+        run.calibration, run.calibrated = load_calibration(cfg.calibration_file), True
+    return run
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """A `Calibration` from a calibration.json (of a run or `--calibrate-only`).
+
+    Raises:
+      ValueError: missing or malformed file.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"calibration_file {path} cannot be read: {error}") from None
+    return Calibration.from_json(data.get("calibration", data) if isinstance(data, dict) else data)
+
+
+def _batch_maker(cfg: TrainConfig, mesh):
+    data_seed = cfg.seed if cfg.data_seed < 0 else cfg.data_seed
+    return lambda tokens, position, size: _global_batch(
+        data_lib.batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
+
+
+def observe_batches(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, batches) -> tj.calibration.Collector:
+    """What every compressed site sends, forward and backward, over `batches` (no update)."""
+    collector = tj.calibration.Collector()
+    grads_fn = jax.jit(make_grads_fn(cfg, config, mesh, collector=collector))
+    for tokens in batches:
+        jax.block_until_ready(grads_fn(params, tokens))
+    return collector
+
+
+def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
+    """The standalone calibration step: observe `calibration_steps` batches (from the
+    checkpoint's data position with `resume`, else from a fresh init) without training,
+    decide the calibration and write it to `out`/calibration.json, which
+    `calibration_file=` then loads into any run.
+
+    Returns:
+      Summary dict (sites calibrated, sites with the transform, the file).
+
+    Raises:
+      ValueError: as `train`, or a preset that is not calibrated (mode "taco" only).
+    """
+    if taco_config(cfg).mode != "taco" or cfg.calibration_steps < 1:
+        raise ValueError(f"--calibrate-only needs a taco preset (got {cfg.taco!r}) and calibration_steps >= 1")
+    run = _start(cfg, resume)
+    batch_of = _batch_maker(cfg, run.mesh)
+    batches = (batch_of(run.corpus.train, run.step + i, cfg.batch_size) for i in range(cfg.calibration_steps))
+    collector = observe_batches(cfg, run.config, run.mesh, run.params, batches)
+    run.checkpoints.close()
+    main_process = jax.process_index() == 0
+    calibration = calibrate_run(cfg, collector, run.out if main_process else None)
+    return {"model": cfg.model, "step": run.step, "calibrated_sites": len(calibration.plans),
+            "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),
+            "file": str(run.out / "calibration.json")}
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
     """Run (or resume) training as configured.
 
@@ -273,30 +375,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         (with `resume`).
       TrainingError: `max_bad_steps` consecutive non-finite steps.
     """
-    mesh = device_mesh(cfg)
-    config = models.preset(cfg.model)
-    corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
-    _check_setup(cfg, config, corpus.vocab_size)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    run = _start(cfg, resume)
+    mesh, config, corpus, out, tx, schedule, checkpoints = (
+        run.mesh, run.config, run.corpus, run.out, run.tx, run.schedule, run.checkpoints)
+    params, opt_state, step, bad_total = run.params, run.opt_state, run.step, run.bad_total
+    calibration, calibrated = run.calibration, run.calibrated
     main_process = jax.process_index() == 0
-    tx, schedule = make_optimizer(cfg, config)
-    params, opt_state = init_state(config, cfg.seed, mesh, tx)
-    checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
-    step, bad_total = 0, 0
-    calibration, calibrated = Calibration(), False
-    latest = checkpoints.latest_step()
-    if resume:
-        if latest is None:
-            raise ValueError(f"--resume: no checkpoint in {checkpoints.directory}")
-        state, meta = checkpoints.restore(latest, {"params": params, "opt_state": opt_state})
-        if meta.get("model") != cfg.model:
-            raise ValueError(f"checkpoint at step {latest} is for model {meta.get('model')!r}, not {cfg.model!r}")
-        params, opt_state, step, bad_total = state["params"], state["opt_state"], meta["step"], meta["skipped_steps"]
-        calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
-        calibrated = bool(meta.get("calibrated", False))
-    elif latest is not None:
-        raise ValueError(f"{out} already holds checkpoints (latest step {latest}): pass --resume or another --out")
     if main_process:
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
@@ -304,9 +388,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     calibrate_at = step + cfg.calibration_steps if observe else None
     collector = tj.calibration.Collector() if observe else None
     train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
-    data_seed = cfg.seed if cfg.data_seed < 0 else cfg.data_seed
-    batch_of = lambda tokens, position, size: _global_batch(
-        data_lib.batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
+    batch_of = _batch_maker(cfg, mesh)
     wire, wire_plain = wire_bytes_per_step(cfg, config, train_step, params, opt_state, batch_of(corpus.train, 0, cfg.batch_size))
     log = MetricsLog(out / "metrics.jsonl", step, main_process)
     stop = _StopFlag()
