@@ -275,7 +275,13 @@ class _Run:
     calibrated: bool = False
 
 
-def _start(cfg: TrainConfig, resume: bool) -> _Run:
+def start_run(cfg: TrainConfig, resume: bool) -> _Run:
+    """Set up a run and its initial state: fresh, or restored from the latest checkpoint.
+
+    Raises:
+      ValueError: bad setup, no / a corrupt checkpoint with `resume`, checkpoints
+        already present without it, or an unreadable `calibration_file`.
+    """
     mesh = device_mesh(cfg)
     config = models.preset(cfg.model)
     corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
@@ -317,7 +323,8 @@ def load_calibration(path: str | Path) -> Calibration:
     return Calibration.from_json(data.get("calibration", data) if isinstance(data, dict) else data)
 
 
-def _batch_maker(cfg: TrainConfig, mesh):
+def batch_maker(cfg: TrainConfig, mesh):
+    """(tokens, position, size) -> the global batch at data position `position`."""
     data_seed = cfg.seed if cfg.data_seed < 0 else cfg.data_seed
     return lambda tokens, position, size: _global_batch(
         data_lib.batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
@@ -346,8 +353,8 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
     """
     if taco_config(cfg).mode != "taco" or cfg.calibration_steps < 1:
         raise ValueError(f"--calibrate-only needs a taco preset (got {cfg.taco!r}) and calibration_steps >= 1")
-    run = _start(cfg, resume)
-    batch_of = _batch_maker(cfg, run.mesh)
+    run = start_run(cfg, resume)
+    batch_of = batch_maker(cfg, run.mesh)
     batches = (batch_of(run.corpus.train, run.step + i, cfg.batch_size) for i in range(cfg.calibration_steps))
     collector = observe_batches(cfg, run.config, run.mesh, run.params, batches)
     run.checkpoints.close()
@@ -375,7 +382,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         (with `resume`).
       TrainingError: `max_bad_steps` consecutive non-finite steps.
     """
-    run = _start(cfg, resume)
+    run = start_run(cfg, resume)
     mesh, config, corpus, out, tx, schedule, checkpoints = (
         run.mesh, run.config, run.corpus, run.out, run.tx, run.schedule, run.checkpoints)
     params, opt_state, step, bad_total = run.params, run.opt_state, run.step, run.bad_total
@@ -388,7 +395,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     calibrate_at = step + cfg.calibration_steps if observe else None
     collector = tj.calibration.Collector() if observe else None
     train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
-    batch_of = _batch_maker(cfg, mesh)
+    batch_of = batch_maker(cfg, mesh)
     wire, wire_plain = wire_bytes_per_step(cfg, config, train_step, params, opt_state, batch_of(corpus.train, 0, cfg.batch_size))
     log = MetricsLog(out / "metrics.jsonl", step, main_process)
     stop = _StopFlag()
