@@ -121,24 +121,36 @@ def _paired(runs: list[dict], base: dict, key: str) -> str:
 
 
 def _plot(results: list[dict], models: list[str], variants: list[str], path: Path) -> None:
+    """Loss curves (top) and the paired gap to `off` along training (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    smooth = lambda y: np.convolve(y, np.ones(20) / 20, mode="valid")
+    fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
+    for column, model in enumerate(models):
+        base = {r["seed"]: np.asarray(r["curve"]) for r in results if r["model"] == model and r["variant"] == "off"}
+        tops = []
         for variant in variants:
-            curves = [r["curve"] for r in results if r["model"] == model and r["variant"] == variant]
-            if not curves:
+            runs = [r for r in results if r["model"] == model and r["variant"] == variant]
+            if not runs:
                 continue
-            smooth = np.convolve(np.mean(curves, axis=0), np.ones(20) / 20, mode="valid")
-            ax.plot(np.arange(len(smooth)) + 20, smooth, label=variant, lw=1)
-        ax.set_title(f"{model}, TP=4")
-        ax.set_xlabel("step")
-        ax.set_ylabel("train loss (mean over seeds, 20-step average)")
-        ax.set_ylim(top=2.2)
-        ax.legend(fontsize=8)
+            curve = smooth(np.mean([r["curve"] for r in runs], axis=0))
+            steps = np.arange(len(curve)) + 20
+            axes[0, column].plot(steps, curve, label=variant, lw=1)
+            tops.append(curve[len(curve) // 6])
+            paired = [100 * (np.asarray(r["curve"]) / base[r["seed"]] - 1) for r in runs if r["seed"] in base]
+            if paired:
+                axes[1, column].plot(steps, smooth(np.mean(paired, axis=0)), label=variant, lw=1)
+        axes[0, column].set_title(f"{model}, TP=4")
+        axes[0, column].set_ylabel("train loss (mean over seeds, 20-step average)")
+        axes[0, column].set_ylim(top=max(tops))
+        axes[1, column].set_ylabel("paired train-loss gap to off, % (20-step average)")
+        axes[1, column].axhline(0, color="black", lw=0.5)
+        for ax in axes[:, column]:
+            ax.set_xlabel("step")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
