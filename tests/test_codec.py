@@ -285,3 +285,13 @@ def test_int4_packs_two_codes_per_byte_on_the_wire():
     x = jnp.ones((3, 512), jnp.bfloat16)
     assert tj.compress(x, spec).nbytes == tj.wire_bytes(x.shape, x.dtype, spec) == 3 * 256 + 3 * 4 * 2
     assert np.abs(np.asarray(tj.compress(_random((4, 256)), spec).payload)).max() <= 7
+
+
+def test_spec_parses_from_text():
+    assert tj.QuantSpec.parse("int4:64:H:e8m0") == tj.QuantSpec("int4", 64, True, "e8m0")
+    assert tj.QuantSpec.parse("e5m2:128:-:dual") == tj.QuantSpec("e5m2", 128, False, "dual")
+    for bad in ("int8:128:H", "int8:x:H:bf16", "int8:128:on:bf16"):
+        with pytest.raises(ValueError, match="is not fmt:group_size"):
+            tj.QuantSpec.parse(bad)
+    with pytest.raises(ValueError, match="unknown format 'fp4'"):
+        tj.QuantSpec.parse("fp4:128:H:bf16")

@@ -152,6 +152,12 @@ def test_errors_name_the_problem(tmp_path):
         trainer.train(_cfg(tmp_path, "empty"), resume=True, progress=False)
     failed = _cli(["--steps", "1", "--out", str(tmp_path / "cli"), "lr"], 8)
     assert failed.returncode != 0 and "not key=value" in failed.stderr
+    not_taco = _cli(["--calibrate-only", "--taco", "fp8", "--out", str(tmp_path / "cli_fp8")], 8)
+    assert not_taco.returncode == 2 and "needs a taco preset" in not_taco.stderr
+    bad_spec = _cli(["--steps", "1", "--out", str(tmp_path / "cli_spec"), "taco_forward=int8:128:yes:bf16"], 8)
+    assert bad_spec.returncode == 2 and "is not fmt:group_size:H|-:scales" in bad_spec.stderr
+    with pytest.raises(ValueError, match="calibration_strategy must be one of"):
+        TrainConfig(calibration_strategy="sorted")
 
 
 def test_data_order_is_a_function_of_seed_and_position(tmp_path):
