@@ -19,8 +19,8 @@ Variants:
   taco-e5m2bwd   taco with E5M2 activation gradients
   int4           INT4 absmax, no transform (4-bit control: can the experiment see a codec?)
   int4+H         INT4 + Hadamard + bf16 scales, calibrated
-  int4+H G=32    the same with groups of 32 (more scales: does it recover the loss?)
-  int4 fwd, int8 bwd / int8 fwd, int4 bwd
+  int4+H-G32     the same with groups of 32 (more scales: does it recover the loss?)
+  int4fwd-int8bwd / int8fwd-int4bwd
                  4 bits in one direction only (taco+ in the other): which direction
                  can afford them
 
@@ -54,9 +54,9 @@ VARIANTS: dict[str, dict] = {
     "taco-e5m2bwd": {"taco": "taco", "taco_backward": "e5m2:128:H:dual"},
     "int4": {"taco": "fp8", "taco_forward": "int4:128:-:single", "taco_backward": "int4:128:-:single"},
     "int4+H": {"taco": "taco+", "taco_forward": "int4:128:H:bf16", "taco_backward": "int4:128:H:bf16"},
-    "int4+H G=32": {"taco": "taco+", "taco_forward": "int4:32:H:bf16", "taco_backward": "int4:32:H:bf16"},
-    "int4 fwd, int8 bwd": {"taco": "taco+", "taco_forward": "int4:128:H:bf16"},
-    "int8 fwd, int4 bwd": {"taco": "taco+", "taco_backward": "int4:128:H:bf16"},
+    "int4+H-G32": {"taco": "taco+", "taco_forward": "int4:32:H:bf16", "taco_backward": "int4:32:H:bf16"},
+    "int4fwd-int8bwd": {"taco": "taco+", "taco_forward": "int4:128:H:bf16"},
+    "int8fwd-int4bwd": {"taco": "taco+", "taco_backward": "int4:128:H:bf16"},
 }
 
 
