@@ -139,17 +139,19 @@ def _plot(results: list[dict], models: list[str], variants: list[str], path: Pat
     for column, model in enumerate(models):
         base = {r["seed"]: np.asarray(r["curve"]) for r in results if r["model"] == model and r["variant"] == "off"}
         tops = []
-        for variant in variants:
+        for index, variant in enumerate(variants):
             runs = [r for r in results if r["model"] == model and r["variant"] == variant]
             if not runs:
                 continue
+            style = dict(label=variant, lw=1, color=plt.get_cmap("tab20")(index % 20),
+                         ls="--" if variant.startswith("int4") else "-")
             curve = smooth(np.mean([r["curve"] for r in runs], axis=0))
             steps = np.arange(len(curve)) + 20
-            axes[0, column].plot(steps, curve, label=variant, lw=1)
+            axes[0, column].plot(steps, curve, **style)
             tops.append(curve[len(curve) // 6])
             paired = [100 * (np.asarray(r["curve"]) / base[r["seed"]] - 1) for r in runs if r["seed"] in base]
             if paired:
-                axes[1, column].plot(steps, smooth(np.mean(paired, axis=0)), label=variant, lw=1)
+                axes[1, column].plot(steps, smooth(np.mean(paired, axis=0)), **style)
         axes[0, column].set_title(f"{model}, TP=4")
         axes[0, column].set_ylabel("train loss (mean over seeds, 20-step average)")
         axes[0, column].set_ylim(top=max(tops))
