@@ -144,7 +144,7 @@ def _plot(results: list[dict], models: list[str], variants: list[str], path: Pat
             if not runs:
                 continue
             style = dict(label=variant, lw=1, color=plt.get_cmap("tab20")(index % 20),
-                         ls="--" if variant.startswith("int4") else "-")
+                         ls="--" if "int4" in variant else "-")
             curve = smooth(np.mean([r["curve"] for r in runs], axis=0))
             steps = np.arange(len(curve)) + 20
             axes[0, column].plot(steps, curve, **style)
