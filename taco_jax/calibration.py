@@ -139,8 +139,8 @@ class Calibration:
 class Collector:
     """Thread-safe host accumulator of what each compressed collective sends.
 
-    Per (site, direction): per-channel sum of squares (float64), row count, and up to
-    `MAX_SAMPLE_ROWS` sampled rows.
+    Per (site, direction): per-channel sum of squares (float64), row count, and the
+    latest `MAX_SAMPLE_ROWS` (or a few more) sampled rows.
     """
 
     def __init__(self) -> None:
@@ -156,8 +156,9 @@ class Collector:
             self.sum_squares[key] = self.sum_squares.get(key, 0.0) + sum_squares
             self.rows[key] = self.rows.get(key, 0) + int(rows)
             kept = self.samples.setdefault(key, [])
-            if sum(len(s) for s in kept) < MAX_SAMPLE_ROWS:
-                kept.append(sample)
+            kept.append(sample)
+            while sum(len(s) for s in kept) - len(kept[0]) >= MAX_SAMPLE_ROWS:
+                kept.pop(0)  # keep the latest rows: the tensors closest to the decision
 
     def keys(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -175,9 +176,9 @@ class Collector:
         return np.sqrt(sums / max(rows, 1))
 
     def sample(self, key: tuple[str, str]) -> np.ndarray:
-        """The sampled rows of `key` (this process)."""
+        """The latest sampled rows of `key` (this process)."""
         with self._lock:
-            return np.concatenate(self.samples[key])[:MAX_SAMPLE_ROWS]
+            return np.concatenate(self.samples[key])[-MAX_SAMPLE_ROWS:]
 
 
 _collector: Collector | None = None

@@ -175,3 +175,12 @@ def test_a_permutation_must_earn_its_gather():
     assert plan.is_identity
     forced, _ = calibration.calibrate_site(x, tj.QuantSpec("int8", 128, True, "bf16"), strategies=("cluster",))
     assert not forced.is_identity  # with no unpermuted candidate, the best permutation stands
+
+
+def test_collector_keeps_the_latest_rows():
+    collector = calibration.Collector()
+    for step in range(100):
+        collector.add(("s", "forward"), np.ones(8), 64, np.full((64, 8), step, np.float32))
+    kept = collector.sample(("s", "forward"))
+    assert len(kept) == calibration.MAX_SAMPLE_ROWS and kept.max() == 99 and kept.min() > 0
+    assert collector.rms(("s", "forward")).tolist() == [np.sqrt(100 / 6400)] * 8
