@@ -84,9 +84,13 @@ class ChannelPlan:
         return dataclasses.replace(spec, hadamard=self.hadamard)
 
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """Per-site, per-direction `ChannelPlan`s. Empty = identity everywhere.
+
+    A pytree without array leaves: it can sit in a training-state pytree and passes
+    through `jax.jit` as static data (the permutations are compile-time constants).
 
     Attributes:
       plans: ((site, direction, ChannelPlan), ...), direction "forward" or "backward".

@@ -184,3 +184,11 @@ def test_collector_keeps_the_latest_rows():
     kept = collector.sample(("s", "forward"))
     assert len(kept) == calibration.MAX_SAMPLE_ROWS and kept.max() == 99 and kept.min() > 0
     assert collector.rms(("s", "forward")).tolist() == [np.sqrt(100 / 6400)] * 8
+
+
+def test_calibration_is_a_static_pytree():
+    plan = calibration.ChannelPlan((1, 0, 3, 2), True)
+    state = {"step": jnp.int32(3), "calibration": calibration.Calibration((("s", "forward", plan),))}
+    assert len(jax.tree.leaves(state)) == 1  # the calibration holds no array leaves
+    out = jax.jit(lambda st: st)(state)
+    assert out["calibration"] == state["calibration"]
