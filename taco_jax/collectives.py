@@ -98,9 +98,22 @@ def _spec_for(x: jax.Array, config: TacoConfig, direction: str) -> QuantSpec | N
     return config.forward if direction == "forward" else config.backward
 
 
-def site_plan(calibration: Calibration | None, site: str, direction: str) -> calibration_lib.ChannelPlan | None:
-    """The calibrated plan of `site` in `direction`, or None."""
-    return calibration.plan(site, direction) if calibration is not None else None
+def planned_spec(
+    spec: QuantSpec, calibration: Calibration | None, site: str, direction: str, channels: int
+) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
+    """`spec` with the site's calibrated transform decision, and the site's permutation
+    plan (None when it has none or it is the identity).
+
+    Raises:
+      ValueError: the plan permutes another number of channels than `channels`.
+    """
+    plan = calibration.plan(site, direction) if calibration is not None else None
+    if plan is None:
+        return spec, None
+    if len(plan.perm) != channels:
+        raise ValueError(f"calibration of site {site!r} permutes {len(plan.perm)} channels, "
+                         f"but the message has {channels}")
+    return plan.spec(spec), None if plan.is_identity else plan
 
 
 def _wire_view(x, config, direction, op, site, calibration, channel_axis_used=False):
@@ -110,18 +123,13 @@ def _wire_view(x, config, direction, op, site, calibration, channel_axis_used=Fa
     if spec is None:
         return x, None, None
     calibration_lib.observe(x, site or op, direction)
-    plan = site_plan(calibration, site or op, direction)
+    spec, plan = planned_spec(spec, calibration, site or op, direction, x.shape[-1])
     if plan is None:
         return x, spec, None
-    if len(plan.perm) != x.shape[-1]:
-        raise ValueError(f"calibration of site {site or op!r} permutes {len(plan.perm)} channels, "
-                         f"but the message has {x.shape[-1]} (shape {x.shape})")
-    if plan.is_identity:
-        return x, plan.spec(spec), None
     if channel_axis_used:
         raise ValueError(f"site {site or op!r} has a channel permutation, so it cannot gather or scatter along "
                          f"the last (channel) axis of shape {x.shape}")
-    return jnp.take(x, plan.indices, axis=-1), plan.spec(spec), plan.inverse
+    return jnp.take(x, plan.indices, axis=-1), spec, plan.inverse
 
 
 def _unpermute(x: jax.Array, inverse) -> jax.Array:
@@ -307,20 +315,13 @@ def _all_reduce_bwd(axis_name, config, algorithm, site, calibration, _, cotangen
 _all_reduce.defvjp(_all_reduce_fwd, _all_reduce_bwd)
 
 
-def check_config(config: TacoConfig) -> None:
-    """Raise ValueError unless `config` is a `TacoConfig`."""
+def check_arguments(config: TacoConfig, calibration: Calibration | None, algorithm: str = "auto") -> None:
+    """Raise ValueError unless `config` is a `TacoConfig`, `calibration` None or a
+    `Calibration`, and `algorithm` one of `ALGORITHMS`."""
     if not isinstance(config, TacoConfig):
         raise ValueError(f"config must be a TacoConfig, got {type(config).__name__}")
-
-
-def check_calibration(calibration: Calibration | None) -> None:
-    """Raise ValueError unless `calibration` is None or a `Calibration`."""
     if calibration is not None and not isinstance(calibration, Calibration):
         raise ValueError(f"calibration must be a taco_jax.calibration.Calibration, got {type(calibration).__name__}")
-
-
-def check_algorithm(algorithm: str) -> None:
-    """Raise ValueError unless `algorithm` is one of `ALGORITHMS`."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
 
@@ -356,8 +357,7 @@ def all_gather(
     Raises:
       ValueError: bad axis, config or calibration (a permutation of the wrong length).
     """
-    check_config(config)
-    check_calibration(calibration)
+    check_arguments(config, calibration)
     return _all_gather(x, axis_name, config, axis, tiled, site, calibration)
 
 
@@ -392,8 +392,7 @@ def reduce_scatter(
       ValueError: the scattered dimension does not divide by (or equal) the axis size,
         or a channel permutation on a site that scatters along the channel axis.
     """
-    check_config(config)
-    check_calibration(calibration)
+    check_arguments(config, calibration)
     return _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site, calibration)
 
 
@@ -429,7 +428,5 @@ def all_reduce(
     Raises:
       ValueError: unknown algorithm, bad config or calibration.
     """
-    check_config(config)
-    check_algorithm(algorithm)
-    check_calibration(calibration)
+    check_arguments(config, calibration, algorithm)
     return _all_reduce(x, axis_name, config, algorithm, site, calibration)

@@ -83,9 +83,7 @@ def copy_to_tp(
     Raises:
       ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad calibration.
     """
-    collectives.check_config(config)
-    collectives.check_algorithm(algorithm)
-    collectives.check_calibration(calibration)
+    collectives.check_arguments(config, calibration, algorithm)
     return _copy(x, axis_name, config, algorithm, site, calibration)
 
 
@@ -115,9 +113,7 @@ def reduce_from_tp(
     Raises:
       ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad calibration.
     """
-    collectives.check_config(config)
-    collectives.check_algorithm(algorithm)
-    collectives.check_calibration(calibration)
+    collectives.check_arguments(config, calibration, algorithm)
     return _reduce(x, axis_name, config, algorithm, site, calibration)
 
 
@@ -200,9 +196,8 @@ def _gather_matmul_bwd(axis_name, config, axis, site, calibration, residuals, co
         gathered_shape = (*cotangents[0].shape[:-1], kernels[0].shape[0])
         shape = list(gathered_shape)
         shape[axis] //= saved.shape[0]
-        plan = collectives.site_plan(calibration, site or "all_gather", "forward")
-        spec = config.forward if plan is None else plan.spec(config.forward)
-        inverse = None if plan is None or plan.is_identity else plan.inverse
+        spec, plan = collectives.planned_spec(config.forward, calibration, site or "all_gather", "forward", shape[-1])
+        inverse = None if plan is None else plan.inverse
         gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, spec, axis, True, inverse)
     else:
         gathered = saved
@@ -252,6 +247,5 @@ def gather_matmul(
     Raises:
       ValueError: `config` is not a `TacoConfig`, or a bad calibration.
     """
-    collectives.check_config(config)
-    collectives.check_calibration(calibration)
+    collectives.check_arguments(config, calibration)
     return _gather_matmul(x, tuple(jnp.asarray(k) for k in kernels), axis_name, config, axis, site, calibration)

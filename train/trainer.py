@@ -119,9 +119,7 @@ def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibratio
         return lax.pmean(loss, "data"), jax.tree.map(lambda g: lax.pmean(g, "data"), grads)
 
     def local_grads(params, tokens):
-        with contextlib.ExitStack() as stack:
-            if collector is not None:
-                stack.enter_context(tj.calibration.observing(collector))
+        with tj.calibration.observing(collector) if collector is not None else contextlib.nullcontext():
             return accumulated_grads(params, tokens)
 
     def accumulated_grads(params, tokens):
@@ -189,6 +187,11 @@ def wire_bytes_per_step(cfg: TrainConfig, config, train_step, params, opt_state,
     factor = lambda r: (layers_per_stage if r.site.startswith("layers.") else 1) * cfg.grad_accum
     records = [r for r in ledger.records if r.site != "all_reduce"]  # the loss statistics
     return (sum(r.sent_bytes * factor(r) for r in records), sum(r.uncompressed_sent_bytes * factor(r) for r in records))
+
+
+def _calibration_summary(calibration: Calibration) -> dict:
+    return {"calibrated_sites": len(calibration.plans),
+            "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans)}
 
 
 def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Path | None, bar=None) -> Calibration:
@@ -360,8 +363,7 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
     run.checkpoints.close()
     main_process = jax.process_index() == 0
     calibration = calibrate_run(cfg, collector, run.out if main_process else None)
-    return {"model": cfg.model, "step": run.step, "calibrated_sites": len(calibration.plans),
-            "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),
+    return {"model": cfg.model, "step": run.step, **_calibration_summary(calibration),
             "file": str(run.out / "calibration.json")}
 
 
@@ -463,8 +465,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         "skipped_steps": bad_total, "seconds": round(time.time() - started, 1),
         "wire_bytes_per_step": wire, "wire_bytes_per_step_bf16": wire_plain,
         "pipeline_bubble": bubble_fraction(cfg.mesh[1], cfg.microbatches),
-        "calibrated_sites": len(calibration.plans),
-        "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),
+        **_calibration_summary(calibration),
     }
     if main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
