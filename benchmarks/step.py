@@ -30,11 +30,13 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import models  # noqa: E402
 import taco_jax as tj  # noqa: E402
+from benchmarks import profiling  # noqa: E402
 from train import trainer  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 
 
-def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool) -> dict:
+def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool,
+            profile: bool = False) -> dict:
     cfg = TrainConfig(model="custom", mesh=mesh_shape, taco=mode, taco_min_bytes=0, batch_size=batch, seq_len=seq,
                       compute_dtype="bfloat16", sequence_parallel=sequence_parallel, steps=1000, warmup_steps=1)
     mesh = tj.make_mesh(*mesh_shape)
@@ -60,8 +62,17 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - start) / steps)
     step_s = statistics.median(times)
-    return {"mode": mode, "mesh": list(mesh_shape), "step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s,
-            "compile_s": compile_s, "loss": float(np.asarray(metrics["loss"].addressable_shards[0].data))}
+    row = {"mode": mode, "mesh": list(mesh_shape), "step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s,
+           "compile_s": compile_s, "loss": float(np.asarray(metrics["loss"].addressable_shards[0].data))}
+    if profile:
+        state = [params, opt_state]
+
+        def one_step():
+            state[0], state[1], out = train_step(state[0], state[1], batches[0], jnp.bool_(False))
+            return out
+
+        row["profile"] = profiling.gpu_timeline(one_step, calls=3)
+    return row
 
 
 def main() -> None:
@@ -77,6 +88,7 @@ def main() -> None:
     parser.add_argument("--modes", default="off,taco,taco+")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="add a GPU timeline summary (benchmarks/profiling.py)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step.json"))
     args = parser.parse_args()
     mesh_shape = tuple(int(d) for d in args.mesh.split(","))
@@ -91,7 +103,7 @@ def main() -> None:
           f"{jax.devices()[0].device_kind} x {jax.device_count()}", file=sys.stderr, flush=True)
     rows = []
     for mode in args.modes.split(","):
-        row = measure(config, mesh_shape, mode, args.batch, args.seq, args.steps, args.sequence_parallel)
+        row = measure(config, mesh_shape, mode, args.batch, args.seq, args.steps, args.sequence_parallel, args.profile)
         rows.append(row)
         print(f"  {mode:6s} {row['step_ms']:9.1f} ms/step {row['tokens_per_s']:10.0f} tok/s (compile {row['compile_s']:.0f} s, "
               f"loss {row['loss']:.3f})", file=sys.stderr, flush=True)

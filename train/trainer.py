@@ -69,13 +69,22 @@ def make_optimizer(cfg: TrainConfig, config: models.ModelConfig) -> tuple[optax.
     return tx, schedule
 
 
-def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTransformation) -> tuple[dict, dict]:
-    """Parameters (born sharded) and optimizer state on `mesh`, scalars replicated."""
-    params = models.init_params(config, jax.random.key(seed), mesh)
+def optimizer_shardings(tx: optax.GradientTransformation, params: dict, mesh) -> dict:
+    """Shardings of the optimizer state: every per-parameter tree (Adam moments) sharded
+    like the parameters, scalars (step counts) replicated. Left to propagation, moments
+    born from `zeros_like` come out replicated, and every step then all-gathers the
+    full float32 parameters and moments over "tensor"."""
     replicated = NamedSharding(mesh, P())
-    opt_state = jax.tree.map(  # optimizer scalars (step counts) replicated on the mesh
-        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), jax.jit(tx.init)(params))
-    return params, opt_state
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params), jax.tree.map(lambda p: p.sharding, params),
+        transform_non_params=lambda _: replicated)
+
+
+def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTransformation) -> tuple[dict, dict]:
+    """Parameters (born sharded) and optimizer state on `mesh`: moments sharded like the
+    parameters, scalars replicated."""
+    params = models.init_params(config, jax.random.key(seed), mesh)
+    return params, jax.jit(tx.init, out_shardings=optimizer_shardings(tx, params, mesh))(params)
 
 
 def taco_config(cfg: TrainConfig) -> tj.TacoConfig:
