@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import formats, group_codec
+from pallas_kernels import formats, group_codec, wire
 from pallas_kernels.hadamard import hadamard_matrix
 
 # Scale entry dtypes per scale format, one output array each (see quantize_scaled).
@@ -79,9 +79,54 @@ def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_f
     else:
         scaled = groups * prescale
     payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format)
-    payload_ref[...] = payload
+    # A message buffer is uint8: the codes go in as their bytes.
+    payload_ref[...] = payload if payload_ref.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, payload_ref.dtype)
     for ref, entry in zip(scale_refs, entries):
         ref[...] = entry.reshape(ref.shape)
+
+
+def block_rows_for(rows: int, preferred: int) -> int:
+    """The largest power-of-two block of at most `preferred` rows (and at least 16)
+    that divides `rows`, so no padding copy is needed; `preferred` if none does."""
+    block = preferred
+    while block > 16 and rows % block:
+        block //= 2
+    return block if rows % block == 0 else preferred
+
+
+def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
+    """Run the kernel over B batches of (N, G) rows, x (B, N, G). Each batch's payload
+    goes to rows [0, N) of a (payload_rows, G) block of `payload_dtype` (rows past N are
+    left to the caller).
+
+    Returns:
+      (payload (B, >= payload_rows, G), scale entries as (B, N, 1, 1) arrays).
+    """
+    group_codec.check_scale_format(scale_format)
+    batch, rows, group_size = x.shape
+    config = config or default_config(group_size)
+    block = block_rows_for(rows, config.block_rows)
+    padded = rows + (-rows % block)
+    if padded != rows:
+        x = jnp.pad(x, ((0, 0), (0, padded - rows), (0, 0)))
+    entry_dtypes = SCALE_ENTRY_DTYPES[scale_format]
+    kernel = functools.partial(
+        _compress_kernel, fmt=fmt, scale_format=scale_format, transform=transform,
+        splits=BF16_SPLITS[jnp.dtype(x.dtype)],
+    )
+    tile = pl.BlockSpec((None, block, group_size), lambda b, i: (b, i, 0))
+    payload, *entries = pl.pallas_call(
+        kernel,
+        grid=(batch, padded // block),
+        in_specs=[tile, pl.BlockSpec((group_size, group_size), lambda b, i: (0, 0))],
+        out_specs=[tile] + [pl.BlockSpec((None, block), lambda b, i: (b, i))] * len(entry_dtypes),
+        out_shape=[jax.ShapeDtypeStruct((batch, max(padded, payload_rows), group_size), payload_dtype)]
+        + [jax.ShapeDtypeStruct((batch, padded), dtype) for dtype in entry_dtypes],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="taco_compress",
+    )(x, jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
+    return payload, [e[:, :rows, None, None] for e in entries]  # (B, N, groups=1, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
@@ -107,32 +152,36 @@ def compress(
     Returns:
       (payload (N, G), scales) in the layout of `group_codec.quantize_groups` for (N, G).
     """
-    group_codec.check_scale_format(scale_format)
-    rows, group_size = x.shape
-    config = config or default_config(group_size)
-    block = config.block_rows
-    padded = rows + (-rows % block)
-    if padded != rows:
-        x = jnp.pad(x, ((0, padded - rows), (0, 0)))
-    wire = formats.wire_format(fmt)
-    entry_dtypes = SCALE_ENTRY_DTYPES[scale_format]
-    kernel = functools.partial(
-        _compress_kernel, fmt=fmt, scale_format=scale_format, transform=transform,
-        splits=BF16_SPLITS[jnp.dtype(x.dtype)],
-    )
-    payload, *entries = pl.pallas_call(
-        kernel,
-        grid=(padded // block,),
-        in_specs=[pl.BlockSpec((block, group_size), lambda i: (i, 0)), pl.BlockSpec((group_size, group_size), lambda i: (0, 0))],
-        out_specs=[pl.BlockSpec((block, group_size), lambda i: (i, 0))] + [pl.BlockSpec((block,), lambda i: (i,))] * len(entry_dtypes),
-        out_shape=[jax.ShapeDtypeStruct((padded, group_size), wire.dtype)]
-        + [jax.ShapeDtypeStruct((padded,), dtype) for dtype in entry_dtypes],
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="taco_compress",
-    )(x, jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
-    entries = [e[:rows, None, None] for e in entries]  # (N, groups=1, 1)
-    return payload[:rows], group_codec.pack_scale_entries(tuple(entries), scale_format)
+    rows = x.shape[0]
+    payload, entries = _launch(x[None], fmt, scale_format, transform, config, interpret, formats.wire_format(fmt).dtype, rows)
+    return payload[0, :rows], group_codec.pack_scale_entries(tuple(e[0] for e in entries), scale_format)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
+def compress_message(
+    x: jax.Array,
+    *,
+    fmt: str,
+    scale_format: str,
+    transform: bool,
+    config: CompressConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Quantize rows of G elements straight into wire messages (`wire.MessageLayout`).
+
+    The kernel writes the payload rows of each buffer; the scale rows are then written
+    in place. Arguments as `compress`, except
+
+    Args:
+      x: (B, N, G): B messages of N groups each.
+
+    Returns:
+      uint8 (B, rows, G): the messages, byte for byte what `wire.pack` makes of `compress`.
+    """
+    layout = wire.MessageLayout(x.shape[1], x.shape[2], fmt, scale_format)
+    payload, entries = _launch(x, fmt, scale_format, transform, config, interpret, jnp.uint8, layout.shape[0])
+    buffer = payload[:, : layout.shape[0]]  # a copy only when padding made the kernel write past the message
+    return wire.place_scales(buffer, group_codec.pack_scale_entries(tuple(entries), scale_format), layout)
 
 
 def compress_reference(x: jax.Array, *, fmt: str, scale_format: str, transform: bool) -> tuple[jax.Array, jax.Array]:

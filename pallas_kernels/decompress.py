@@ -24,8 +24,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import formats, group_codec
+from pallas_kernels import formats, group_codec, wire
 from pallas_kernels.compress import SCALE_ENTRY_DTYPES, hadamard_dot
+from pallas_kernels.compress import block_rows_for as compress_block_rows
 from pallas_kernels.hadamard import hadamard_matrix, hadamard_transform
 
 
@@ -51,23 +52,32 @@ def default_config(group_size: int, shards: int, requantize: bool = False) -> De
     return DecompressConfig(block_rows=max(16, elements // group_size), num_warps=4)
 
 
-def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize):
+def _codes(payload_ref, shard: int, fmt: str | None) -> jax.Array:
+    """One shard's codes as float32; a uint8 message buffer holds their bytes."""
+    codes = payload_ref[shard]
+    if fmt is not None:
+        codes = jax.lax.bitcast_convert_type(codes, formats.wire_format(fmt).dtype)
+    return codes.astype(jnp.float32)
+
+
+def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt):
     shards, _, group_size = payload_ref.shape
     inv_sqrt = np.float32(1.0 / np.sqrt(group_size))
     if shards == 1 and transform and requantize is None:
         # One 8-bit shard is exact in bf16: a single matmul, then the group's scale.
-        payload = payload_ref[0].astype(jnp.float32).astype(jnp.bfloat16)
+        payload = _codes(payload_ref, 0, message_fmt).astype(jnp.bfloat16)
         values = jnp.dot(payload, hadamard_ref[...], preferred_element_type=jnp.float32)
         out_refs[0][...] = (values * (multiplier_ref[0] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
         return
-    summed = payload_ref[0].astype(jnp.float32) * multiplier_ref[0][:, None]
+    summed = _codes(payload_ref, 0, message_fmt) * multiplier_ref[0][:, None]
     for shard in range(1, shards):
-        summed = summed + payload_ref[shard].astype(jnp.float32) * multiplier_ref[shard][:, None]
+        summed = summed + _codes(payload_ref, shard, message_fmt) * multiplier_ref[shard][:, None]
     if requantize is not None:
         fmt, scale_format = requantize
         _, _, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
         payload, entries = group_codec.quantize_scaled(summed * prescale, prescale, fmt, scale_format)
-        out_refs[0][...] = payload
+        out = out_refs[0]
+        out[...] = payload if out.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, out.dtype)
         for ref, entry in zip(out_refs[1:], entries):
             ref[...] = entry.reshape(ref.shape)
         return
@@ -76,6 +86,61 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
         splits = 3 if out_refs[0].dtype == jnp.float32 else 2
         summed = hadamard_dot(summed, hadamard_ref[...], splits) * inv_sqrt
     out_refs[0][...] = summed.astype(out_refs[0].dtype)
+
+
+def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, config, interpret, message_fmt,
+            extra_rows=0):
+    """Run the kernel on B batches of k shards: payload (B, k, rows >= N, G) (codes, or
+    uint8 message buffers with `message_fmt`), multiplier (B, k, N). Requantizing takes
+    B = 1; its payload comes out uint8 for messages, in an array of at least N +
+    `extra_rows` rows (room for a message's scale rows).
+
+    Returns:
+      decoded (B, N, G) in `out_dtype`, or with `requantize` (payload array whose first
+      N rows hold the codes, scale entries as (N, 1, 1) arrays).
+    """
+    batch, shards, rows, group_size = payload.shape
+    config = config or default_config(group_size, shards, requantize is not None)
+    block = compress_block_rows(groups, config.block_rows)
+    padded = groups + (-groups % block)
+    if padded > rows:  # odd sizes only: pad so every block reads inside the buffer
+        payload = jnp.pad(payload, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    multiplier = jnp.pad(multiplier.astype(jnp.float32), ((0, 0), (0, 0), (0, padded - groups)))
+    blocks = padded // block
+    payload = payload.reshape(batch * shards, -1, group_size)
+    multiplier = multiplier.reshape(batch * shards, padded)
+    tile = pl.BlockSpec((block, group_size), lambda b, i: (b * blocks + i, 0))
+    out_rows = batch * padded
+    if requantize is None:
+        out_specs, out_shape = [tile], [jax.ShapeDtypeStruct((out_rows, group_size), out_dtype)]
+    else:
+        fmt, scale_format = requantize
+        group_codec.check_scale_format(scale_format)
+        entry_dtypes = SCALE_ENTRY_DTYPES[scale_format]
+        payload_dtype = jnp.uint8 if message_fmt is not None else formats.wire_format(fmt).dtype
+        out_specs = [tile] + [pl.BlockSpec((block,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
+        if batch != 1:
+            raise ValueError(f"requantizing sums one batch of shards, got {batch}")
+        out_shape = [jax.ShapeDtypeStruct((max(out_rows, groups + extra_rows), group_size), payload_dtype)] + [
+            jax.ShapeDtypeStruct((out_rows,), dtype) for dtype in entry_dtypes
+        ]
+    outs = pl.pallas_call(
+        functools.partial(_decompress_kernel, transform=transform, requantize=requantize, message_fmt=message_fmt),
+        grid=(batch, blocks),
+        in_specs=[
+            pl.BlockSpec((shards, block, group_size), lambda b, i: (b, i, 0)),
+            pl.BlockSpec((shards, block), lambda b, i: (b, i)),
+            pl.BlockSpec((group_size, group_size), lambda b, i: (0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="taco_decompress",
+    )(payload, multiplier, jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
+    if requantize is None:
+        return outs[0].reshape(batch, padded, group_size)[:, :groups]
+    return outs[0], [e[:groups, None, None] for e in outs[1:]]
 
 
 @functools.partial(
@@ -107,42 +172,53 @@ def decompress(
       The decoded (N, G) array in `out_dtype`, or with `requantize` a (payload, scales)
       pair in the layout of `group_codec.quantize_groups`.
     """
-    shards, rows, group_size = payload.shape
-    config = config or default_config(group_size, shards, requantize is not None)
-    block = config.block_rows
-    padded = rows + (-rows % block)
-    if padded != rows:
-        payload = jnp.pad(payload, ((0, 0), (0, padded - rows), (0, 0)))
-        multiplier = jnp.pad(multiplier, ((0, 0), (0, padded - rows)))
-    tile = pl.BlockSpec((block, group_size), lambda i: (i, 0))
+    out = _launch(payload[None], multiplier[None], payload.shape[1], transform=transform, out_dtype=out_dtype,
+                  requantize=requantize, config=config, interpret=interpret, message_fmt=None)
     if requantize is None:
-        out_specs, out_shape = [tile], [jax.ShapeDtypeStruct((padded, group_size), out_dtype)]
-    else:
-        fmt, scale_format = requantize
-        group_codec.check_scale_format(scale_format)
-        entry_dtypes = SCALE_ENTRY_DTYPES[scale_format]
-        out_specs = [tile] + [pl.BlockSpec((block,), lambda i: (i,))] * len(entry_dtypes)
-        out_shape = [jax.ShapeDtypeStruct((padded, group_size), formats.wire_format(fmt).dtype)] + [
-            jax.ShapeDtypeStruct((padded,), dtype) for dtype in entry_dtypes
-        ]
-    outs = pl.pallas_call(
-        functools.partial(_decompress_kernel, transform=transform, requantize=requantize),
-        grid=(padded // block,),
-        in_specs=[
-            pl.BlockSpec((shards, block, group_size), lambda i: (0, i, 0)),
-            pl.BlockSpec((shards, block), lambda i: (0, i)),
-            pl.BlockSpec((group_size, group_size), lambda i: (0, 0)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="taco_decompress",
-    )(payload, multiplier.astype(jnp.float32), jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
-    if requantize is None:
-        return outs[0][:rows]
-    entries = tuple(e[:rows, None, None] for e in outs[1:])  # (N, groups=1, 1)
-    return outs[0][:rows], group_codec.pack_scale_entries(entries, requantize[1])
+        return out[0]
+    codes, entries = out
+    return codes[: payload.shape[1]], group_codec.pack_scale_entries(tuple(entries), requantize[1])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("layout", "transform", "out_dtype", "requantize", "config", "interpret")
+)
+def decompress_message(
+    messages: jax.Array,
+    layout: wire.MessageLayout,
+    *,
+    transform: bool,
+    out_dtype: jnp.dtype = jnp.float32,
+    requantize: bool = False,
+    config: DecompressConfig | None = None,
+    interpret: bool = False,
+):
+    """Decode wire messages straight from their buffers: for each of B batches, the sum
+    of its k messages (k a power of two), decoded or requantized into a new message.
+
+    Args:
+      messages: uint8 (B, k, rows, W) message buffers of `layout` (e.g. what an
+        all-to-all delivered: B = 1, k = ranks; or an all-gather: B = ranks, k = 1).
+      layout: their `wire.MessageLayout`.
+      transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
+      out_dtype: dtype of the decoded output.
+      requantize: quantize the sum again with the layout's format into one message
+        (B = 1), staying in the transformed domain (the two-shot all-reduce).
+      config: launch parameters; `default_config` if None.
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+      decoded (B, N, G) in `out_dtype`, or with `requantize` a uint8 (rows, W) message.
+    """
+    multiplier = wire.multiplier(messages, layout)
+    spec = (layout.fmt, layout.scale_format) if requantize else None
+    out = _launch(messages, multiplier, layout.groups, transform=transform, out_dtype=out_dtype, requantize=spec,
+                  config=config, interpret=interpret, message_fmt=layout.fmt, extra_rows=layout.scale_rows)
+    if not requantize:
+        return out
+    codes, entries = out
+    buffer = codes[: layout.shape[0]]  # a copy only when padding made the kernel write past the message
+    return wire.place_scales(buffer, group_codec.pack_scale_entries(tuple(entries), layout.scale_format), layout)
 
 
 def decompress_reference(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from typing import Iterator, Sequence
@@ -19,7 +20,7 @@ import numpy as np
 
 from pallas_kernels import compress as compress_kernel
 from pallas_kernels import decompress as decompress_kernel
-from pallas_kernels import group_codec
+from pallas_kernels import group_codec, wire
 from taco_jax.spec import QuantSpec
 
 KERNEL_MODES = ("auto", "pallas", "interpret", "jnp")
@@ -150,6 +151,77 @@ def _dequantize_sum(shards: Compressed, *, requantize: bool, dtype: jnp.dtype = 
     if use_kernel:
         return decompress_kernel.decompress(payload, multiplier, out_dtype=dtype, interpret=interpret, **kwargs)
     return decompress_kernel.decompress_reference(payload, multiplier, out_dtype=dtype, **kwargs)
+
+
+# ----------------------------------------------------------------------------- wire messages
+
+
+def message_layout(groups: int, spec: QuantSpec) -> wire.MessageLayout:
+    """The wire layout of a message of `groups` groups compressed with `spec`."""
+    return wire.MessageLayout(groups, spec.group_size, spec.fmt, spec.scales)
+
+
+def encode(rows: jax.Array, spec: QuantSpec) -> jax.Array:
+    """Compress rows straight into wire messages (`pallas_kernels.wire`), one per
+    leading index.
+
+    Args:
+      rows: float (..., N, G), G = spec.group_size, in wire channel order.
+      spec: the `QuantSpec` (its `hadamard` decides the transform).
+
+    Returns:
+      uint8 (..., *message_layout(N, spec).shape).
+    """
+    use_kernel, interpret = _kernel_choice(spec, rows.dtype)
+    lead, (groups, group_size) = rows.shape[:-2], rows.shape[-2:]
+    if use_kernel:
+        messages = compress_kernel.compress_message(
+            rows.reshape(-1, groups, group_size), fmt=spec.fmt, scale_format=spec.scales, transform=spec.hadamard,
+            interpret=interpret)
+        return messages.reshape(*lead, *messages.shape[1:])
+    payload, scales = group_codec.quantize_groups(
+        rows, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard)
+    return wire.pack(payload, scales, message_layout(groups, spec))
+
+
+def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype) -> jax.Array:
+    """Decode messages: for each of B batches the sum of its k messages, in float32 in
+    the transformed domain, transformed back once.
+
+    Args:
+      messages: uint8 (B, k, rows, W) messages of `groups` groups each.
+      groups: N.
+      spec: the `QuantSpec` they were compressed with.
+      dtype: output dtype.
+
+    Returns:
+      (B, N, G) in `dtype`.
+    """
+    layout = message_layout(groups, spec)
+    use_kernel, interpret = _kernel_choice(spec, dtype, messages.shape[1])
+    if use_kernel:
+        return decompress_kernel.decompress_message(messages, layout, transform=spec.hadamard, out_dtype=dtype,
+                                                    interpret=interpret)
+    decode_one = functools.partial(decompress_kernel.decompress_reference, transform=spec.hadamard, out_dtype=dtype)
+    return jax.vmap(decode_one)(wire.payload_of(messages, layout), wire.multiplier(messages, layout))
+
+
+def requantize(messages: jax.Array, groups: int, spec: QuantSpec) -> jax.Array:
+    """Sum k messages (k, rows, W) in float32 and quantize the sum into one message with
+    the same spec, staying in the transformed domain (the two-shot all-reduce's middle).
+
+    Returns:
+      uint8 message of `message_layout(groups, spec).shape`.
+    """
+    layout = message_layout(groups, spec)
+    use_kernel, interpret = _kernel_choice(spec, jnp.float32, messages.shape[0])
+    if use_kernel:
+        return decompress_kernel.decompress_message(messages[None], layout, transform=spec.hadamard, requantize=True,
+                                                    interpret=interpret)
+    payload, scales = decompress_kernel.decompress_reference(
+        wire.payload_of(messages, layout), wire.multiplier(messages, layout), transform=spec.hadamard,
+        requantize=(spec.fmt, spec.scales))
+    return wire.pack(payload, scales, layout)
 
 
 # ----------------------------------------------------------------------------- public API

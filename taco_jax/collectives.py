@@ -1,13 +1,16 @@
 """Compressed tensor-parallel collectives for use inside `jax.shard_map(check_vma=False)`.
 
-Each collective has the result of its `jax.lax` counterpart within codec error. What
-crosses the wire is one uint8 buffer per message holding the 8-bit payload and the
-per-group scales (bitcast, so every backend moves one byte per element). Reductions
-dequantize to float32 and sum in the transformed domain; the inverse transform runs once.
+Each collective has the result of its `jax.lax` counterpart within codec error. Every
+compressed message follows one line: compress kernel -> wire message (one uint8 buffer,
+`pallas_kernels.wire`, written by the kernel) -> lax collective -> decode kernel (reads
+the received buffer), so every backend moves one byte per element and nothing is copied
+between the stages. Reductions dequantize to float32 and sum in the transformed domain;
+the inverse transform runs once.
 
 Layout: a message is viewed as rows of G elements of its last axis (the last axis is
 zero-padded to a multiple of G), so any shape the lax collective accepts works and the
-groups are the codec's groups.
+groups are the codec's groups. How each message travels (compressed or not, the
+all-reduce algorithm, pipelined chunks) is `taco_jax.policy`'s decision.
 """
 
 from __future__ import annotations
@@ -20,17 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import formats
 from taco_jax import accounting
 from taco_jax import calibration as calibration_lib
+from taco_jax import policy
 from taco_jax.calibration import Calibration
-from taco_jax.codec import Compressed, compress, decompress, decompress_sum, requantize_sum
+from taco_jax.codec import decode, encode, message_layout, requantize
+from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
 
-ALGORITHMS = ("one_shot", "two_shot", "auto")
-# Under this size (input bytes per rank) "auto" picks the one-shot all-reduce: a single
-# all-gather step costs less latency than the two steps of the two-shot algorithm.
-ONE_SHOT_MAX_BYTES = 1 << 20
+# Chunks of a pipelined message start at multiples of this many groups (the kernels'
+# row blocks divide it, so no chunk needs padding).
+CHUNK_ALIGN = 64
 
 
 # ----------------------------------------------------------------------------- layout
@@ -55,47 +58,28 @@ def _from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
     return rows.reshape(*lead_shape, *chunk)
 
 
-def _as_bytes(a: jax.Array, lead: int) -> jax.Array:
-    return lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape[:lead], -1)
+def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
+    """Split `groups` rows into at most `chunks` pieces starting at multiples of
+    `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
+    step = -(-(-(-groups // chunks)) // CHUNK_ALIGN) * CHUNK_ALIGN
+    edges = list(range(0, groups, step)) + [groups]
+    return list(zip(edges[:-1], edges[1:]))
 
 
-def _pack(c: Compressed, lead: int) -> jax.Array:
-    """Payload and scales as one uint8 buffer per leading index: (*lead_dims, nbytes)."""
-    payload = formats.pack_nibbles(c.payload) if c.spec.element_bits == 4 else c.payload
-    return jnp.concatenate([_as_bytes(payload, lead), _as_bytes(c.scales, lead)], axis=-1)
-
-
-def _from_bytes(buf: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
-    itemsize = jnp.dtype(dtype).itemsize
-    buf = buf.reshape(*shape, itemsize) if itemsize > 1 else buf.reshape(shape)
-    return lax.bitcast_convert_type(buf, dtype)
-
-
-def _unpack(buf: jax.Array, template: Compressed) -> Compressed:
-    """Invert `_pack`; `template` has the per-message (unbatched) shapes."""
-    lead_shape = buf.shape[:-1]
-    payload_bytes = template.payload.size * template.spec.element_bits // 8
-    if template.spec.element_bits == 4:
-        packed = buf[..., :payload_bytes].reshape(*lead_shape, *template.payload.shape[:-1], -1)
-        payload = formats.unpack_nibbles(packed)
-    else:
-        payload = _from_bytes(buf[..., :payload_bytes], (*lead_shape, *template.payload.shape), template.payload.dtype)
-    scales = _from_bytes(buf[..., payload_bytes:], (*lead_shape, *template.scales.shape), template.scales.dtype)
-    return Compressed(payload, scales, (*lead_shape, *template.shape), template.dtype, template.spec)
-
-
-def _template(rows_shape: tuple[int, ...], dtype: jnp.dtype, spec: QuantSpec) -> Compressed:
-    return jax.eval_shape(lambda r: compress(r, spec), jax.ShapeDtypeStruct(rows_shape, dtype))
+def _message_bytes(groups: int, spec: QuantSpec, chunks: int) -> int:
+    """Bytes of the messages carrying `groups` groups in `chunks` pipelined pieces."""
+    return sum(message_layout(b - a, spec).nbytes for a, b in chunk_bounds(groups, chunks))
 
 
 # ----------------------------------------------------------------------------- policy
 
 
-def _spec_for(x: jax.Array, config: TacoConfig, direction: str) -> QuantSpec | None:
-    """The spec to compress `x` with, or None to send it uncompressed."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or not config.compresses(x.size * x.dtype.itemsize):
-        return None
-    return config.forward if direction == "forward" else config.backward
+def _route(x: jax.Array, config: TacoConfig, op: str, axis_name: str, algorithm: str = "auto") -> policy.Route:
+    """How `x` travels (`taco_jax.policy`); integer arrays always go plain."""
+    nbytes = x.size * x.dtype.itemsize
+    return policy.route_for(op, lax.axis_size(axis_name), nbytes, link=config.link, chunks=config.chunks,
+                            algorithm=algorithm,
+                            compresses=jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(nbytes))
 
 
 def planned_spec(
@@ -116,12 +100,12 @@ def planned_spec(
     return plan.spec(spec), None if plan.is_identity else plan
 
 
-def _wire_view(x, config, direction, op, site, calibration, channel_axis_used=False):
+def _wire_view(x, config, direction, op, site, calibration, route, channel_axis_used=False):
     """(x in wire channel order, spec, inverse permutation or None); spec None = send
     `x` uncompressed. Reports `x` to an active calibration collector."""
-    spec = _spec_for(x, config, direction)
-    if spec is None:
+    if not route.compressed:
         return x, None, None
+    spec = config.forward if direction == "forward" else config.backward
     calibration_lib.observe(x, site or op, direction)
     spec, plan = planned_spec(spec, calibration, site or op, direction, x.shape[-1])
     if plan is None:
@@ -156,19 +140,24 @@ def _check_axis(axis: int, ndim: int, what: str) -> int:
 
 def gather_and_received(
     x, axis_name, config, direction, axis, tiled, site, calibration=None
-) -> tuple[jax.Array, jax.Array]:
-    """The all-gather result and what crossed the wire: the (ranks, nbytes) uint8
-    buffers when compressed (decode again with `decode_gathered`), else the result."""
+) -> tuple[jax.Array, jax.Array | tuple[jax.Array, ...]]:
+    """The all-gather result and what crossed the wire: a tuple of (ranks, rows, W)
+    uint8 messages (one per pipelined chunk) when compressed (decode again with
+    `decode_gathered`), else the result."""
     ranks = lax.axis_size(axis_name)
     axis = _check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
-    wire, spec, inverse = _wire_view(x, config, direction, "all_gather", site, calibration)
+    route = _route(x, config, "all_gather", axis_name)
+    wire, spec, inverse = _wire_view(x, config, direction, "all_gather", site, calibration, route)
     if spec is None:
         _record(site, "all_gather", direction, x, ranks, None, plain_sent, plain_sent)
         gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
         return gathered, gathered
-    received = gather_packed(wire, axis_name, spec)
-    _record(site, "all_gather", direction, x, ranks, spec, (ranks - 1) * received.shape[1], plain_sent)
+    rows = _to_rows(wire, spec.group_size, 0)
+    received = tuple(lax.all_gather(encode(rows[a:b], spec), axis_name, axis=0, tiled=False)
+                     for a, b in chunk_bounds(rows.shape[0], route.chunks))
+    _record(site, "all_gather", direction, x, ranks, spec,
+            (ranks - 1) * _message_bytes(rows.shape[0], spec, route.chunks), plain_sent)
     return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse), received
 
 
@@ -176,13 +165,8 @@ def _gather(x, axis_name, config, direction, axis, tiled, site, calibration=None
     return gather_and_received(x, axis_name, config, direction, axis, tiled, site, calibration)[0]
 
 
-def gather_packed(x: jax.Array, axis_name: str, spec: QuantSpec) -> jax.Array:
-    """Compress `x` and all-gather it: the (ranks, nbytes) uint8 buffers as received."""
-    return lax.all_gather(_pack(compress(_to_rows(x, spec.group_size, 0), spec), 0), axis_name, axis=0, tiled=False)
-
-
 def decode_gathered(
-    received: jax.Array,
+    received: tuple[jax.Array, ...],
     shape: tuple[int, ...],
     dtype: jnp.dtype,
     spec: QuantSpec,
@@ -190,25 +174,19 @@ def decode_gathered(
     tiled: bool,
     inverse_perm: np.ndarray | None = None,
 ) -> jax.Array:
-    """Decode `gather_packed` buffers of per-rank arrays of `shape` into the all-gather
-    result (`lax.all_gather` layout), undoing a channel permutation if given."""
-    ranks = received.shape[0]
+    """Decode the all-gathered messages of per-rank arrays of `shape` (the chunks of
+    `gather_and_received`) into the all-gather result (`lax.all_gather` layout),
+    undoing a channel permutation if given."""
+    ranks = received[0].shape[0]
     last = shape[-1] if shape else 1
-    rows = (math.prod(shape[:-1]) * -(-last // spec.group_size), spec.group_size)
-    pieces = _unpermute(_from_rows(decompress(_unpack(received, _template(rows, dtype, spec))), shape, 1), inverse_perm)
-    out = jnp.moveaxis(pieces, 0, axis)
+    groups = math.prod(shape[:-1]) * -(-last // spec.group_size)
+    bounds = chunk_bounds(groups, len(received))
+    rows = [decode(r[:, None], b - a, spec, dtype) for r, (a, b) in zip(received, bounds)]
+    rows = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+    out = jnp.moveaxis(_unpermute(_from_rows(rows, shape, 1), inverse_perm), 0, axis)
     if tiled:
         out = out.reshape(*shape[:axis], ranks * shape[axis], *shape[axis + 1 :])
     return out
-
-
-def _exchange(chunks: jax.Array, axis_name: str, spec: QuantSpec) -> tuple[Compressed, int]:
-    """Compress k chunks (leading axis) and all-to-all them. Returns (the k compressed
-    chunks this rank received, bytes sent per rank)."""
-    ranks = chunks.shape[0]
-    received = lax.all_to_all(_pack(compress(chunks, spec), 1), axis_name, 0, 0, tiled=True)
-    template = _template(chunks.shape[1:], chunks.dtype, spec)
-    return _unpack(received, template), (ranks - 1) * template.nbytes
 
 
 def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, calibration=None):
@@ -219,49 +197,72 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, ca
         need = f"divisible by {ranks}" if tiled else f"equal to {ranks}"
         raise ValueError(f"scatter_dimension {dim} of shape {x.shape} has size {size}, must be {need} (axis size)")
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize // ranks
-    wire, spec, inverse = _wire_view(x, config, direction, "reduce_scatter", site, calibration, dim == x.ndim - 1)
+    route = _route(x, config, "reduce_scatter", axis_name)
+    wire, spec, inverse = _wire_view(x, config, direction, "reduce_scatter", site, calibration, route,
+                                     dim == x.ndim - 1)
     if spec is None:
         _record(site, "reduce_scatter", direction, x, ranks, None, plain_sent, plain_sent)
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(wire, dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
-    chunks = _to_rows(moved.reshape(ranks, *chunk_shape), spec.group_size, 1)
-    shards, sent = _exchange(chunks, axis_name, spec)
-    _record(site, "reduce_scatter", direction, x, ranks, spec, sent, plain_sent)
-    out = _unpermute(_from_rows(decompress_sum(shards), chunk_shape, 0), inverse)
+    rows = _to_rows(moved.reshape(ranks, *chunk_shape), spec.group_size, 1)
+    pieces = [_reduce_scatter_rows(rows[:, a:b], axis_name, spec, x.dtype)
+              for a, b in chunk_bounds(rows.shape[1], route.chunks)]
+    _record(site, "reduce_scatter", direction, x, ranks, spec,
+            (ranks - 1) * _message_bytes(rows.shape[1], spec, route.chunks), plain_sent)
+    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
+    out = _unpermute(_from_rows(out, chunk_shape, 0), inverse)
     return jnp.moveaxis(out, 0, dim) if tiled else out
+
+
+def _reduce_scatter_rows(rows: jax.Array, axis_name: str, spec: QuantSpec, dtype: jnp.dtype) -> jax.Array:
+    """(ranks, n, G) rows, one block per destination -> this rank's (n, G) block of the sum."""
+    received = lax.all_to_all(encode(rows, spec), axis_name, 0, 0, tiled=True)
+    return decode(received[None], rows.shape[1], spec, dtype)[0]
 
 
 def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
     ranks = lax.axis_size(axis_name)
     nbytes = x.size * x.dtype.itemsize
     plain_sent = 2 * (ranks - 1) * nbytes // ranks
-    wire, spec, inverse = _wire_view(x, config, direction, "all_reduce", site, calibration)
+    route = _route(x, config, "all_reduce", axis_name, algorithm)
+    wire, spec, inverse = _wire_view(x, config, direction, "all_reduce", site, calibration, route)
     if spec is None:
         _record(site, "all_reduce", direction, x, ranks, None, plain_sent, plain_sent)
         return lax.psum(x, axis_name)
-    return _unpermute(_reduce_compressed(wire, axis_name, spec, direction, algorithm, site, ranks, plain_sent), inverse)
+    rows = _to_rows(wire, spec.group_size, 0)
+    if route.algorithm == "one_shot":
+        out, sent = _one_shot(rows, axis_name, spec, route.chunks, x.dtype)
+    else:
+        out, sent = _two_shot(rows, axis_name, spec, route.chunks, x.dtype)
+    _record(site, f"all_reduce_{route.algorithm}", direction, x, ranks, spec, (ranks - 1) * sent, plain_sent)
+    return _unpermute(_from_rows(out, x.shape, 0), inverse)
 
 
-def _reduce_compressed(x, axis_name, spec, direction, algorithm, site, ranks, plain_sent):
-    nbytes = x.size * x.dtype.itemsize
-    if algorithm == "auto":
-        algorithm = "one_shot" if nbytes < ONE_SHOT_MAX_BYTES else "two_shot"
-    rows = _to_rows(x, spec.group_size, 0)
-    if algorithm == "one_shot":
-        c = compress(rows, spec)
-        _record(site, "all_reduce_one_shot", direction, x, ranks, spec, (ranks - 1) * c.nbytes, plain_sent)
-        received = lax.all_gather(_pack(c, 0), axis_name, axis=0, tiled=False)
-        return _from_rows(decompress_sum(_unpack(received, c)), x.shape, 0)
-    count = rows.shape[0]
+def _one_shot(rows, axis_name, spec, chunks, dtype) -> tuple[jax.Array, int]:
+    """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
+    pieces = []
+    for a, b in chunk_bounds(rows.shape[0], chunks):
+        received = lax.all_gather(encode(rows[a:b], spec), axis_name, axis=0, tiled=False)
+        pieces.append(decode(received[None], b - a, spec, dtype)[0])
+    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
+    return out, _message_bytes(rows.shape[0], spec, chunks)
+
+
+def _two_shot(rows, axis_name, spec, chunks, dtype) -> tuple[jax.Array, int]:
+    """Reduce-scatter, requantize the reduced block, all-gather it: (n, G) sum, bytes
+    per peer."""
+    ranks, count = lax.axis_size(axis_name), rows.shape[0]
     per_rank = -(-count // ranks)
-    rows = jnp.pad(rows, [(0, ranks * per_rank - count), (0, 0)])
-    shards, sent = _exchange(rows.reshape(ranks, per_rank, spec.group_size), axis_name, spec)
-    reduced = requantize_sum(shards)
-    _record(site, "all_reduce_two_shot", direction, x, ranks, spec, sent + (ranks - 1) * reduced.nbytes, plain_sent)
-    gathered = lax.all_gather(_pack(reduced, 0), axis_name, axis=0, tiled=False)
-    out = decompress(_unpack(gathered, reduced)).reshape(-1, spec.group_size)[:count]
-    return _from_rows(out, x.shape, 0)
+    blocks = jnp.pad(rows, [(0, ranks * per_rank - count), (0, 0)]).reshape(ranks, per_rank, spec.group_size)
+    pieces = []
+    for a, b in chunk_bounds(per_rank, chunks):
+        received = lax.all_to_all(encode(blocks[:, a:b], spec), axis_name, 0, 0, tiled=True)
+        reduced = requantize(received, b - a, spec)
+        gathered = lax.all_gather(reduced, axis_name, axis=0, tiled=False)
+        pieces.append(decode(gathered[:, None], b - a, spec, dtype))
+    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+    return out.reshape(-1, spec.group_size)[:count], 2 * _message_bytes(per_rank, spec, chunks)
 
 
 # ----------------------------------------------------------------------------- differentiable API
@@ -410,7 +411,9 @@ def all_reduce(
     "two_shot": compressed reduce-scatter (sum in float32 in the transformed domain),
     requantize the reduced block once, compressed all-gather, one inverse transform.
     "one_shot": compressed all-gather of everything, dequantize-and-sum (small messages).
-    "auto": one-shot under `ONE_SHOT_MAX_BYTES` per rank, else two-shot. The backward
+    "auto": the config's link profile decides (`TacoConfig.link`); without one,
+    one-shot at two ranks or under `policy.ONE_SHOT_MAX_BYTES` per rank, else
+    two-shot. An explicit algorithm is used wherever the message is compressed. The backward
     pass all-reduces the cotangent the same way with `config.backward` (the transpose of
     psum, as `lax.psum` differentiates under `check_vma=False`).
 

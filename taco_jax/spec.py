@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from pallas_kernels.formats import SCALE_FORMATS, WIRE_FORMATS
+from taco_jax.policy import LinkProfile
 
 MODES = ("off", "fp8", "taco")
 DEFAULT_MIN_BYTES = 8 << 20  # the authors' threshold: smaller messages stay uncompressed
@@ -78,12 +79,20 @@ class TacoConfig:
       min_bytes: messages smaller than this (in the input dtype) stay uncompressed.
       mode: "off" (plain collectives), "fp8" (per-group absmax, no transform, no
         reshaping: the naive baseline) or "taco" (transform and calibrated reshaping).
+      chunks: pieces a compressed message is split into and pipelined (the codec of
+        one piece runs while another is on the wire); used where `link` decides nothing.
+      link: measured times of the link (`taco_jax.probe.probe_link`); with it, each
+        message takes the fastest measured route and stays uncompressed where
+        compression was not measured faster (`taco_jax.policy`). None: compress every
+        message of at least `min_bytes`.
     """
 
     forward: QuantSpec = QuantSpec()
     backward: QuantSpec = QuantSpec()
     min_bytes: int = DEFAULT_MIN_BYTES
     mode: str = "taco"
+    chunks: int = 1
+    link: LinkProfile | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +104,10 @@ class TacoConfig:
             raise ValueError("mode 'fp8' is the no-transform baseline: set hadamard=False in both specs")
         if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
+        if self.link is not None and not isinstance(self.link, LinkProfile):
+            raise ValueError(f"link must be a taco_jax.policy.LinkProfile or None, got {type(self.link).__name__}")
 
     @property
     def enabled(self) -> bool:

@@ -192,10 +192,10 @@ def _gather_matmul_fwd(x, kernels, axis_name, config, axis, site, calibration):
 
 def _gather_matmul_bwd(axis_name, config, axis, site, calibration, residuals, cotangents):
     saved, kernels = residuals
-    if saved.dtype == jnp.uint8:  # the compressed buffers of gather_packed
+    if isinstance(saved, tuple):  # the received wire messages of gather_and_received
         gathered_shape = (*cotangents[0].shape[:-1], kernels[0].shape[0])
         shape = list(gathered_shape)
-        shape[axis] //= saved.shape[0]
+        shape[axis] //= saved[0].shape[0]
         spec, plan = collectives.planned_spec(config.forward, calibration, site or "all_gather", "forward", shape[-1])
         inverse = None if plan is None else plan.inverse
         gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, spec, axis, True, inverse)
