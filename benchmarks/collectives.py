@@ -10,9 +10,10 @@ four kinds (`part`), all measured in the same run:
             the same messages, no communication
   library   taco_jax's collective, per preset and route (algorithm, pipelined chunks)
 
-Each library row carries `parts_ms` (its bytes + codec rows) and `vs_parts` = ms /
-parts_ms: what the library costs beyond its parts (<= 1 when chunks overlap codec and
-transfer).
+Every row has `speedup` = the bf16 collective's ms / the row's ms. Each library row
+carries `parts_ms` (its bytes + codec rows) and `vs_parts` = ms / parts_ms: what the
+library costs beyond its parts (< 1 where the parts overlap or, at small sizes, where
+timing the two codec programs separately counts a launch latency twice).
 
 Usage:
   python benchmarks/collectives.py [--sizes-mib 4,16,64,256] [--presets taco,taco+]
@@ -42,9 +43,9 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import taco_jax as tj  # noqa: E402
-from benchmarks.timing import median_ms  # noqa: E402
 from taco_jax import codec  # noqa: E402
 from taco_jax.collectives import chunk_bounds  # noqa: E402
+from taco_jax.probe import median_ms  # noqa: E402
 
 HIDDEN = 8192
 AXIS = "tensor"
@@ -166,7 +167,7 @@ def run(sizes_mib: list[float], presets: list[str], chunk_counts: list[int], tri
                     receive_fn = _sharded(mesh, receive)
                     codec_ms = (median_ms(lambda: compress_fn(x), trials, calls)
                                 + median_ms(lambda: receive_fn(sent), trials, calls))
-                    add(base, op=op, part="codec", preset=preset, route=route, ms=codec_ms)
+                    add(base, op=op, part="codec", preset=preset, route=route, ms=codec_ms, speedup=plain_ms / codec_ms)
                     for chunks in chunk_counts:
                         routed = dataclasses.replace(config, chunks=chunks)
                         fn = _sharded(mesh, _library(op, routed, algorithm))

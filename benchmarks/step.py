@@ -8,7 +8,10 @@ with NCCL_P2P_DISABLE=1 for the slow-link proxy).
 
 Usage:
   python benchmarks/step.py [--mesh 1,1,1] [--model PRESET | --d-model 2048] [--layers 16] [--seq 2048]
-      [--batch 4] [--modes off,taco,taco+] [--steps 10] [--out benchmarks/results/step.json]
+      [--batch 4] [--modes off,taco,taco+,default] [--steps 10] [--profile] [--out benchmarks/results/step.json]
+
+Mode "default" is the trainer's default: its preset with taco_policy=auto (on GPUs a
+start-up probe of the link decides which messages are compressed).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,16 +41,21 @@ from train.config import TrainConfig  # noqa: E402
 
 def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool,
             profile: bool = False) -> dict:
-    cfg = TrainConfig(model="custom", mesh=mesh_shape, taco=mode, taco_min_bytes=0, batch_size=batch, seq_len=seq,
-                      compute_dtype="bfloat16", sequence_parallel=sequence_parallel, steps=1000, warmup_steps=1)
+    # "default": the trainer's defaults (preset and taco_policy, which probes the link);
+    # a preset name: that preset with every message compressed.
+    preset = {} if mode == "default" else {"taco": mode, "taco_policy": "always"}
+    cfg = TrainConfig(model="custom", mesh=mesh_shape, taco_min_bytes=0, batch_size=batch, seq_len=seq,
+                      compute_dtype="bfloat16", sequence_parallel=sequence_parallel, steps=1000, warmup_steps=1,
+                      out=tempfile.mkdtemp(prefix="step_"), **preset)
     mesh = tj.make_mesh(*mesh_shape)
     tx, _ = trainer.make_optimizer(cfg, config)
     params, opt_state = trainer.init_state(config, 0, mesh, tx)
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
     rng = np.random.default_rng(0)
     batches = [jax.device_put(rng.integers(0, config.vocab_size, (batch, seq + 1)).astype(np.int32),
                               NamedSharding(mesh, P("data"))) for _ in range(2)]
+    cfg = trainer.resolve_taco_policy(cfg, config, mesh, params, batches[0], Path(cfg.out))
+    train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
     start = time.perf_counter()
     params, opt_state, metrics = train_step(params, opt_state, batches[0], jnp.bool_(False))
     jax.block_until_ready(metrics)
@@ -62,8 +71,11 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - start) / steps)
     step_s = statistics.median(times)
-    row = {"mode": mode, "mesh": list(mesh_shape), "step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s,
+    row = {"mode": mode, "taco": cfg.taco, "taco_policy": cfg.taco_policy, "mesh": list(mesh_shape),
+           "step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s,
            "compile_s": compile_s, "loss": float(np.asarray(metrics["loss"].addressable_shards[0].data))}
+    if cfg.taco_policy.endswith(".json"):
+        row["policy_decisions"] = json.loads(Path(cfg.taco_policy).read_text())["decisions"]
     if profile:
         state = [params, opt_state]
 
@@ -85,7 +97,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--modes", default="off,taco,taco+")
+    parser.add_argument("--modes", default="off,taco,taco+,default",
+                        help="presets (every message compressed) and 'default' (the trainer's default policy)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--profile", action="store_true", help="add a GPU timeline summary (benchmarks/profiling.py)")

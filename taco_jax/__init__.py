@@ -4,10 +4,11 @@ Public API: `QuantSpec`, `TacoConfig`, `compress` / `decompress` (`Compressed`),
 `wire_bytes`, the collectives `all_gather`, `reduce_scatter`, `all_reduce`, the Megatron
 mappings in `taco_jax.tp`, per-site calibration in `taco_jax.calibration`, `make_mesh`,
 `simulated_shard_map` (a mesh as named vmaps on one device), `record_wire` (wire-byte accounting) and
-`collectives_in_hlo` (what a compiled function sends).
+`collectives_in_hlo` (what a compiled function sends); `policy` (where compression pays:
+routes from a measured `LinkProfile`) and `probe` (measure one on the mesh).
 """
 
-from taco_jax import calibration, tp
+from taco_jax import calibration, policy, probe, tp
 from taco_jax.accounting import WireLedger, WireRecord, record_wire
 from taco_jax.codec import (
     KERNEL_MODES,
@@ -44,6 +45,8 @@ __all__ = [
     "decompress_sum",
     "kernel_mode",
     "make_mesh",
+    "policy",
+    "probe",
     "record_wire",
     "reduce_scatter",
     "requantize_sum",

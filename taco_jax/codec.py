@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 from typing import Iterator, Sequence
@@ -202,8 +201,12 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype) 
     if use_kernel:
         return decompress_kernel.decompress_message(messages, layout, transform=spec.hadamard, out_dtype=dtype,
                                                     interpret=interpret)
-    decode_one = functools.partial(decompress_kernel.decompress_reference, transform=spec.hadamard, out_dtype=dtype)
-    return jax.vmap(decode_one)(wire.payload_of(messages, layout), wire.multiplier(messages, layout))
+    batch, shards = messages.shape[:2]
+    # The batches side by side as one (k, B * N, G) sum.
+    payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
+    multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
+    decoded = decompress_kernel.decompress_reference(payload, multiplier, transform=spec.hadamard, out_dtype=dtype)
+    return decoded.reshape(batch, groups, spec.group_size)
 
 
 def requantize(messages: jax.Array, groups: int, spec: QuantSpec) -> jax.Array:

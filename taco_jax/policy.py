@@ -164,8 +164,9 @@ def route_for(op: str, ranks: int, nbytes: int, *, compresses: bool, link: LinkP
         return Route(False)
     measured = link.route(op, ranks, nbytes) if link is not None else None
     if measured is None:
-        chosen = default_algorithm(ranks, nbytes) if algorithm == "auto" else algorithm
-        return Route(True, chosen, chunks)
+        if op != "all_reduce":  # the algorithm only names how an all-reduce travels
+            return Route(True, chunks=chunks)
+        return Route(True, default_algorithm(ranks, nbytes) if algorithm == "auto" else algorithm, chunks)
     if measured.compressed and algorithm != "auto":
         return dataclasses.replace(measured, algorithm=algorithm)
     return measured

@@ -10,12 +10,19 @@ import sys
 EPILOG = """
 Any config field can also be set as key=value (after the flags), e.g.
   python -m taco_jax.train --steps 50 lr=1e-3 batch_size=32 sequence_parallel=true
-Fields: model mesh taco taco_min_bytes sequence_parallel steps seed data_seed batch_size seq_len
+Fields: model mesh taco taco_min_bytes taco_policy sequence_parallel steps seed data_seed batch_size seq_len
 microbatches grad_accum lr warmup_steps decay_steps min_lr_ratio weight_decay beta1 beta2 grad_clip
 compute_dtype data tokenizer data_dtype val_fraction eval_every eval_batches out
 checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps calibration_steps
 calibration_strategy calibration_min_gain calibration_file recalibrate simulate_mesh taco_forward taco_backward (see train/config.py).
 Precedence: defaults < --config file < flags < key=value.
+
+Where compression is used: taco_policy=auto (the default) times every tensor-parallel
+message shape plain and compressed on the GPUs at start-up, prints the decision, writes
+OUT/link_profile.json, and compresses only what was measured faster (on two H200s:
+plain over NVLink, where the codec costs more than it saves; compressed on a slow link,
+1.11x per step). On CPU every message is compressed. taco_policy=always compresses
+everything; taco_policy=PATH reuses a link_profile.json.
 
 Multi-host: start one process per host with the same flags plus --coordinator HOST:PORT
 --num-processes N --process-id I (or --distributed auto where jax detects the cluster).

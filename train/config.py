@@ -21,6 +21,11 @@ class TrainConfig:
       mesh: (data, pipe, tensor) degrees; their product is the device count.
       taco: TACO preset for the tensor-parallel collectives (off | fp8 | taco | taco+).
       taco_min_bytes: messages under this many bytes stay uncompressed (-1: preset's).
+      taco_policy: where compression is used (train/link_policy.py): "auto" (on GPUs
+        with tensor > 1, a start-up probe times every TP message plain and compressed
+        and compresses only where that was measured faster, written to
+        OUT/link_profile.json; elsewhere every message is compressed), "always" (every
+        message of at least taco_min_bytes), or a link_profile.json to reuse.
       taco_forward, taco_backward: replace the preset's forward / backward quantizer,
         as "fmt:group_size:H|-:scales" (e.g. "int4:128:H:bf16"); empty: the preset's.
       sequence_parallel: norms and residuals on sequence shards.
@@ -66,6 +71,7 @@ class TrainConfig:
     mesh: tuple[int, int, int] = (2, 1, 4)
     taco: str = "taco"
     taco_min_bytes: int = 0
+    taco_policy: str = "auto"
     taco_forward: str = ""
     taco_backward: str = ""
     sequence_parallel: bool = False
@@ -121,6 +127,8 @@ class TrainConfig:
         if self.calibration_strategy not in CALIBRATION_STRATEGIES:
             problems.append(f"calibration_strategy must be one of {list(CALIBRATION_STRATEGIES)}, "
                             f"got {self.calibration_strategy!r}")
+        if self.taco_policy not in ("auto", "always") and not self.taco_policy.endswith(".json"):
+            problems.append(f"taco_policy must be auto, always or a link_profile.json, got {self.taco_policy!r}")
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if problems:

@@ -24,7 +24,9 @@ import taco_jax as tj
 from models.api import sum_sequence_parallel_grads
 from models.transformer import Parallelism
 from taco_jax.calibration import Calibration
+from taco_jax.probe import Message
 from train import data as data_lib
+from train import link_policy
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, to_dict
 from train.pipeline import PIPE, bubble_fraction, pipeline_loss
@@ -88,12 +90,33 @@ def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTr
 
 
 def taco_config(cfg: TrainConfig) -> tj.TacoConfig:
-    """The run's TACO configuration (preset plus the min_bytes override)."""
-    overrides = {} if cfg.taco_min_bytes < 0 else {"min_bytes": cfg.taco_min_bytes}
+    """The run's TACO configuration (preset, the min_bytes override, the quantizer
+    overrides and the measured link profile of taco_policy)."""
+    overrides = {"link": link_policy.link_for(cfg)}
+    if cfg.taco_min_bytes >= 0:
+        overrides["min_bytes"] = cfg.taco_min_bytes
     for field in ("forward", "backward"):
         if getattr(cfg, f"taco_{field}"):
             overrides[field] = tj.QuantSpec.parse(getattr(cfg, f"taco_{field}"))
     return tj.TacoConfig.preset(cfg.taco, **overrides)
+
+
+def tp_messages(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array) -> list[Message]:
+    """The tensor-parallel message shapes one step sends (traced, not run)."""
+    always = dataclasses.replace(cfg, taco_policy="always")
+    with tj.record_wire() as ledger:
+        jax.jit(make_grads_fn(always, config, mesh)).lower(params, tokens)
+    return [Message(r.op.removesuffix("_one_shot").removesuffix("_two_shot"), r.shape, r.dtype)
+            for r in ledger.records if r.compressed and r.ranks == cfg.mesh[2]]
+
+
+def resolve_taco_policy(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array,
+                        out: Path | None) -> TrainConfig:
+    """`cfg` with taco_policy="auto" resolved (train/link_policy.py): probe the link on
+    GPUs and write OUT/link_profile.json, or compress every message."""
+    return link_policy.choose(cfg, taco_config(dataclasses.replace(cfg, taco_policy="always")).mode, mesh,
+                              lambda: tp_messages(cfg, config, mesh, params, tokens), out,
+                              log=lambda line: print(line, file=sys.stderr))
 
 
 def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
@@ -399,6 +422,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     params, opt_state, step, bad_total = run.params, run.opt_state, run.step, run.bad_total
     calibration, calibrated = run.calibration, run.calibrated
     main_process = jax.process_index() == 0
+    batch_of = batch_maker(cfg, mesh)
+    cfg = resolve_taco_policy(cfg, config, mesh, params, batch_of(corpus.train, 0, cfg.batch_size),
+                              out if main_process else None)
     if main_process:
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
@@ -406,7 +432,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     calibrate_at = step + cfg.calibration_steps if observe else None
     collector = tj.calibration.Collector() if observe else None
     train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
-    batch_of = batch_maker(cfg, mesh)
     wire, wire_plain = wire_bytes_per_step(cfg, config, train_step, params, opt_state, batch_of(corpus.train, 0, cfg.batch_size))
     log = MetricsLog(out / "metrics.jsonl", step, main_process)
     stop = _StopFlag()
@@ -468,7 +493,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     checkpoints.close()
     rows = log.rows() if main_process else []
     summary = {
-        "model": cfg.model, "mesh": list(cfg.mesh), "taco": cfg.taco, "steps": step, "stopped_by": stop.signal_name,
+        "model": cfg.model, "mesh": list(cfg.mesh), "taco": cfg.taco, "taco_policy": cfg.taco_policy,
+        "steps": step, "stopped_by": stop.signal_name,
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
         "skipped_steps": bad_total, "seconds": round(time.time() - started, 1),

@@ -1,0 +1,102 @@
+"""The run's compression policy (`taco_policy`): where compressing the tensor-parallel
+messages pays on the link at hand.
+
+  "auto"    on GPUs with a tensor axis > 1: probe the link at start-up (each TP message
+            shape of the model, plain vs compressed, `taco_jax.probe`), write the
+            measured profile to OUT/link_profile.json and compress only the messages
+            where compression was measured faster. On CPU or a simulated mesh there is
+            no link to measure: every message is compressed (the codec runs, as the
+            tests and the default CPU run expect).
+  "always"  compress every message of at least taco_min_bytes.
+  a path    a link_profile.json of an earlier probe on the same machine: reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Callable, Iterable
+
+import jax
+
+import taco_jax as tj
+from taco_jax.policy import LinkProfile
+from taco_jax.probe import Message, probe_link
+from train.config import TrainConfig
+
+PROFILE_FILE = "link_profile.json"
+# Profiles measured by this process, by the path they are (or, off process 0, would be)
+# written to: every process routes by the same profile without reading a shared file.
+_measured: dict[str, LinkProfile] = {}
+
+
+def load(path: str) -> LinkProfile:
+    """The `LinkProfile` measured in this process for `path`, else read from that
+    link_profile.json (cached: every step builder asks).
+
+    Raises:
+      ValueError: missing or malformed file.
+    """
+    if path in _measured:
+        return _measured[path]
+    return _read(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str) -> LinkProfile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"taco_policy file {path} cannot be read: {error}") from None
+    return LinkProfile.from_json(data.get("profile", data))
+
+
+def link_for(cfg: TrainConfig) -> LinkProfile | None:
+    """The profile the run's collectives route by (None: compress every message)."""
+    return load(cfg.taco_policy) if cfg.taco_policy not in ("auto", "always") else None
+
+
+def _why_not_probe(cfg: TrainConfig, mode: str) -> str | None:
+    if mode == "off":
+        return "compression is off"
+    if cfg.mesh[2] == 1:
+        return "no tensor axis to compress"
+    if cfg.simulate_mesh or jax.default_backend() != "gpu":
+        return f"no link to measure on {'a simulated mesh' if cfg.simulate_mesh else jax.default_backend().upper()}"
+    return None
+
+
+def choose(cfg: TrainConfig, mode: str, mesh, messages: Callable[[], Iterable[Message]], out: Path | None,
+           log: Callable[[str], None] = print) -> TrainConfig:
+    """Resolve taco_policy="auto" into "always" or a measured profile file.
+
+    Args:
+      cfg: the run's configuration.
+      mode: the TACO mode of the run's preset.
+      mesh: the device mesh.
+      messages: returns the TP message shapes of one step (traced only when probing).
+      out: run directory for link_profile.json (None: a process that writes nothing).
+      log: progress and decision lines.
+
+    Returns:
+      `cfg` with taco_policy "always" or the profile's path.
+    """
+    if cfg.taco_policy != "auto":
+        return cfg
+    reason = _why_not_probe(cfg, mode)
+    if reason is not None:
+        log(f"taco_policy=auto: every message compressed ({reason})")
+        return dataclasses.replace(cfg, taco_policy="always")
+    config = tj.TacoConfig.preset(cfg.taco)
+    profile = probe_link(mesh, messages(), config, log=log)
+    decisions = profile.decisions()
+    for row in decisions:
+        log(f"taco_policy=auto: {row['op']} {row['mib_per_rank']:.1f} MiB/rank: plain {row['plain_ms']:.3f} ms, "
+            f"compressed {row['best_compressed_ms']:.3f} ms -> {row['route']}")
+    path = str(Path(cfg.out) / PROFILE_FILE)
+    _measured[path] = profile
+    if out is not None:
+        Path(path).write_text(json.dumps({"profile": profile.to_json(), "decisions": decisions}, indent=1))
+    return dataclasses.replace(cfg, taco_policy=path)
