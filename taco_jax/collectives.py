@@ -31,8 +31,8 @@ from taco_jax.codec import decode, encode, message_layout, requantize
 from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
 
-# Chunks of a pipelined message start at multiples of this many groups (the kernels'
-# row blocks divide it, so no chunk needs padding).
+# Chunks of a pipelined message start at multiples of this many groups, so the kernels
+# split every chunk (the last one aside) into whole row blocks without padding.
 CHUNK_ALIGN = 64
 
 
