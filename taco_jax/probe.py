@@ -44,7 +44,10 @@ class Message:
 
 def candidate_routes(op: str, ranks: int, nbytes: int, chunk_counts: Sequence[int]) -> list[Route]:
     """The plain route and the compressed ones worth timing for a message."""
-    algorithms = ("one_shot", "two_shot") if op == "all_reduce" and ranks > 2 else (default_algorithm(ranks, nbytes),)
+    if op != "all_reduce":
+        algorithms = ("one_shot",)  # the algorithm only names how an all-reduce travels
+    else:
+        algorithms = ("one_shot", "two_shot") if ranks > 2 else (default_algorithm(ranks, nbytes),)
     return [Route(False)] + [Route(True, a, c) for a in algorithms for c in chunk_counts]
 
 
