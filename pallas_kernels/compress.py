@@ -23,13 +23,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import formats, group_codec, wire
 from pallas_kernels.hadamard import hadamard_matrix
 
-# Scale entry dtypes per scale format, one output array each (see quantize_scaled).
-SCALE_ENTRY_DTYPES = {
-    "dual": (jnp.float32, jnp.float32),
-    "single": (jnp.float32,),
-    "bf16": (jnp.bfloat16,),
-    "e8m0": (jnp.uint8,),
-}
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
 
 
@@ -109,7 +102,7 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
     padded = rows + (-rows % block)
     if padded != rows:
         x = jnp.pad(x, ((0, 0), (0, padded - rows), (0, 0)))
-    entry_dtypes = SCALE_ENTRY_DTYPES[scale_format]
+    entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
     kernel = functools.partial(
         _compress_kernel, fmt=fmt, scale_format=scale_format, transform=transform,
         splits=BF16_SPLITS[jnp.dtype(x.dtype)],

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import formats, group_codec, wire
-from pallas_kernels.compress import SCALE_ENTRY_DTYPES, hadamard_dot
+from pallas_kernels.compress import hadamard_dot
 from pallas_kernels.compress import block_rows_for as compress_block_rows
 from pallas_kernels.hadamard import hadamard_matrix, hadamard_transform
 
@@ -116,7 +116,7 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
     else:
         fmt, scale_format = requantize
         group_codec.check_scale_format(scale_format)
-        entry_dtypes = SCALE_ENTRY_DTYPES[scale_format]
+        entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
         payload_dtype = jnp.uint8 if message_fmt is not None else formats.wire_format(fmt).dtype
         out_specs = [tile] + [pl.BlockSpec((block,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
         if batch != 1:

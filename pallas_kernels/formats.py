@@ -45,6 +45,14 @@ WIRE_FORMATS: dict[str, WireFormat] = {
 #   bf16   s / a rounded up to bfloat16 (8 significant bits, float32's exponent range);
 #   e8m0   one byte holding a power-of-two dequantization scale (OCP MX style).
 SCALE_FORMATS: dict[str, int] = {"dual": 8, "single": 4, "bf16": 2, "e8m0": 1}
+# The dtypes of each group's scale entries, per scale format (what `SCALE_FORMATS` counts
+# in bytes): the kernels write one output array per entry, the wire message their bytes.
+SCALE_ENTRY_DTYPES = {
+    "dual": (jnp.float32, jnp.float32),
+    "single": (jnp.float32,),
+    "bf16": (jnp.bfloat16,),
+    "e8m0": (jnp.uint8,),
+}
 
 E8M0_BIAS = 127
 E8M0_NAN = 255

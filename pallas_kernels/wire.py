@@ -27,10 +27,6 @@ from jax import lax
 
 from pallas_kernels import formats, group_codec
 
-# Scale entries per group and their dtype, per scale format (entries x itemsize = S bytes).
-SCALE_ENTRIES = {"dual": (2, jnp.float32), "single": (1, jnp.float32), "bf16": (1, jnp.bfloat16), "e8m0": (1, jnp.uint8)}
-
-
 @dataclasses.dataclass(frozen=True)
 class MessageLayout:
     """Where everything sits in the message of `groups` groups.
@@ -136,7 +132,8 @@ def payload_of(message: jax.Array, layout: MessageLayout) -> jax.Array:
 def scales_of(message: jax.Array, layout: MessageLayout) -> jax.Array:
     """The typed scales of messages (..., rows, W), as `group_codec.quantize_groups` lays them out."""
     lead = message.shape[:-2]
-    entries, dtype = SCALE_ENTRIES[layout.scale_format]
+    entry_dtypes = formats.SCALE_ENTRY_DTYPES[layout.scale_format]
+    entries, dtype = len(entry_dtypes), entry_dtypes[0]
     itemsize = jnp.dtype(dtype).itemsize
     flat = message[..., layout.groups :, :].reshape(*lead, -1)[..., : layout.groups * layout.scale_bytes]
     if itemsize == 1:

@@ -61,7 +61,8 @@ def _from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
 def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
     """Split `groups` rows into at most `chunks` pieces starting at multiples of
     `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
-    step = -(-(-(-groups // chunks)) // CHUNK_ALIGN) * CHUNK_ALIGN
+    per_chunk = -(-groups // chunks)
+    step = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
     edges = list(range(0, groups, step)) + [groups]
     return list(zip(edges[:-1], edges[1:]))
 
