@@ -83,16 +83,15 @@ def shard_loss_and_grads(config: ModelConfig, params: dict, tokens: jax.Array, p
       (loss, grads) for the local batch; no averaging over "data".
     """
     loss, grads = jax.value_and_grad(lambda p: cross_entropy(config, p, tokens, par))(params)
-    return loss, sum_sequence_parallel_grads(config, grads, par)
+    return loss, sequence_parallel_grads(config, grads, par)
 
 
-def sum_sequence_parallel_grads(config: ModelConfig, grads: dict, par: Parallelism) -> dict:
-    """With sequence parallelism, sum over "tensor" the gradients of parameters that are
-    replicated over "tensor" but applied to sequence shards (norms, biases after a
-    reduce-scatter, positions); identity otherwise."""
+def sequence_parallel_grads(config: ModelConfig, grads: dict, par: Parallelism) -> dict:
+    """`taco_jax.tp.sum_sequence_parallel_grads` of the model's gradients with sequence
+    parallelism; identity without."""
     if not par.sequence_parallel:
         return grads
-    return jax.tree.map(lambda g, spec: g if AXIS in tuple(spec) else lax.psum(g, AXIS), grads, partition_specs(config))
+    return tj.tp.sum_sequence_parallel_grads(grads, partition_specs(config), AXIS)
 
 
 def loss_and_grads(

@@ -10,20 +10,11 @@ routes from a measured `LinkProfile`) and `probe` (measure one on the mesh).
 
 from taco_jax import calibration, policy, probe, tp
 from taco_jax.accounting import WireLedger, WireRecord, record_wire
-from taco_jax.codec import (
-    KERNEL_MODES,
-    Compressed,
-    compress,
-    decompress,
-    decompress_sum,
-    kernel_mode,
-    requantize_sum,
-    wire_bytes,
-)
+from taco_jax.codec import Compressed, compress, decompress, decompress_sum, requantize_sum, wire_bytes
 from taco_jax.collectives import all_gather, all_reduce, reduce_scatter
 from taco_jax.hlo import HloCollective, collective_bytes, collectives_in_hlo
 from taco_jax.mesh import MESH_AXES, make_mesh, simulated_shard_map
-from taco_jax.spec import PRESETS, QuantSpec, TacoConfig
+from taco_jax.spec import KERNEL_MODES, PRESETS, QuantSpec, TacoConfig
 
 __all__ = [
     "KERNEL_MODES",
@@ -43,7 +34,6 @@ __all__ = [
     "compress",
     "decompress",
     "decompress_sum",
-    "kernel_mode",
     "make_mesh",
     "policy",
     "probe",

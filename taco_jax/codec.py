@@ -2,16 +2,15 @@
 
 The math lives in `pallas_kernels` (group codec reference and fused kernels); this module
 validates, handles permutations and shapes, and is the one place that chooses between the
-Pallas kernels and the jnp path (`kernel_mode`).
+Pallas kernels and the jnp path (the `kernels` argument, `TacoConfig.kernels` in the
+collectives).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,38 +19,16 @@ import numpy as np
 from pallas_kernels import compress as compress_kernel
 from pallas_kernels import decompress as decompress_kernel
 from pallas_kernels import group_codec, wire
-from taco_jax.spec import QuantSpec
+from taco_jax.spec import KERNEL_MODES, QuantSpec
 
-KERNEL_MODES = ("auto", "pallas", "interpret", "jnp")
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_kernel_mode = os.environ.get("TACO_JAX_KERNELS", "auto")
 
 
-@contextlib.contextmanager
-def kernel_mode(mode: str) -> Iterator[None]:
-    """Choose the codec implementation for code traced inside the block.
-
-    Args:
-      mode: "auto" (Pallas kernels on GPU, jnp elsewhere; the default, also settable
-        with the TACO_JAX_KERNELS environment variable), "pallas", "interpret" (the
-        kernels in the Pallas interpreter, for CPU tests) or "jnp".
-
-    Raises:
-      ValueError: unknown mode.
-    """
-    global _kernel_mode
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"unknown kernel mode {mode!r}; expected one of {list(KERNEL_MODES)}")
-    previous, _kernel_mode = _kernel_mode, mode
-    try:
-        yield
-    finally:
-        _kernel_mode = previous
-
-
-def _kernel_choice(spec: QuantSpec, dtype: jnp.dtype, shards: int = 1) -> tuple[bool, bool]:
-    """(use the Pallas kernel, in interpret mode) for this call."""
-    mode = _kernel_mode
+def _kernel_choice(spec: QuantSpec, dtype: jnp.dtype, kernels: str, shards: int = 1) -> tuple[bool, bool]:
+    """(use the Pallas kernel, in interpret mode) for this call under kernel mode `kernels`."""
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {kernels!r}; expected one of {list(KERNEL_MODES)}")
+    mode = kernels
     if mode == "auto":
         mode = "pallas" if jax.default_backend() == "gpu" else "jnp"
     supported = (16 <= spec.group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES and shards & (shards - 1) == 0
@@ -124,9 +101,10 @@ def check_permutation(perm: jax.Array, channels: int) -> jax.Array:
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _quantize(values: jax.Array, spec: QuantSpec, transform: bool) -> tuple[jax.Array, jax.Array]:
+def _quantize(values: jax.Array, spec: QuantSpec, kernels: str) -> tuple[jax.Array, jax.Array]:
     """Payload and wire scales of `values` (..., C), kernel or jnp."""
-    use_kernel, interpret = _kernel_choice(spec, values.dtype)
+    transform = spec.hadamard
+    use_kernel, interpret = _kernel_choice(spec, values.dtype, kernels)
     if not use_kernel:
         return group_codec.quantize_groups(
             values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=transform
@@ -139,13 +117,13 @@ def _quantize(values: jax.Array, spec: QuantSpec, transform: bool) -> tuple[jax.
     return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
 
 
-def _dequantize_sum(shards: Compressed, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
+def _dequantize_sum(shards: Compressed, kernels: str, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
     """Sum of the shards along axis 0, decoded to `dtype` or requantized; kernel or jnp."""
     spec = shards.spec
     count, group = shards.payload.shape[0], spec.group_size
     payload = shards.payload.reshape(count, -1, group)
     multiplier = group_codec.dequantize_scale(shards.scales, spec.scales).reshape(count, -1)
-    use_kernel, interpret = _kernel_choice(spec, dtype, count)
+    use_kernel, interpret = _kernel_choice(spec, dtype, kernels, count)
     kwargs = dict(transform=spec.hadamard, requantize=(spec.fmt, spec.scales) if requantize else None)
     if use_kernel:
         return decompress_kernel.decompress(payload, multiplier, out_dtype=dtype, interpret=interpret, **kwargs)
@@ -160,18 +138,19 @@ def message_layout(groups: int, spec: QuantSpec) -> wire.MessageLayout:
     return wire.MessageLayout(groups, spec.group_size, spec.fmt, spec.scales)
 
 
-def encode(rows: jax.Array, spec: QuantSpec) -> jax.Array:
+def encode(rows: jax.Array, spec: QuantSpec, kernels: str = "auto") -> jax.Array:
     """Compress rows straight into wire messages (`pallas_kernels.wire`), one per
     leading index.
 
     Args:
       rows: float (..., N, G), G = spec.group_size, in wire channel order.
       spec: the `QuantSpec` (its `hadamard` decides the transform).
+      kernels: kernel mode (`KERNEL_MODES`).
 
     Returns:
       uint8 (..., *message_layout(N, spec).shape).
     """
-    use_kernel, interpret = _kernel_choice(spec, rows.dtype)
+    use_kernel, interpret = _kernel_choice(spec, rows.dtype, kernels)
     lead, (groups, group_size) = rows.shape[:-2], rows.shape[-2:]
     if use_kernel:
         messages = compress_kernel.compress_message(
@@ -183,7 +162,7 @@ def encode(rows: jax.Array, spec: QuantSpec) -> jax.Array:
     return wire.pack(payload, scales, message_layout(groups, spec))
 
 
-def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype) -> jax.Array:
+def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, kernels: str = "auto") -> jax.Array:
     """Decode messages: for each of B batches the sum of its k messages, in float32 in
     the transformed domain, transformed back once.
 
@@ -192,12 +171,13 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype) 
       groups: N.
       spec: the `QuantSpec` they were compressed with.
       dtype: output dtype.
+      kernels: kernel mode (`KERNEL_MODES`).
 
     Returns:
       (B, N, G) in `dtype`.
     """
     layout = message_layout(groups, spec)
-    use_kernel, interpret = _kernel_choice(spec, dtype, messages.shape[1])
+    use_kernel, interpret = _kernel_choice(spec, dtype, kernels, messages.shape[1])
     if use_kernel:
         return decompress_kernel.decompress_message(messages, layout, transform=spec.hadamard, out_dtype=dtype,
                                                     interpret=interpret)
@@ -209,7 +189,7 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype) 
     return decoded.reshape(batch, groups, spec.group_size)
 
 
-def requantize(messages: jax.Array, groups: int, spec: QuantSpec) -> jax.Array:
+def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernels: str = "auto") -> jax.Array:
     """Sum k messages (k, rows, W) in float32 and quantize the sum into one message with
     the same spec, staying in the transformed domain (the two-shot all-reduce's middle).
 
@@ -217,7 +197,7 @@ def requantize(messages: jax.Array, groups: int, spec: QuantSpec) -> jax.Array:
       uint8 message of `message_layout(groups, spec).shape`.
     """
     layout = message_layout(groups, spec)
-    use_kernel, interpret = _kernel_choice(spec, jnp.float32, messages.shape[0])
+    use_kernel, interpret = _kernel_choice(spec, jnp.float32, kernels, messages.shape[0])
     if use_kernel:
         return decompress_kernel.decompress_message(messages[None], layout, transform=spec.hadamard, requantize=True,
                                                     interpret=interpret)
@@ -230,7 +210,7 @@ def requantize(messages: jax.Array, groups: int, spec: QuantSpec) -> jax.Array:
 # ----------------------------------------------------------------------------- public API
 
 
-def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None) -> Compressed:
+def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None, *, kernels: str = "auto") -> Compressed:
     """Compress a tensor to an 8-bit payload with per-group scales.
 
     Args:
@@ -239,6 +219,7 @@ def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None) -> Co
       spec: the `QuantSpec`.
       perm: optional channel permutation of the last axis, applied before grouping
         (`x[..., perm]`), e.g. from calibration.
+      kernels: kernel mode, one of `KERNEL_MODES` ("auto": Pallas on GPU, jnp elsewhere).
 
     Returns:
       A `Compressed` pytree. NaN or Inf in a group make that group decode to NaN.
@@ -255,16 +236,17 @@ def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None) -> Co
     check_groupable(x.shape, spec)
     if perm is not None:
         x = jnp.take(x, check_permutation(perm, x.shape[-1]), axis=-1)
-    payload, scales = _quantize(x, spec, spec.hadamard)
+    payload, scales = _quantize(x, spec, kernels)
     return Compressed(payload, scales, tuple(x.shape), np.dtype(x.dtype), spec)
 
 
-def decompress(c: Compressed, perm: jax.Array | None = None) -> jax.Array:
+def decompress(c: Compressed, perm: jax.Array | None = None, *, kernels: str = "auto") -> jax.Array:
     """Reconstruct the tensor from a `Compressed`.
 
     Args:
       c: the output of `compress`.
       perm: the permutation given to `compress` (None if none was).
+      kernels: kernel mode (see `compress`).
 
     Returns:
       Array of `c.shape` and `c.dtype`.
@@ -275,13 +257,13 @@ def decompress(c: Compressed, perm: jax.Array | None = None) -> jax.Array:
     if not isinstance(c, Compressed):
         raise ValueError(f"decompress needs a Compressed, got {type(c).__name__}")
     single = jax.tree_util.tree_map(lambda leaf: leaf[None], c)
-    values = _dequantize_sum(single, requantize=False, dtype=c.dtype).reshape(c.payload.shape)
+    values = _dequantize_sum(single, kernels, requantize=False, dtype=c.dtype).reshape(c.payload.shape)
     if perm is not None:
         values = jnp.take(values, jnp.argsort(check_permutation(perm, c.shape[-1])), axis=-1)
     return values
 
 
-def decompress_sum(shards: Compressed) -> jax.Array:
+def decompress_sum(shards: Compressed, *, kernels: str = "auto") -> jax.Array:
     """Dequantize k shards (stacked on axis 0) and return their sum.
 
     The sum is taken in float32 in the transformed domain and transformed back once (one
@@ -290,26 +272,28 @@ def decompress_sum(shards: Compressed) -> jax.Array:
     Args:
       shards: a `Compressed` whose arrays have a leading shard axis (e.g. what an
         all-to-all of compressed chunks delivers).
+      kernels: kernel mode (see `compress`).
 
     Returns:
       The sum, shape `shards.payload.shape[1:]`, dtype `shards.dtype`.
     """
-    return _dequantize_sum(shards, requantize=False, dtype=shards.dtype).reshape(shards.payload.shape[1:])
+    return _dequantize_sum(shards, kernels, requantize=False, dtype=shards.dtype).reshape(shards.payload.shape[1:])
 
 
-def requantize_sum(shards: Compressed) -> Compressed:
+def requantize_sum(shards: Compressed, *, kernels: str = "auto") -> Compressed:
     """Sum k shards (stacked on axis 0) in float32 in the transformed domain and
     quantize the sum again with the same spec, without leaving the transformed domain
     (the middle step of the two-shot all-reduce). `decompress` of the result decodes it.
 
     Args:
       shards: a `Compressed` with a leading shard axis.
+      kernels: kernel mode (see `compress`).
 
     Returns:
       A `Compressed` of shape `shards.payload.shape[1:]`.
     """
     shape = shards.payload.shape[1:]
-    payload, scales = _dequantize_sum(shards, requantize=True)
+    payload, scales = _dequantize_sum(shards, kernels, requantize=True)
     groups = (*shape[:-1], shape[-1] // shards.spec.group_size)
     return Compressed(
         payload.reshape(shape), scales.reshape(*groups, *scales.shape[2:]), tuple(shape), shards.dtype, shards.spec

@@ -1,6 +1,10 @@
-"""Compressed tensor-parallel collectives for use inside `jax.shard_map(check_vma=False)`.
+"""Compressed tensor-parallel collectives for use inside `jax.shard_map`.
 
-Each collective has the result of its `jax.lax` counterpart within codec error. Every
+Each collective has the result of its `jax.lax` counterpart within codec error, and the
+same gradient under both shard_map conventions: with `check_vma=True` (JAX's default)
+the result types follow lax's (all_reduce's result is invariant over the axis, its
+transpose a `pcast` to varying, no communication); with `check_vma=False` all_reduce
+transposes to an all-reduce, as `lax.psum` does there. Every
 compressed message follows one line: compress kernel -> wire message (one uint8 buffer,
 `pallas_kernels.wire`, written by the kernel) -> lax collective -> decode kernel (reads
 the received buffer), so every backend moves one byte per element and nothing is copied
@@ -17,11 +21,15 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import config as jax_config
+from jax._src import shard_map as jax_shard_map
+from jax._src.lax import parallel as lax_parallel
 
 from taco_jax import accounting
 from taco_jax import calibration as calibration_lib
@@ -34,6 +42,47 @@ from taco_jax.spec import QuantSpec, TacoConfig
 # Chunks of a pipelined message start at multiples of this many groups, so the kernels
 # split every chunk (the last one aside) into whole row blocks without padding.
 CHUNK_ALIGN = 64
+
+
+# ----------------------------------------------------------------------------- varying manual axes
+# jax exposes these only privately (checked on jax 0.10.2 and 0.11): the check_vma flag
+# of the shard_map being traced, all_gather_invariant, and shard_map's transpose rule.
+
+
+def checks_vma(axis_name: str) -> bool:
+    """Whether `axis_name` is a manual axis of an enclosing `jax.shard_map` that tracks
+    varying axes (`check_vma=True`); False under `check_vma=False` and for a `vmap` axis."""
+    return bool(jax_config._check_vma.value) and axis_name in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The manual mesh axes `x` varies over (empty under `check_vma=False`)."""
+    return frozenset(jax.typeof(x).mat.varying)
+
+
+def vary(x: jax.Array, axes) -> jax.Array:
+    """`x` marked as varying over `axes` where `check_vma` tracks it (`lax.pcast`; its
+    transpose sums over the axes the mark added, as JAX's implicit casts do)."""
+    missing = tuple(a for a in axes if checks_vma(a) and a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def transposing_whole_shard_map() -> bool:
+    """True while JAX transposes a whole shard_map, i.e. the gradient was taken outside
+    it (the Python stack holds shard_map's transpose rule)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is jax_shard_map._shard_map_transpose.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
+    """Stacked all-gather whose result is invariant over `axis_name` (every rank holds
+    the same), as the last step of an all-reduce must be under `check_vma=True`."""
+    gather = lax_parallel.all_gather_invariant if checks_vma(axis_name) else lax.all_gather
+    return gather(x, axis_name, axis=0, tiled=False)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -155,11 +204,11 @@ def gather_and_received(
         gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
         return gathered, gathered
     rows = _to_rows(wire, spec.group_size, 0)
-    received = tuple(lax.all_gather(encode(rows[a:b], spec), axis_name, axis=0, tiled=False)
+    received = tuple(lax.all_gather(encode(rows[a:b], spec, config.kernels), axis_name, axis=0, tiled=False)
                      for a, b in chunk_bounds(rows.shape[0], route.chunks))
     _record(site, "all_gather", direction, x, ranks, spec,
             (ranks - 1) * _message_bytes(rows.shape[0], spec, route.chunks), plain_sent)
-    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse), received
+    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse, config.kernels), received
 
 
 def _gather(x, axis_name, config, direction, axis, tiled, site, calibration=None):
@@ -174,15 +223,16 @@ def decode_gathered(
     axis: int,
     tiled: bool,
     inverse_perm: np.ndarray | None = None,
+    kernels: str = "auto",
 ) -> jax.Array:
     """Decode the all-gathered messages of per-rank arrays of `shape` (the chunks of
     `gather_and_received`) into the all-gather result (`lax.all_gather` layout),
-    undoing a channel permutation if given."""
+    undoing a channel permutation if given; `kernels` is the kernel mode."""
     ranks = received[0].shape[0]
     last = shape[-1] if shape else 1
     groups = math.prod(shape[:-1]) * -(-last // spec.group_size)
     bounds = chunk_bounds(groups, len(received))
-    rows = [decode(r[:, None], b - a, spec, dtype) for r, (a, b) in zip(received, bounds)]
+    rows = [decode(r[:, None], b - a, spec, dtype, kernels) for r, (a, b) in zip(received, bounds)]
     rows = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
     out = jnp.moveaxis(_unpermute(_from_rows(rows, shape, 1), inverse_perm), 0, axis)
     if tiled:
@@ -207,7 +257,7 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, ca
     moved = jnp.moveaxis(wire, dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
     rows = _to_rows(moved.reshape(ranks, *chunk_shape), spec.group_size, 1)
-    pieces = [_reduce_scatter_rows(rows[:, a:b], axis_name, spec, x.dtype)
+    pieces = [_reduce_scatter_rows(rows[:, a:b], axis_name, spec, x.dtype, config.kernels)
               for a, b in chunk_bounds(rows.shape[1], route.chunks)]
     _record(site, "reduce_scatter", direction, x, ranks, spec,
             (ranks - 1) * _message_bytes(rows.shape[1], spec, route.chunks), plain_sent)
@@ -216,10 +266,10 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, ca
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
 
-def _reduce_scatter_rows(rows: jax.Array, axis_name: str, spec: QuantSpec, dtype: jnp.dtype) -> jax.Array:
+def _reduce_scatter_rows(rows, axis_name: str, spec: QuantSpec, dtype: jnp.dtype, kernels: str) -> jax.Array:
     """(ranks, n, G) rows, one block per destination -> this rank's (n, G) block of the sum."""
-    received = lax.all_to_all(encode(rows, spec), axis_name, 0, 0, tiled=True)
-    return decode(received[None], rows.shape[1], spec, dtype)[0]
+    received = lax.all_to_all(encode(rows, spec, kernels), axis_name, 0, 0, tiled=True)
+    return decode(received[None], rows.shape[1], spec, dtype, kernels)[0]
 
 
 def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
@@ -232,25 +282,23 @@ def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
         _record(site, "all_reduce", direction, x, ranks, None, plain_sent, plain_sent)
         return lax.psum(x, axis_name)
     rows = _to_rows(wire, spec.group_size, 0)
-    if route.algorithm == "one_shot":
-        out, sent = _one_shot(rows, axis_name, spec, route.chunks, x.dtype)
-    else:
-        out, sent = _two_shot(rows, axis_name, spec, route.chunks, x.dtype)
+    exchange = _one_shot if route.algorithm == "one_shot" else _two_shot
+    out, sent = exchange(rows, axis_name, spec, route.chunks, x.dtype, config.kernels)
     _record(site, f"all_reduce_{route.algorithm}", direction, x, ranks, spec, (ranks - 1) * sent, plain_sent)
     return _unpermute(_from_rows(out, x.shape, 0), inverse)
 
 
-def _one_shot(rows, axis_name, spec, chunks, dtype) -> tuple[jax.Array, int]:
+def _one_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array, int]:
     """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
     pieces = []
     for a, b in chunk_bounds(rows.shape[0], chunks):
-        received = lax.all_gather(encode(rows[a:b], spec), axis_name, axis=0, tiled=False)
-        pieces.append(decode(received[None], b - a, spec, dtype)[0])
+        received = _gather_invariant(encode(rows[a:b], spec, kernels), axis_name)
+        pieces.append(decode(received[None], b - a, spec, dtype, kernels)[0])
     out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
     return out, _message_bytes(rows.shape[0], spec, chunks)
 
 
-def _two_shot(rows, axis_name, spec, chunks, dtype) -> tuple[jax.Array, int]:
+def _two_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array, int]:
     """Reduce-scatter, requantize the reduced block, all-gather it: (n, G) sum, bytes
     per peer."""
     ranks, count = lax.axis_size(axis_name), rows.shape[0]
@@ -258,10 +306,10 @@ def _two_shot(rows, axis_name, spec, chunks, dtype) -> tuple[jax.Array, int]:
     blocks = jnp.pad(rows, [(0, ranks * per_rank - count), (0, 0)]).reshape(ranks, per_rank, spec.group_size)
     pieces = []
     for a, b in chunk_bounds(per_rank, chunks):
-        received = lax.all_to_all(encode(blocks[:, a:b], spec), axis_name, 0, 0, tiled=True)
-        reduced = requantize(received, b - a, spec)
-        gathered = lax.all_gather(reduced, axis_name, axis=0, tiled=False)
-        pieces.append(decode(gathered[:, None], b - a, spec, dtype))
+        received = lax.all_to_all(encode(blocks[:, a:b], spec, kernels), axis_name, 0, 0, tiled=True)
+        reduced = requantize(received, b - a, spec, kernels)
+        gathered = _gather_invariant(reduced, axis_name)
+        pieces.append(decode(gathered[:, None], b - a, spec, dtype, kernels))
     out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
     return out.reshape(-1, spec.group_size)[:count], 2 * _message_bytes(per_rank, spec, chunks)
 
@@ -311,6 +359,8 @@ def _all_reduce_fwd(x, axis_name, config, algorithm, site, calibration):
 
 
 def _all_reduce_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
+    if checks_vma(axis_name):  # the transpose of an invariant sum is a broadcast (lax.psum's too)
+        return (vary(cotangent, (axis_name,)),)
     return (_reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration),)
 
 
@@ -360,7 +410,7 @@ def all_gather(
       ValueError: bad axis, config or calibration (a permutation of the wrong length).
     """
     check_arguments(config, calibration)
-    return _all_gather(x, axis_name, config, axis, tiled, site, calibration)
+    return _all_gather(vary(x, (axis_name,)), axis_name, config, axis, tiled, site, calibration)
 
 
 def reduce_scatter(
@@ -395,7 +445,7 @@ def reduce_scatter(
         or a channel permutation on a site that scatters along the channel axis.
     """
     check_arguments(config, calibration)
-    return _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site, calibration)
+    return _reduce_scatter(vary(x, (axis_name,)), axis_name, config, scatter_dimension, tiled, site, calibration)
 
 
 def all_reduce(
@@ -414,9 +464,10 @@ def all_reduce(
     "one_shot": compressed all-gather of everything, dequantize-and-sum (small messages).
     "auto": the config's link profile decides (`TacoConfig.link`); without one,
     one-shot at two ranks or under `policy.ONE_SHOT_MAX_BYTES` per rank, else
-    two-shot. An explicit algorithm is used wherever the message is compressed. The backward
-    pass all-reduces the cotangent the same way with `config.backward` (the transpose of
-    psum, as `lax.psum` differentiates under `check_vma=False`).
+    two-shot. An explicit algorithm is used wherever the message is compressed. Gradient
+    as `lax.psum`'s: under `check_vma=True` the result is invariant over the axis and
+    the cotangent goes back to every rank unchanged; under `check_vma=False` the
+    backward pass all-reduces the cotangent the same way with `config.backward`.
 
     Args:
       x: this rank's contribution, any shape.
@@ -433,4 +484,4 @@ def all_reduce(
       ValueError: unknown algorithm, bad config or calibration.
     """
     check_arguments(config, calibration, algorithm)
-    return _all_reduce(x, axis_name, config, algorithm, site, calibration)
+    return _all_reduce(vary(x, (axis_name,)), axis_name, config, algorithm, site, calibration)

@@ -9,6 +9,9 @@ from pallas_kernels.formats import SCALE_FORMATS, WIRE_FORMATS
 from taco_jax.policy import LinkProfile
 
 MODES = ("off", "fp8", "taco")
+# "auto": the Pallas kernels on GPU, the jnp path elsewhere; "interpret": the kernels in
+# the Pallas interpreter (CPU tests).
+KERNEL_MODES = ("auto", "pallas", "interpret", "jnp")
 DEFAULT_MIN_BYTES = 8 << 20  # the authors' threshold: smaller messages stay uncompressed
 
 
@@ -85,6 +88,9 @@ class TacoConfig:
         message takes the fastest measured route and stays uncompressed where
         compression was not measured faster (`taco_jax.policy`). None: compress every
         message of at least `min_bytes`.
+      kernels: codec implementation, one of `KERNEL_MODES`: "auto" (Pallas kernels on
+        GPU, the jnp path elsewhere), "pallas", "interpret" or "jnp". Part of the
+        config, so a jitted function compiled with one mode is never reused for another.
     """
 
     forward: QuantSpec = QuantSpec()
@@ -93,6 +99,7 @@ class TacoConfig:
     mode: str = "taco"
     chunks: int = 1
     link: LinkProfile | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -106,6 +113,8 @@ class TacoConfig:
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"unknown kernel mode {self.kernels!r}; expected one of {list(KERNEL_MODES)}")
         if self.link is not None and not isinstance(self.link, LinkProfile):
             raise ValueError(f"link must be a taco_jax.policy.LinkProfile or None, got {type(self.link).__name__}")
 

@@ -1,9 +1,19 @@
 """Megatron tensor-parallel mappings with compressed communication.
 
-Use them inside `jax.shard_map(..., check_vma=False)`, with each rank differentiating its
-own copy of the loss (`jax.grad` inside the shard_map body): the mappings carry the
-cotangents across ranks. Forward messages use `config.forward`, backward messages
-`config.backward`; the quantizer itself is never differentiated (straight-through).
+Use them inside `jax.shard_map`. Where the gradient may be taken:
+
+  check_vma=True (JAX's default)  inside or outside the shard_map. JAX tracks which
+                                  values vary over which axes; `copy_to_tp` needs `x`
+                                  replicated over the axis, `reduce_from_tp` partial
+                                  results varying over it (else ValueError).
+  check_vma=False                 inside the shard_map only (each rank differentiates its
+                                  own copy of the loss; Megatron's convention). With the
+                                  gradient outside, JAX's transpose of the shard_map
+                                  would scale weight gradients by 1/axis size, so
+                                  `copy_to_tp` and `reduce_from_tp` raise instead.
+
+Forward messages use `config.forward`, backward messages `config.backward`; the
+quantizer itself is never differentiated (straight-through).
 
   copy_to_tp            identity forward, all-reduce backward      (Megatron's f)
   reduce_from_tp        all-reduce forward, identity backward      (Megatron's g)
@@ -11,30 +21,48 @@ cotangents across ranks. Forward messages use `config.forward`, backward message
   reduce_scatter_to_sp  reduce-scatter forward, all-gather backward
   gather_matmul         gather_from_sp followed by column-parallel matmuls, saving the
                         gathered input for the backward pass in its 8-bit wire form
+  sum_sequence_parallel_grads
+                        sum over the axis the gradients of replicated parameters
+                        applied to sequence shards (check_vma=False; JAX does it itself
+                        under check_vma=True)
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
 
 from taco_jax import collectives
 from taco_jax.calibration import Calibration
 from taco_jax.spec import TacoConfig
 
 
+def _refuse_gradient_outside(mapping: str, axis_name: str) -> None:
+    """Raise if a check_vma=False shard_map is being differentiated from outside."""
+    if not collectives.checks_vma(axis_name) and collectives.transposing_whole_shard_map():
+        raise ValueError(
+            f"taco_jax.tp.{mapping} inside jax.shard_map(check_vma=False) is differentiated from outside the "
+            "shard_map: JAX would scale the weight gradients by 1/axis size. Take the gradient inside the "
+            "shard_map body (Megatron's convention), or use check_vma=True (JAX's default), which is correct "
+            "either way.")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _copy(x, axis_name, config, algorithm, site, calibration):
-    return x
+    return collectives.vary(x, (axis_name,))
 
 
 def _copy_fwd(x, axis_name, config, algorithm, site, calibration):
-    return x, None
+    return _copy(x, axis_name, config, algorithm, site, calibration), None
 
 
 def _copy_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
+    _refuse_gradient_outside("copy_to_tp", axis_name)
     return (collectives._reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration),)
 
 
@@ -51,7 +79,8 @@ def _reduce_fwd(x, axis_name, config, algorithm, site, calibration):
 
 
 def _reduce_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
-    return (cotangent,)
+    _refuse_gradient_outside("reduce_from_tp", axis_name)
+    return (collectives.vary(cotangent, (axis_name,)),)
 
 
 _reduce.defvjp(_reduce_fwd, _reduce_bwd)
@@ -78,12 +107,17 @@ def copy_to_tp(
       calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
-      `x`.
+      `x` (varying over `axis_name` under `check_vma=True`).
 
     Raises:
-      ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad calibration.
+      ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad
+        calibration; under `check_vma=True`, `x` already varies over `axis_name`; the
+        gradient of a `check_vma=False` shard_map taken outside it (see the module doc).
     """
     collectives.check_arguments(config, calibration, algorithm)
+    if axis_name in collectives.varying_axes(x):
+        raise ValueError(f"copy_to_tp needs x replicated over {axis_name!r}, but it varies over it "
+                         f"({jax.typeof(x)}); each rank would contribute a different input")
     return _copy(x, axis_name, config, algorithm, site, calibration)
 
 
@@ -108,12 +142,19 @@ def reduce_from_tp(
       calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
-      The sum over `axis_name`, same shape and dtype as `x`.
+      The sum over `axis_name`, same shape and dtype as `x` (invariant over `axis_name`
+      under `check_vma=True`).
 
     Raises:
-      ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad calibration.
+      ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad
+        calibration; under `check_vma=True`, `x` is replicated over `axis_name` (the sum
+        would count it axis-size times); the gradient of a `check_vma=False` shard_map
+        taken outside it (see the module doc).
     """
     collectives.check_arguments(config, calibration, algorithm)
+    if collectives.checks_vma(axis_name) and axis_name not in collectives.varying_axes(x):
+        raise ValueError(f"reduce_from_tp sums per-rank partial results, but x is replicated over {axis_name!r} "
+                         f"({jax.typeof(x)}): the sum would count it {lax.axis_size(axis_name)} times")
     return _reduce(x, axis_name, config, algorithm, site, calibration)
 
 
@@ -198,7 +239,8 @@ def _gather_matmul_bwd(axis_name, config, axis, site, calibration, residuals, co
         shape[axis] //= saved[0].shape[0]
         spec, plan = collectives.planned_spec(config.forward, calibration, site or "all_gather", "forward", shape[-1])
         inverse = None if plan is None else plan.inverse
-        gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, spec, axis, True, inverse)
+        gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, spec, axis, True, inverse,
+                                               config.kernels)
     else:
         gathered = saved
     flat = gathered.reshape(-1, gathered.shape[-1])
@@ -248,4 +290,35 @@ def gather_matmul(
       ValueError: `config` is not a `TacoConfig`, or a bad calibration.
     """
     collectives.check_arguments(config, calibration)
-    return _gather_matmul(x, tuple(jnp.asarray(k) for k in kernels), axis_name, config, axis, site, calibration)
+    kernels = tuple(jnp.asarray(k) for k in kernels)
+    # One varying type for all operands (the casts JAX inserts itself around a matmul;
+    # their transposes sum the weight gradients over e.g. the data axis).
+    axes = {axis_name}.union(*map(collectives.varying_axes, (x, *kernels)))
+    x, *kernels = (collectives.vary(a, tuple(sorted(axes))) for a in (x, *kernels))
+    return _gather_matmul(x, tuple(kernels), axis_name, config, axis, site, calibration)
+
+
+def sum_sequence_parallel_grads(grads: Any, specs: Any, axis_name: str) -> Any:
+    """Sum over `axis_name` the gradients of parameters that are replicated over it but
+    applied to sequence shards (norms, biases after a reduce-scatter, positions) — each
+    rank holds only its shard's part. For gradients taken inside a
+    `shard_map(check_vma=False)`; under `check_vma=True` JAX has already summed them
+    (the implicit cast of a replicated parameter transposes to a sum) and they are
+    returned unchanged.
+
+    Args:
+      grads: gradient pytree.
+      specs: matching pytree of `PartitionSpec`s of the parameters; a parameter whose
+        spec names `axis_name` is sharded over it and left alone.
+      axis_name: the tensor-parallel mesh axis.
+
+    Returns:
+      The gradients, replicated ones summed over `axis_name`.
+    """
+    if collectives.checks_vma(axis_name):
+        return grads
+
+    def named(spec: PartitionSpec) -> bool:
+        return any(axis_name in (entry if isinstance(entry, tuple) else (entry,)) for entry in spec)
+
+    return jax.tree.map(lambda g, spec: g if named(spec) else lax.psum(g, axis_name), grads, specs)

@@ -130,32 +130,30 @@ def test_kernels_propagate_nan_to_the_group():
 def test_codec_dispatch_to_kernels_agrees_with_jnp():
     x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 10, 256)), jnp.bfloat16)
     spec = tj.QuantSpec(fmt="int8", hadamard=True, scales="bf16", group_size=128)
-    with tj.kernel_mode("interpret"):
-        c_kernel = tj.compress(x, spec)
-        out_kernel = tj.decompress(c_kernel)
-        summed_kernel = tj.decompress_sum(tj.compress(jnp.stack([x, 2 * x]), spec))
-    with tj.kernel_mode("jnp"):
-        c_jnp = tj.compress(x, spec)
-        out_jnp = tj.decompress(c_jnp)
+    c_kernel = tj.compress(x, spec, kernels="interpret")
+    out_kernel = tj.decompress(c_kernel, kernels="interpret")
+    summed_kernel = tj.decompress_sum(tj.compress(jnp.stack([x, 2 * x]), spec, kernels="interpret"), kernels="interpret")
+    c_jnp = tj.compress(x, spec, kernels="jnp")
+    out_jnp = tj.decompress(c_jnp, kernels="jnp")
     assert c_kernel.scales.shape == c_jnp.scales.shape and out_kernel.dtype == jnp.bfloat16
     _assert_payload_close(c_kernel.payload, c_jnp.payload, "int8", 0.02)
     np.testing.assert_allclose(ref.as_float64(out_kernel), ref.as_float64(out_jnp), rtol=0.02, atol=0.02)
     np.testing.assert_allclose(ref.as_float64(summed_kernel), 3 * ref.as_float64(x), rtol=0.1, atol=0.05)
     with pytest.raises(ValueError, match="unknown kernel mode"):
-        with tj.kernel_mode("cuda"):
-            pass
+        tj.compress(x, spec, kernels="cuda")
+    with pytest.raises(ValueError, match="unknown kernel mode"):
+        tj.TacoConfig.preset("taco", kernels="cuda")
 
 
 def test_collective_with_interpreted_kernels_inside_shard_map():
     from jax.sharding import PartitionSpec as P
 
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
-    config = tj.TacoConfig.preset("taco", min_bytes=0)
+    config = tj.TacoConfig.preset("taco", min_bytes=0, kernels="interpret")
     x = jnp.asarray(np.random.default_rng(6).standard_normal((4 * 16, 256)), jnp.float32)
     body = lambda v: (tj.all_reduce(v, "tensor", config, algorithm="two_shot"), jax.lax.psum(v, "tensor"))
-    with tj.kernel_mode("interpret"):
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=(P("tensor"), P("tensor")), check_vma=False))
-        ours, theirs = jax.block_until_ready(fn(x))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=(P("tensor"), P("tensor")), check_vma=False))
+    ours, theirs = jax.block_until_ready(fn(x))
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 0.12
 
 

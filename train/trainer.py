@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 import taco_jax as tj
-from models.api import sum_sequence_parallel_grads
+from models.api import sequence_parallel_grads
 from models.transformer import Parallelism
 from taco_jax.calibration import Calibration
 from taco_jax.probe import Message
@@ -143,7 +143,7 @@ def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibratio
     specs = models.partition_specs(config)
 
     def reduce_grads(loss, grads):
-        grads = sum_sequence_parallel_grads(config, grads, par)
+        grads = sequence_parallel_grads(config, grads, par)
         # Parameters not split over "pipe" (embeddings, final norm, head) are used by one
         # stage each: sum their gradients over the stages.
         grads = jax.tree.map(lambda g, s: g if PIPE in tuple(s) else lax.psum(g, PIPE), grads, specs)
