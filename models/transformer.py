@@ -16,11 +16,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import taco_jax as tj
-from models.config import ModelConfig, head_dim, padded_vocab
+from models import layers
+from models.config import ModelConfig, padded_vocab
 
 AXIS = "tensor"
 _UNCOMPRESSED = tj.TacoConfig.preset("off")
@@ -73,44 +73,8 @@ def _leave(x, par: Parallelism, site: str):
     return tj.tp.reduce_from_tp(x, AXIS, par.taco, site=site, calibration=par.calibration)
 
 
-def _layer_norm(x, scale, bias, eps):
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    return ((x32 - mean) * lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
-
-
-def _rms_norm(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    return (x32 * lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale).astype(x.dtype)
-
-
 def _norm(config: ModelConfig, x, layer: dict, name: str):
-    if config.family == "gpt2":
-        return _layer_norm(x, layer[f"{name}_scale"], layer[f"{name}_bias"], config.norm_eps)
-    return _rms_norm(x, layer[f"{name}_scale"], config.norm_eps)
-
-
-def _rotary(x, positions, theta):
-    """Rotary embedding in HF's rotate-half layout. x: (B, S, heads, hd)."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float32) / half))
-    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None, :]
-    x32 = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
-
-
-def _attention(q, k, v):
-    """Causal attention over local heads; k/v heads are repeated for grouped queries."""
-    groups = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
-    causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-    weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    return layers.norm(config, x, layer[f"{name}_scale"], layer.get(f"{name}_bias"))
 
 
 def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parallelism):
@@ -122,17 +86,17 @@ def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parall
     else:
         kernels = (layer["q_kernel"], layer["k_kernel"], layer["v_kernel"])
         q, k, v = (out + c(layer[f"{n}_bias"]) for out, n in zip(_column_parallel(x, kernels, par, "layers.attn.in"), "qkv"))
-        q, k = _rotary(q, positions, config.rope_theta), _rotary(k, positions, config.rope_theta)
-    return jnp.einsum("bshe,hed->bsd", _attention(q, k, v), c(layer["out_kernel"]))
+        q, k = layers.rotary(q, positions, config.rope_theta), layers.rotary(k, positions, config.rope_theta)
+    return jnp.einsum("bshe,hed->bsd", layers.causal_attention(q, k, v), c(layer["out_kernel"]))
 
 
 def _mlp_block(config: ModelConfig, layer: dict, x, par: Parallelism):
     c = lambda w: w.astype(par.compute_dtype)
     if config.family == "gpt2":
         (hidden,) = _column_parallel(x, (layer["fc_kernel"],), par, "layers.mlp.in")
-        return jax.nn.gelu(hidden + c(layer["fc_bias"]), approximate=True) @ c(layer["proj_kernel"])
+        return layers.gpt2_mlp_activation(hidden + c(layer["fc_bias"])) @ c(layer["proj_kernel"])
     gate, up = _column_parallel(x, (layer["gate_kernel"], layer["up_kernel"]), par, "layers.mlp.in")
-    return (jax.nn.silu(gate) * up) @ c(layer["down_kernel"])
+    return layers.swiglu(gate, up) @ c(layer["down_kernel"])
 
 
 def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions):
@@ -155,11 +119,9 @@ def _vocab_range(config: ModelConfig) -> tuple[jax.Array, int]:
 def _embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
     """Vocabulary-parallel embedding: each rank looks up its rows, the partial sums are
     reduced (the sequence-parallel variant leaves each rank its sequence shard)."""
-    start, local = _vocab_range(config)
-    offset = tokens - start
-    mine = (offset >= 0) & (offset < local)
-    rows = jnp.take(params["embed"]["tokens"], jnp.where(mine, offset, 0), axis=0)
-    x = _leave(jnp.where(mine[..., None], rows, 0.0).astype(par.compute_dtype), par, "embed")
+    start, _ = _vocab_range(config)
+    rows = layers.vocab_rows(params["embed"]["tokens"], tokens, start)
+    x = _leave(rows.astype(par.compute_dtype), par, "embed")
     if config.family == "gpt2":
         positions = _local_positions(tokens.shape[1], par)
         x = x + jnp.take(params["embed"]["positions"], positions, axis=0).astype(par.compute_dtype)
@@ -199,9 +161,7 @@ def run_layers(config: ModelConfig, layers: dict, x, par: Parallelism):
 
 def final_norm(config: ModelConfig, params: dict, x):
     final = params["final"]
-    if config.family == "gpt2":
-        return _layer_norm(x, final["norm_scale"], final["norm_bias"], config.norm_eps)
-    return _rms_norm(x, final["norm_scale"], config.norm_eps)
+    return layers.norm(config, x, final["norm_scale"], final.get("norm_bias"))
 
 
 def hidden_states(config: ModelConfig, params: dict, tokens, par: Parallelism):

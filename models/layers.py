@@ -1,0 +1,76 @@
+"""The model math shared by the per-shard transformer (`models.transformer`, used by the
+trainer inside one shard_map) and the Flax NNX modules (`models.flax_modules`, used on
+global arrays under plain jit): norms, rotary embedding, causal attention, the MLP
+activations and the vocabulary-parallel lookup. Only where the collectives sit differs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from models.config import ModelConfig
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis, statistics in float32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, statistics in float32, result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+def norm(config: ModelConfig, x: jax.Array, scale: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """The family's norm: LayerNorm for GPT-2, RMSNorm (no bias) for Qwen2."""
+    if config.family == "gpt2":
+        return layer_norm(x, scale, bias, config.norm_eps)
+    return rms_norm(x, scale, config.norm_eps)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding in HF's rotate-half layout. x: (B, S, heads, hd), positions: (S,)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention (B, S, heads, hd); k/v heads are repeated for grouped queries."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def gpt2_mlp_activation(hidden: jax.Array) -> jax.Array:
+    """GPT-2's tanh-approximated GELU."""
+    return jax.nn.gelu(hidden, approximate=True)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """Qwen2's gated MLP activation."""
+    return jax.nn.silu(gate) * up
+
+
+def vocab_rows(table: jax.Array, tokens: jax.Array, start: jax.Array | int) -> jax.Array:
+    """Embedding rows of `tokens` from a vocabulary shard starting at `start`; tokens of
+    other shards get zero rows (summing the shards' results gives the full lookup)."""
+    offset = tokens - start
+    mine = (offset >= 0) & (offset < table.shape[0])
+    rows = jnp.take(table, jnp.where(mine, offset, 0), axis=0)
+    return jnp.where(mine[..., None], rows, 0.0)

@@ -1,0 +1,103 @@
+"""GPT-2 and Qwen2 as Flax NNX modules (models.flax_modules) against the functional
+models: logits, gradients and a user's own nnx + optax loop (8 CPU devices)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+import taco_jax as tj
+from models import flax_modules
+
+FAMILIES = ["gpt2-tiny", "qwen2-tiny"]
+
+
+def _setup(name, seed=0):
+    config = models.preset(name)
+    params = models.init_params(config, jax.random.key(seed))
+    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, (4, 33))
+    return config, params, tokens
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_and_grads_equal_the_functional_model(name, sequence_parallel):
+    config, params, tokens = _setup(name)
+    mesh = tj.make_mesh(2, 1, 4)
+    model = flax_modules.from_params(config, params, mesh=mesh, taco=tj.TacoConfig.preset("off"),
+                                     sequence_parallel=sequence_parallel)
+    want = models.logits(config, params, tokens[:, :-1])
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
+    got = nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(jnp.abs(want).max()), rtol=1e-4)
+
+    loss, grads = nnx.jit(nnx.value_and_grad(_loss))(model, tokens)
+    want_loss, want_grads = models.loss_and_grads(config, params, tokens, mesh=mesh)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    want_grads = flax_modules.nnx_params(config, want_grads)
+    got_grads = nnx.state(grads, nnx.Param).to_pure_dict()
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6 * float(jnp.abs(w).max()) + 1e-9,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compressed_logits_within_codec_error(name):
+    config, params, tokens = _setup(name)
+    mesh = tj.make_mesh(2, 1, 4)
+    model = flax_modules.from_params(config, params, mesh=mesh, taco=tj.TacoConfig.preset("taco+", min_bytes=0))
+    got = nnx.jit(lambda m, t: m(t))(model, tokens)
+    want = models.logits(config, params, tokens)
+    assert 1e-5 < _rel(got, want) < 0.05
+
+
+def test_own_nnx_optax_loop_trains_with_and_without_compression():
+    """A user's loop: nnx.Optimizer + optax.adamw, batch sharded over data; taco+ follows off."""
+    config, _, _ = _setup("gpt2-tiny")
+    mesh = tj.make_mesh(2, 1, 4)
+    rng = np.random.default_rng(1)
+    batches = [jax.device_put(rng.integers(0, 64, (8, 33)), NamedSharding(mesh, P("data"))) for _ in range(6)]
+
+    def train(preset):
+        model = flax_modules.Transformer(config, mesh=mesh, taco=tj.TacoConfig.preset(preset, min_bytes=0),
+                                         rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, tokens):
+            loss, grads = nnx.value_and_grad(_loss)(model, tokens)
+            optimizer.update(model, grads)
+            return loss
+
+        return np.array([float(step(model, optimizer, b)) for b in batches])
+
+    off, compressed = train("off"), train("taco+")
+    assert off[-1] < off[0] - 0.5
+    assert np.all(np.abs(compressed - off) < 0.02 * off) and not np.array_equal(compressed, off)
+
+
+def test_bad_model_shapes_are_clear_errors():
+    config = models.preset("qwen2-tiny")  # 4 kv heads
+    with pytest.raises(ValueError, match="n_kv_heads=4 is not divisible by the tensor axis size 8"):
+        flax_modules.Transformer(config, mesh=tj.make_mesh(1, 1, 8), taco=tj.TacoConfig.preset("off"), rngs=nnx.Rngs(0))
+    model = flax_modules.Transformer(config, mesh=tj.make_mesh(2, 1, 4), taco=tj.TacoConfig.preset("off"),
+                                     rngs=nnx.Rngs(0), sequence_parallel=True)
+    with pytest.raises(ValueError, match="not divisible by the tensor axis size 4"):
+        model(jnp.zeros((2, 6), jnp.int32))
+    with pytest.raises(ValueError, match="exceeds max_positions"):
+        model(jnp.zeros((1, config.max_positions + 4), jnp.int32))
