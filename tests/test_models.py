@@ -62,6 +62,25 @@ def test_logits_match_transformers(hf_folders, family):
                                    err_msg=f"tp={tensor} sp={sequence_parallel}")
 
 
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_nnx_modules_from_hf_weights_match_transformers(hf_folders, family):
+    from flax import nnx
+
+    from models import flax_modules
+
+    folder, reference = hf_folders[family]
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        expected = reference(torch.tensor(tokens)).logits.numpy()
+    config, params = models.load_hf(folder)
+    for sequence_parallel in (False, True):
+        model = flax_modules.from_params(config, params, mesh=_mesh(data=2, tensor=4),
+                                         taco=tj.TacoConfig.preset("off"), sequence_parallel=sequence_parallel)
+        got = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
+        np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), rtol=1e-4,
+                                   err_msg=f"sp={sequence_parallel}")
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)

@@ -21,5 +21,6 @@ def test_notebook_executes(path):
     assert any(o.get("output_type") in ("stream", "display_data") for o in outputs)
 
 
-def test_there_are_three_notebooks():
-    assert [p.stem for p in NOTEBOOKS] == ["01_mesh_configuration", "02_codec_anatomy", "03_your_own_flax_loop"]
+def test_there_are_four_notebooks():
+    assert [p.stem for p in NOTEBOOKS] == ["01_mesh_configuration", "02_codec_anatomy", "03_your_own_flax_loop",
+                                          "04_flax_nnx_tensor_parallel"]
