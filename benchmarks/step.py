@@ -7,11 +7,17 @@ overhead bound. On several GPUs the same script gives the end-to-end speed-up (r
 with NCCL_P2P_DISABLE=1 for the slow-link proxy).
 
 Usage:
-  python benchmarks/step.py [--mesh 1,1,1] [--model PRESET | --d-model 2048] [--layers 16] [--seq 2048]
-      [--batch 4] [--modes off,taco,taco+,default] [--steps 10] [--profile] [--out benchmarks/results/step.json]
+  python benchmarks/step.py [--mesh 1,1,1] [--model PRESET | --families gpt2,qwen2 --d-model 2048] [--layers 16]
+      [--seq 2048] [--batch 4] [--modes off,taco,taco+,default] [--remat none] [--reference torch] [--steps 10]
+      [--profile] [--out benchmarks/results/step.json]
 
 Mode "default" is the trainer's default: its preset with taco_policy=auto (on GPUs a
-start-up probe of the link decides which messages are compressed).
+start-up probe of the link decides which messages are compressed). `--reference torch`
+first times the PyTorch step of the same shape on the same GPU
+(benchmarks/torch_reference.py, in a subprocess, before JAX takes the GPU's memory) and
+adds it as mode "torch". Every row has its MFU: model FLOPs per token (6 x parameters in
+matmuls + 12 x layers x d_model x seq for attention, nanoGPT's count) x tokens/s over
+the card's dense bf16 peak (`--peak-tflops`, H200/H100 SXM: 989).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,13 +47,13 @@ from train.config import TrainConfig  # noqa: E402
 
 
 def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool,
-            profile: bool = False) -> dict:
+            profile: bool = False, remat: str = "none") -> dict:
     # "default": the trainer's defaults (preset and taco_policy, which probes the link);
     # a preset name: that preset with every message compressed.
     preset = {} if mode == "default" else {"taco": mode, "taco_policy": "always"}
     cfg = TrainConfig(model="custom", mesh=mesh_shape, taco_min_bytes=0, batch_size=batch, seq_len=seq,
                       compute_dtype="bfloat16", sequence_parallel=sequence_parallel, steps=1000, warmup_steps=1,
-                      out=tempfile.mkdtemp(prefix="step_"), **preset)
+                      remat=remat, out=tempfile.mkdtemp(prefix="step_"), **preset)
     mesh = tj.make_mesh(*mesh_shape)
     tx, _ = trainer.make_optimizer(cfg, config)
     params, opt_state = trainer.init_state(config, 0, mesh, tx)
@@ -56,6 +63,7 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
                               NamedSharding(mesh, P("data"))) for _ in range(2)]
     cfg = trainer.resolve_taco_policy(cfg, config, mesh, params, batches[0], Path(cfg.out))
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
+    memory = train_step.lower(params, opt_state, batches[0], jnp.bool_(False)).compile().memory_analysis()
     start = time.perf_counter()
     params, opt_state, metrics = train_step(params, opt_state, batches[0], jnp.bool_(False))
     jax.block_until_ready(metrics)
@@ -71,9 +79,10 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - start) / steps)
     step_s = statistics.median(times)
-    row = {"mode": mode, "taco": cfg.taco, "taco_policy": cfg.taco_policy, "mesh": list(mesh_shape),
-           "step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s,
-           "compile_s": compile_s, "loss": float(np.asarray(metrics["loss"].addressable_shards[0].data))}
+    row = {"family": config.family, "mode": mode, "taco": cfg.taco, "taco_policy": cfg.taco_policy, "remat": remat,
+           "mesh": list(mesh_shape), "step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s,
+           "compile_s": compile_s, "loss": float(np.asarray(metrics["loss"].addressable_shards[0].data)),
+           "temp_gib": None if memory is None else memory.temp_size_in_bytes / 2**30}
     if cfg.taco_policy.endswith(".json"):
         row["policy_decisions"] = json.loads(Path(cfg.taco_policy).read_text())["decisions"]
     if profile:
@@ -87,48 +96,92 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
     return row
 
 
+def model_flops_per_token(config, seq: int) -> float:
+    """Training FLOPs per token: 6 x parameters in matmuls (the input embedding lookup
+    and positions excluded; a tied table counts once, as the head) + attention's
+    12 x layers x d_model x seq (nanoGPT's estimate)."""
+    sizes = {jax.tree_util.keystr(path): int(np.prod(leaf[0])) for path, leaf in jax.tree_util.tree_flatten_with_path(
+        models.layout(config), is_leaf=models.params.is_layout_leaf)[0]}
+    lookups = sizes.get("['embed']['positions']", 0) + (0 if config.tie_embeddings else sizes["['embed']['tokens']"])
+    return 6 * (sum(sizes.values()) - lookups) + 12 * config.n_layers * config.d_model * seq
+
+
+def custom_model(family: str, args) -> models.ModelConfig:
+    """The benchmark's GPT or Qwen2 shape (Qwen2: grouped queries, SwiGLU, untied head)."""
+    if family == "gpt2":
+        return models.GPT2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
+                                 n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
+    return models.Qwen2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
+                              n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                              d_ff=args.qwen2_d_ff, tie_embeddings=False)
+
+
+def torch_reference(config, args) -> dict:
+    """The PyTorch step of the same shape (benchmarks/torch_reference.py) in a subprocess."""
+    script = Path(__file__).resolve().parent / "torch_reference.py"
+    command = [sys.executable, str(script), "--family", config.family, "--vocab", str(config.vocab_size),
+               "--d-model", str(config.d_model), "--layers", str(config.n_layers), "--heads", str(config.n_heads),
+               "--kv-heads", str(config.n_kv_heads), "--d-ff", str(config.d_ff), "--seq", str(args.seq),
+               "--batch", str(args.batch), "--steps", str(args.steps)]
+    result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    return {"family": config.family, "mode": "torch", **result}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", default="1,1,1")
-    parser.add_argument("--model", help="a models preset (e.g. qwen2-7b, gpt2-xl) instead of the custom GPT below")
+    parser.add_argument("--model", help="a models preset (e.g. qwen2-7b, gpt2-xl) instead of the custom shapes below")
+    parser.add_argument("--families", default="gpt2", help="custom shapes to run: gpt2, qwen2 or both")
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4, help="Qwen2 key/value heads")
+    parser.add_argument("--qwen2-d-ff", type=int, default=5632, help="Qwen2 MLP width (GPT: 4 x d_model)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--modes", default="off,taco,taco+,default",
                         help="presets (every message compressed) and 'default' (the trainer's default policy)")
+    parser.add_argument("--remat", default="none", help="activation checkpointing (models.transformer.REMAT_POLICIES)")
+    parser.add_argument("--reference", choices=("torch",), help="also time the PyTorch reference step")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the card, for MFU")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--profile", action="store_true", help="add a GPU timeline summary (benchmarks/profiling.py)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step.json"))
     args = parser.parse_args()
     mesh_shape = tuple(int(d) for d in args.mesh.split(","))
-    if args.model:
-        config = models.preset(args.model)
-    else:
-        config = models.GPT2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
-                                   n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
-    n_params = sum(int(np.prod(leaf[0])) for leaf in jax.tree.leaves(
-        models.layout(config), is_leaf=models.params.is_layout_leaf))
-    print(f"{config.family} {n_params / 1e9:.2f}B params, seq {args.seq}, batch {args.batch}, mesh {mesh_shape}, "
-          f"{jax.devices()[0].device_kind} x {jax.device_count()}", file=sys.stderr, flush=True)
+    configs = [models.preset(args.model)] if args.model else [custom_model(f, args) for f in args.families.split(",")]
+    # The references first, before JAX allocates the GPU's memory.
+    references = {c.family: torch_reference(c, args) for c in configs} if args.reference else {}
     rows = []
-    for mode in args.modes.split(","):
-        row = measure(config, mesh_shape, mode, args.batch, args.seq, args.steps, args.sequence_parallel, args.profile)
-        rows.append(row)
-        print(f"  {mode:6s} {row['step_ms']:9.1f} ms/step {row['tokens_per_s']:10.0f} tok/s (compile {row['compile_s']:.0f} s, "
-              f"loss {row['loss']:.3f})", file=sys.stderr, flush=True)
-    meta = {"params": n_params, "seq": args.seq, "batch": args.batch, "mesh": list(mesh_shape),
+    for config in configs:
+        n_params = sum(int(np.prod(leaf[0])) for leaf in jax.tree.leaves(
+            models.layout(config), is_leaf=models.params.is_layout_leaf))
+        print(f"{config.family} {n_params / 1e9:.2f}B params, seq {args.seq}, batch {args.batch}, mesh {mesh_shape}, "
+              f"{jax.devices()[0].device_kind} x {jax.device_count()}", file=sys.stderr, flush=True)
+        family_rows = [references[config.family]] if config.family in references else []
+        for mode in args.modes.split(","):
+            family_rows.append(measure(config, mesh_shape, mode, args.batch, args.seq, args.steps,
+                                       args.sequence_parallel, args.profile, args.remat))
+        flops = model_flops_per_token(config, args.seq)
+        for row in family_rows:
+            row.update(params=n_params, mfu=flops * row["tokens_per_s"] / (args.peak_tflops * 1e12 * jax.device_count()))
+            print(f"  {row['mode']:6s} {row['step_ms']:9.1f} ms/step {row['tokens_per_s']:10.0f} tok/s "
+                  f"MFU {100 * row['mfu']:.1f}% (compile {row['compile_s']:.0f} s, loss {row['loss']:.3f})",
+                  file=sys.stderr, flush=True)
+        rows += family_rows
+    meta = {"seq": args.seq, "batch": args.batch, "mesh": list(mesh_shape), "remat": args.remat,
             "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_tflops": args.peak_tflops,
             "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""), "date": time.strftime("%Y-%m-%d")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    base = rows[0]["step_ms"]
-    print(f"| mode | step ms | tokens/s | vs {rows[0]['mode']} |\n|---|---|---|---|")
+    print("| family | mode | step ms | tokens/s | MFU | vs first |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {100 * (r['step_ms'] / base - 1):+.1f}% |")
+        base = next(b for b in rows if b["family"] == r["family"])["step_ms"]
+        print(f"| {r['family']} | {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
+              f"{r['step_ms'] / base:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -47,14 +47,21 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+_FLASH_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def attention_implementation(q: jax.Array) -> str:
+    """cuDNN flash attention on GPU for 16-bit inputs and head sizes it takes (no
+    (B, heads, S, S) scores in memory); XLA's attention elsewhere."""
+    flash = (jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _FLASH_DTYPES
+             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+    return "cudnn" if flash else "xla"
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention (B, S, heads, hd); k/v heads are repeated for grouped queries."""
-    groups = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1])
-    causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-    weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    """Causal attention (B, S, heads, hd) with `jax.nn.dot_product_attention`; k/v may
+    have fewer heads (grouped queries: query head i reads kv head i // (heads / kv heads))."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q))
 
 
 def gpt2_mlp_activation(hidden: jax.Array) -> jax.Array:

@@ -39,6 +39,9 @@ class Parallelism:
         wire form (`taco_jax.tp.gather_matmul`) instead of decoded.
       calibration: per-site channel permutations and transform decisions
         (`taco_jax.calibration`); empty = identity before calibration.
+      remat: activation checkpointing of each layer: "none" (keep what autodiff
+        needs), "dots" (keep the matmul outputs, recompute the rest) or "block"
+        (keep only each layer's input, recompute the layer in the backward pass).
     """
 
     taco: tj.TacoConfig = tj.TacoConfig.preset("off")
@@ -46,6 +49,19 @@ class Parallelism:
     compute_dtype: jnp.dtype = jnp.float32
     compressed_residuals: bool = True
     calibration: tj.calibration.Calibration = tj.calibration.Calibration()
+    remat: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {self.remat!r}; expected one of {list(REMAT_POLICIES)}")
+
+
+# What a layer keeps for its backward pass (jax.checkpoint policies); None = no remat.
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "block": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 def _enter(x, par: Parallelism, site: str):
@@ -156,6 +172,9 @@ def run_layers(config: ModelConfig, layers: dict, x, par: Parallelism):
     def step(carry, layer):
         return _block(config, par, carry, layer, positions), None
 
+    policy = REMAT_POLICIES[par.remat]
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy)
     return lax.scan(step, x, layers)[0]
 
 
@@ -176,37 +195,38 @@ def hidden_states(config: ModelConfig, params: dict, tokens, par: Parallelism):
 
 
 def logits_from_hidden(config: ModelConfig, params: dict, hidden, par: Parallelism):
-    """This rank's vocabulary slice of the logits, float32 (B, S, V_padded / tp); padded
-    vocabulary entries are -1e30."""
+    """This rank's vocabulary slice of the logits in the compute dtype (B, S, V_padded /
+    tp); padded vocabulary entries are the dtype's lowest value."""
     head = params["embed"]["tokens"] if config.tie_embeddings else params["final"]["head"]
     (logits,) = _column_parallel(hidden, (head.T,), par, "head.in")
-    logits = logits.astype(jnp.float32)
     start, local = _vocab_range(config)
     valid = start + jnp.arange(local) < config.vocab_size
-    return jnp.where(valid, logits, -1e30)
+    return jnp.where(valid, logits, jnp.finfo(logits.dtype).min)
 
 
 def local_logits(config: ModelConfig, params: dict, tokens, par: Parallelism):
-    """`logits_from_hidden` of `hidden_states`."""
-    return logits_from_hidden(config, params, hidden_states(config, params, tokens, par), par)
+    """`logits_from_hidden` of `hidden_states`, float32."""
+    return logits_from_hidden(config, params, hidden_states(config, params, tokens, par), par).astype(jnp.float32)
 
 
 def loss_from_hidden(config: ModelConfig, params: dict, hidden, targets, par: Parallelism):
     """Mean cross-entropy of `targets` (B, S) from final hidden states, with
-    vocabulary-parallel logits: no rank ever holds the full-vocabulary logits.
+    vocabulary-parallel logits: no rank ever holds the full-vocabulary logits, and the
+    logits stay in the compute dtype (the float32 statistics are reductions XLA fuses
+    with the upcast, so no float32 copy of the logits is stored).
 
     Returns:
       Scalar float32 loss, identical on every tensor rank.
     """
     logits = logits_from_hidden(config, params, hidden, par)
-    peak = lax.pmax(lax.stop_gradient(logits.max(-1)), AXIS)
+    peak = lax.pmax(lax.stop_gradient(logits.max(-1)).astype(jnp.float32), AXIS)
     # Statistics summed over the vocabulary shards; identity backward (each rank
     # differentiates its own copy of the loss).
-    sum_exp = tj.tp.reduce_from_tp(jnp.exp(logits - peak[..., None]).sum(-1), AXIS, _UNCOMPRESSED)
+    sum_exp = tj.tp.reduce_from_tp(jnp.exp(logits.astype(jnp.float32) - peak[..., None]).sum(-1), AXIS, _UNCOMPRESSED)
     start, local = _vocab_range(config)
     offset = targets - start
     mine = (offset >= 0) & (offset < local)
-    picked = jnp.take_along_axis(logits, jnp.where(mine, offset, 0)[..., None], axis=-1)[..., 0]
+    picked = jnp.take_along_axis(logits, jnp.where(mine, offset, 0)[..., None], axis=-1)[..., 0].astype(jnp.float32)
     target_logit = tj.tp.reduce_from_tp(jnp.where(mine, picked, 0.0), AXIS, _UNCOMPRESSED)
     return jnp.mean(jnp.log(sum_exp) + peak - target_logit)
 

@@ -23,6 +23,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import formats, group_codec, wire
 from pallas_kernels.hadamard import hadamard_matrix
 
+
+def output_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel output's shape and dtype, varying over the manual mesh axes `like` varies
+    over (a pallas_call inside `shard_map(check_vma=True)` must state its outputs' type)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
 
 
@@ -113,8 +119,8 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
         grid=(batch, padded // block),
         in_specs=[tile, pl.BlockSpec((group_size, group_size), lambda b, i: (0, 0))],
         out_specs=[tile] + [pl.BlockSpec((None, block), lambda b, i: (b, i))] * len(entry_dtypes),
-        out_shape=[jax.ShapeDtypeStruct((batch, max(padded, payload_rows), group_size), payload_dtype)]
-        + [jax.ShapeDtypeStruct((batch, padded), dtype) for dtype in entry_dtypes],
+        out_shape=[output_struct((batch, max(padded, payload_rows), group_size), payload_dtype, x)]
+        + [output_struct((batch, padded), dtype, x) for dtype in entry_dtypes],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="taco_compress",

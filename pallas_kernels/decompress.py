@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import formats, group_codec, wire
-from pallas_kernels.compress import hadamard_dot
+from pallas_kernels.compress import hadamard_dot, output_struct
 from pallas_kernels.compress import block_rows_for as compress_block_rows
 from pallas_kernels.hadamard import hadamard_matrix, hadamard_transform
 
@@ -112,7 +112,7 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
     tile = pl.BlockSpec((block, group_size), lambda b, i: (b * blocks + i, 0))
     out_rows = batch * padded
     if requantize is None:
-        out_specs, out_shape = [tile], [jax.ShapeDtypeStruct((out_rows, group_size), out_dtype)]
+        out_specs, out_shape = [tile], [output_struct((out_rows, group_size), out_dtype, payload)]
     else:
         fmt, scale_format = requantize
         group_codec.check_scale_format(scale_format)
@@ -121,8 +121,8 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         out_specs = [tile] + [pl.BlockSpec((block,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
         if batch != 1:
             raise ValueError(f"requantizing sums one batch of shards, got {batch}")
-        out_shape = [jax.ShapeDtypeStruct((max(out_rows, groups + extra_rows), group_size), payload_dtype)] + [
-            jax.ShapeDtypeStruct((out_rows,), dtype) for dtype in entry_dtypes
+        out_shape = [output_struct((max(out_rows, groups + extra_rows), group_size), payload_dtype, payload)] + [
+            output_struct((out_rows,), dtype, payload) for dtype in entry_dtypes
         ]
     outs = pl.pallas_call(
         functools.partial(_decompress_kernel, transform=transform, requantize=requantize, message_fmt=message_fmt),

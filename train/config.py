@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from models.transformer import REMAT_POLICIES
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
 
@@ -40,6 +42,9 @@ class TrainConfig:
         at decay_steps (0: at `steps`; set it to stop early and resume on the same schedule).
       weight_decay, beta1, beta2, grad_clip: AdamW and global-norm clipping.
       compute_dtype: "float32" or "bfloat16" (parameters and optimizer stay float32).
+      remat: activation checkpointing per layer: "none", "dots" (keep matmul outputs,
+        recompute the rest) or "block" (keep each layer's input only); trades
+        recomputation for activation memory (benchmarks/step.py measures both).
       data: "shakespeare" (byte-level, shipped), a .npy/.bin token file, or a text file
         to tokenize with `tokenizer`.
       tokenizer: local HuggingFace tokenizer folder (tokenizer.json), for a text `data`.
@@ -91,6 +96,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     compute_dtype: str = "float32"
+    remat: str = "none"
     data: str = "shakespeare"
     tokenizer: str = ""
     data_dtype: str = "uint16"
@@ -119,6 +125,8 @@ class TrainConfig:
             problems.append(f"batch_size {self.batch_size} is not divisible by data x grad_accum x microbatches = {per_step}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             problems.append(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.remat not in REMAT_POLICIES:
+            problems.append(f"remat must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
         for name in ("steps", "seq_len", "microbatches", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -120,7 +120,8 @@ def resolve_taco_policy(cfg: TrainConfig, config: models.ModelConfig, mesh, para
 
 
 def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
-    return Parallelism(taco_config(cfg), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype), calibration=calibration)
+    return Parallelism(taco_config(cfg), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype), calibration=calibration,
+                       remat=cfg.remat)
 
 
 def _shard_map(cfg: TrainConfig, mesh, fn, in_specs, out_specs):
