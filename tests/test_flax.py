@@ -176,3 +176,21 @@ def test_parallel_layers_run_the_pallas_kernels_on_gpus():
     for ours, reference, exact in zip(results["pallas"], results["jnp"], want):
         assert _rel(ours, reference) < 0.01
         assert COMPRESSED_MIN < _rel(ours, exact) < COMPRESSED_MAX
+
+
+def test_any_leading_shape_and_a_mesh_with_pipe():
+    """Batches that do not split over data (replicated), 2-D and 1-D inputs, and a
+    (data 2, pipe 2, tensor 2) mesh (pipe replicated inside the islands)."""
+    dense = MLP(rngs=nnx.Rngs(0))
+    keys = jax.random.split(jax.random.key(5), 3)
+    inputs = [jax.random.normal(k, shape) for k, shape in zip(keys, [(3, 5, D_MODEL), (7, D_MODEL), (D_MODEL,)])]
+    compressed = MLP(rngs=nnx.Rngs(0), mesh=tj.make_mesh(2, 1, 4), config=tj.TacoConfig.preset("taco+", min_bytes=0))
+    for x in inputs:
+        got = nnx.jit(lambda m, v: m(v))(compressed, x)
+        assert got.shape == x.shape and COMPRESSED_MIN < _rel(got, dense(x)) < COMPRESSED_MAX, x.shape
+    for sequence_parallel in (False, True):
+        model = MLP(rngs=nnx.Rngs(0), mesh=tj.make_mesh(2, 2, 2), config=tj.TacoConfig.preset("off"),
+                    sequence_parallel=sequence_parallel)
+        x = inputs[0][:2, :4]
+        np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, v: m(v))(model, x)), np.asarray(dense(x)),
+                                   rtol=1e-4, atol=1e-5)
