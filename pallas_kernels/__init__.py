@@ -2,8 +2,9 @@
 
 This package depends only on jax and numpy. `group_codec` is the plain-jnp definition of
 the math, written so the kernels reuse it on their tiles; `compress` and `decompress` hold
-the fused kernels, each beside its jnp reference, which is also the path used where no
-kernel applies (CPU, group sizes under 16).
+the fused kernels, each beside its jnp reference. Which one runs is the caller's choice
+(`taco_jax.TacoConfig.kernels`: the kernels on GPU by default, the jnp path elsewhere and
+where no kernel applies, e.g. group sizes under 16 or 4-bit formats).
 """
 
 from pallas_kernels.formats import SCALE_FORMATS, WIRE_FORMATS, WireFormat

@@ -1,4 +1,5 @@
-"""Walsh-Hadamard transform over groups of the last axis (reference implementation)."""
+"""Walsh-Hadamard transform over groups of the last axis: the jnp path (used off GPU and
+wherever the kernels are not chosen) and the ±1 matrix the fused kernels multiply by."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from taco_jax import calibration, policy, probe, tp
 from taco_jax.accounting import WireLedger, WireRecord, record_wire
 from taco_jax.codec import Compressed, compress, decompress, decompress_sum, requantize_sum, wire_bytes
 from taco_jax.collectives import all_gather, all_reduce, reduce_scatter
-from taco_jax.hlo import HloCollective, collective_bytes, collectives_in_hlo
+from taco_jax.hlo import HloCollective, collectives_in_hlo
 from taco_jax.mesh import MESH_AXES, make_mesh, simulated_shard_map
 from taco_jax.spec import KERNEL_MODES, PRESETS, QuantSpec, TacoConfig
 
@@ -29,7 +29,6 @@ __all__ = [
     "calibration",
     "all_gather",
     "all_reduce",
-    "collective_bytes",
     "collectives_in_hlo",
     "compress",
     "decompress",

@@ -42,6 +42,14 @@ class HloCollective:
     operand_bytes: int
 
 
+def _dtype_bytes(dtype: str) -> int:
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"collective with element type {dtype!r}, whose size this reader does not know; "
+                         f"known: {sorted(_DTYPE_BYTES)}") from None
+
+
 def _group_size(line: str) -> int:
     if match := _GROUPS_LIST.search(line):
         return len(match.group(1).split(","))
@@ -59,6 +67,9 @@ def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
     Returns:
       One `HloCollective` per collective instruction (async `-start` halves included,
       `-done` halves skipped), in program order.
+
+    Raises:
+      ValueError: a collective of an element type whose size is not known.
     """
     found = []
     for line in hlo_text.splitlines():
@@ -70,7 +81,7 @@ def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
             arrays = arrays[-1:]  # an async start's tuple is (operands..., result)
         dtype, shape = arrays[-1]
         # A tuple-shaped (e.g. per-peer all-to-all) result counts all its parts.
-        result_bytes = sum(math.prod(dims) * _DTYPE_BYTES.get(t, 4) for t, dims in arrays)
+        result_bytes = sum(math.prod(dims) * _dtype_bytes(t) for t, dims in arrays)
         group = _group_size(line)
         op = match.group("op")
         operand_bytes = {"all-gather": result_bytes // max(group, 1), "reduce-scatter": result_bytes * group}.get(
@@ -80,12 +91,4 @@ def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
     return found
 
 
-def collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Operand bytes per device summed per collective op name."""
-    totals: dict[str, int] = {}
-    for c in collectives_in_hlo(hlo_text):
-        totals[c.op] = totals.get(c.op, 0) + c.operand_bytes
-    return totals
-
-
-__all__ = ["COLLECTIVE_OPS", "HloCollective", "collective_bytes", "collectives_in_hlo"]
+__all__ = ["COLLECTIVE_OPS", "HloCollective", "collectives_in_hlo"]

@@ -353,3 +353,10 @@ def test_int4_crosses_the_wire_packed_and_decodes_within_its_bound():
     exact = np.asarray(x, np.float64).reshape(8, 64, 1024).sum(0)
     error = np.linalg.norm(out[:64] - exact) / np.linalg.norm(exact)
     assert 0.05 < error < 0.25  # 4 bits: ~8x the INT8 error, and visibly nonzero
+
+
+def test_hlo_reader_names_an_unknown_element_type():
+    line = "  %all-reduce.1 = c64[4,8]{1,0} all-reduce(c64[4,8]{1,0} %p), replica_groups={{0,1}}, to_apply=%add"
+    with pytest.raises(ValueError, match="element type 'c64'"):
+        tj.collectives_in_hlo(line)
+    assert tj.collectives_in_hlo(line.replace("c64", "bf16"))[0].operand_bytes == 4 * 8 * 2

@@ -1,1 +1,2 @@
-"""3-D parallel trainer: pipeline schedule, data, checkpointing (not yet available)."""
+"""3-D parallel trainer (`python -m taco_jax.train`): configuration, data, GPipe schedule,
+checkpoints, link policy and the training loop."""
