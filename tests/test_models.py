@@ -12,8 +12,7 @@ import models
 import taco_jax as tj
 from models.hf import read_safetensors
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
 
 VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
 
@@ -23,6 +22,8 @@ def _mesh(data=1, pipe=1, tensor=1):
 
 
 def _randomize(model, std=0.05):
+    import torch
+
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -32,6 +33,10 @@ def _randomize(model, std=0.05):
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
+    """Random small HF GPT-2 and Qwen2 checkpoints (the tests using them need torch and
+    transformers; the rest of this module does not)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("hf")
     gpt2 = transformers.GPT2LMHeadModel(
@@ -47,12 +52,18 @@ def hf_folders(tmp_path_factory):
     return {"gpt2": (root / "gpt2", gpt2), "qwen2": (root / "qwen2", qwen2)}
 
 
+def _hf_logits(reference, tokens):
+    import torch
+
+    with torch.no_grad():
+        return reference(torch.tensor(tokens)).logits.numpy()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_logits_match_transformers(hf_folders, family):
     folder, reference = hf_folders[family]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
-    with torch.no_grad():
-        expected = reference(torch.tensor(tokens)).logits.numpy()
+    expected = _hf_logits(reference, tokens)
     config, params = models.load_hf(folder)
     assert config.family == family and config.vocab_size == VOCAB
     for tensor, sequence_parallel in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
@@ -70,8 +81,7 @@ def test_nnx_modules_from_hf_weights_match_transformers(hf_folders, family):
 
     folder, reference = hf_folders[family]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
-    with torch.no_grad():
-        expected = reference(torch.tensor(tokens)).logits.numpy()
+    expected = _hf_logits(reference, tokens)
     config, params = models.load_hf(folder)
     for sequence_parallel in (False, True):
         model = flax_modules.from_params(config, params, mesh=_mesh(data=2, tensor=4),
