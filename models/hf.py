@@ -3,45 +3,25 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from models.config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
 
-_SAFETENSORS_DTYPES = {
-    "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
-    "I64": np.int64, "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_,
-}
-
-
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as numpy arrays.
+    """The tensors of one .safetensors file as numpy arrays in their stored dtype (bf16
+    as `ml_dtypes.bfloat16`), read through the memory-mapped `safetensors.safe_open`.
 
     Raises:
-      ValueError: truncated or malformed file.
+      ValueError: a missing, truncated or malformed file (naming it).
     """
-    data = Path(path).read_bytes()
-    if len(data) < 8:
-        raise ValueError(f"{path}: not a safetensors file (too short)")
-    (header_size,) = struct.unpack("<Q", data[:8])
     try:
-        header = json.loads(data[8 : 8 + header_size])
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: unreadable safetensors header ({error})") from None
-    base = 8 + header_size
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        if base + end > len(data):
-            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
-        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-        tensors[name] = np.frombuffer(data[base + start : base + end], dtype=dtype).reshape(info["shape"])
-    return tensors
+        with safe_open(str(path), framework="numpy") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path}: not a safetensors file or truncated ({error})") from None
 
 
 def _read_folder(folder: Path) -> dict[str, np.ndarray]:
@@ -76,7 +56,8 @@ def _config_from_hf(hf: dict) -> ModelConfig:
 class _Tensors:
     """Name lookup that strips a model prefix and collects missing names."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], prefixes: tuple[str, ...]):
+    def __init__(self, tensors: dict[str, np.ndarray], prefixes: tuple[str, ...], dtype: np.dtype | None):
+        self.dtype = dtype
         self.tensors = {}
         for name, value in tensors.items():
             for prefix in prefixes:
@@ -90,7 +71,8 @@ class _Tensors:
         if name not in self.tensors:
             self.missing.append(name)
             return None
-        return self.tensors[name].astype(np.float32)
+        value = self.tensors[name]
+        return value if self.dtype is None else value.astype(self.dtype)
 
     def stack(self, pattern: str, layers: int, transform) -> np.ndarray | None:
         values = [self.get(pattern.format(i)) for i in range(layers)]
@@ -149,15 +131,17 @@ def _qwen2_params(t: _Tensors, c: Qwen2Config) -> dict:
     return params
 
 
-def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
+def load_hf(path: str | Path, dtype: np.dtype | None = np.float32) -> tuple[ModelConfig, dict]:
     """Read a local HuggingFace GPT-2 or Qwen2 folder (config.json + safetensors).
 
     Args:
       path: folder written by `save_pretrained` (single or sharded safetensors).
+      dtype: parameter dtype; float32 (the trainer's master weights) by default, None
+        keeps the checkpoint's own (e.g. bf16 for inference in bf16).
 
     Returns:
-      (config, params): float32 numpy parameters in this package's global layout, for
-      any tensor-parallel degree (place them with `models.shard_params`).
+      (config, params): numpy parameters in this package's global layout, for any
+      tensor-parallel degree (place them with `models.shard_params`).
 
     Raises:
       ValueError: missing files, an unsupported architecture, or missing tensors (named).
@@ -167,10 +151,10 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict]:
         raise ValueError(f"{folder}: no config.json")
     config = _config_from_hf(json.loads((folder / "config.json").read_text()))
     if config.family == "gpt2":
-        tensors = _Tensors(_read_folder(folder), ("transformer.",))
+        tensors = _Tensors(_read_folder(folder), ("transformer.",), dtype)
         params = _gpt2_params(tensors, config)
     else:
-        tensors = _Tensors(_read_folder(folder), ("model.",))
+        tensors = _Tensors(_read_folder(folder), ("model.",), dtype)
         params = _qwen2_params(tensors, config)
     if tensors.missing:
         raise ValueError(f"{folder}: {config.family} checkpoint is missing tensors: {sorted(set(tensors.missing))[:10]}")

@@ -147,15 +147,22 @@ def test_init_is_born_sharded_and_mesh_independent():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _write_safetensors(path, tensors):
-    header, offset, blobs = {}, 0, []
-    for name, value in tensors.items():
-        raw = np.ascontiguousarray(value, np.float32).tobytes()
-        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    encoded = json.dumps(header).encode()
-    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs))
+def test_load_hf_keeps_bf16_when_asked(hf_folders, tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    folder, _ = hf_folders["gpt2"]
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    (bf16 / "config.json").write_text((folder / "config.json").read_text())
+    tensors = read_safetensors(folder / "model.safetensors")
+    save_file({n: v.astype(ml_dtypes.bfloat16) for n, v in tensors.items()}, str(bf16 / "model.safetensors"))
+    _, kept = models.load_hf(bf16, dtype=None)
+    _, master = models.load_hf(bf16)
+    assert {leaf.dtype for leaf in jax.tree.leaves(kept)} == {np.dtype(ml_dtypes.bfloat16)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(master)} == {np.dtype(np.float32)}
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(master)):
+        np.testing.assert_array_equal(a.astype(np.float32), b)
 
 
 def test_clear_errors(hf_folders, tmp_path):
@@ -176,11 +183,17 @@ def test_clear_errors(hf_folders, tmp_path):
     (broken / "config.json").write_text((folder / "config.json").read_text())
     tensors = read_safetensors(folder / "model.safetensors")
     dropped = next(n for n in tensors if n.endswith("h.1.mlp.c_fc.bias"))
-    _write_safetensors(broken / "model.safetensors", {n: v for n, v in tensors.items() if n != dropped})
+    from safetensors.numpy import save_file
+
+    save_file({n: v for n, v in tensors.items() if n != dropped}, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing tensors: \['h.1.mlp.c_fc.bias'\]"):
         models.load_hf(broken)
     (broken / "model.safetensors").write_bytes(b"\x10\x00")
-    with pytest.raises(ValueError, match="not a safetensors file"):
+    with pytest.raises(ValueError, match="not a safetensors file or truncated"):
+        models.load_hf(broken)
+    good = (folder / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match="model.safetensors: not a safetensors file or truncated"):
         models.load_hf(broken)
 
 
