@@ -174,11 +174,14 @@ def test_tp_mlp_gradients_match_single_device(mesh_shape, mode, sequence_paralle
         out_specs=(seq_spec, P(None, "tensor"), P("tensor", None)),
     )
     expected = jax.grad(_dense_loss, argnums=(0, 1, 2))(x, w1, w2, target)
+    # Compression touches dx (backward all-reduce / reduce-scatter) always, the weight
+    # gradients only with sequence parallelism (gathered input, gathered cotangent);
+    # without it they see no quantized value and stay exact.
     for name, got, want in zip(("dx", "dw1", "dw2"), grads, expected):
-        if mode == "off":
+        if mode == "off" or (name != "dx" and not sequence_parallel):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=name)
         else:
-            assert _rel(got, want) < 0.1, f"{name}: relative error {_rel(got, want)}"
+            assert 1e-4 < _rel(got, want) < 0.1, f"{name}: relative error {_rel(got, want)}"
 
 
 @pytest.mark.parametrize("mode", ["off", "taco"])

@@ -13,11 +13,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import models
 import taco_jax as tj
 from train import trainer
+from train.checkpoint import Checkpointer
 from train.config import TrainConfig, apply_overrides, parse_key_values
 from train.data import batch, load
 
@@ -119,13 +121,20 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
 
 
 def test_nan_steps_are_skipped_then_stop(tmp_path):
-    cfg = _cfg(tmp_path, "nan", steps=5, debug_nan_steps=(1, 2))
+    cfg = _cfg(tmp_path, "nan", steps=5, debug_nan_steps=(1, 2), checkpoint_every=1, keep_checkpoints=5)
     summary = trainer.train(cfg, progress=False)
     rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     assert [r["finite"] for r in rows] == [True, False, False, True, True]
     assert summary["skipped_steps"] == 2
-    # A skipped step leaves the parameters as they were: step 3 sees step 2's parameters.
-    assert rows[1]["loss"] != rows[2]["loss"] and np.isfinite(rows[3]["loss"])
+    # A skipped step leaves parameters and optimizer state exactly as they were.
+    checkpoints = Checkpointer(Path(cfg.out) / "checkpoints", keep=5)
+    states = [checkpoints.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+              for step in (1, 2, 3, 4)]
+    for skipped in states[1:3]:
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), states[0], skipped)
+    assert not np.array_equal(np.asarray(states[3]["params"]["final"]["norm_scale"]),
+                              np.asarray(states[0]["params"]["final"]["norm_scale"]))
+    checkpoints.close()
     with pytest.raises(trainer.TrainingError, match="3 consecutive non-finite steps"):
         trainer.train(_cfg(tmp_path, "nan_stop", steps=6, debug_nan_steps=(1, 2, 3), max_bad_steps=3), progress=False)
 
