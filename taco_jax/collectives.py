@@ -317,54 +317,39 @@ def _two_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array,
 # ----------------------------------------------------------------------------- differentiable API
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def _all_gather(x, axis_name, config, axis, tiled, site, calibration):
-    return _gather(x, axis_name, config, "forward", axis, tiled, site, calibration)
+def _directed(implementation, direction, x, axis_name, config, *static):
+    """`implementation(x, axis_name, config, direction, *static)`: one direction of a
+    collective (forward messages use `config.forward`, backward ones `config.backward`)."""
+    return implementation(x, axis_name, config, direction, *static)
 
 
-def _all_gather_fwd(x, axis_name, config, axis, tiled, site, calibration):
-    return _all_gather(x, axis_name, config, axis, tiled, site, calibration), None
+def straight_through(forward, backward):
+    """A differentiable op `op(x, *static)` = `forward(x, *static)` whose cotangent is
+    `backward(cotangent, *static)`: an explicit rule, so autodiff never differentiates
+    the quantizer. `static` are hashable non-array arguments (axis name, config, ...)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def op(x, static):
+        return forward(x, *static)
+
+    op.defvjp(lambda x, static: (forward(x, *static), None), lambda static, _, ct: (backward(ct, *static),))
+    return lambda x, *static: op(x, static)
 
 
-def _all_gather_bwd(axis_name, config, axis, tiled, site, calibration, _, cotangent):
-    return (_scatter(cotangent, axis_name, config, "backward", axis, tiled, site, calibration),)
-
-
-_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site, calibration):
-    return _scatter(x, axis_name, config, "forward", scatter_dimension, tiled, site, calibration)
-
-
-def _reduce_scatter_fwd(x, axis_name, config, scatter_dimension, tiled, site, calibration):
-    return _reduce_scatter(x, axis_name, config, scatter_dimension, tiled, site, calibration), None
-
-
-def _reduce_scatter_bwd(axis_name, config, scatter_dimension, tiled, site, calibration, _, cotangent):
-    return (_gather(cotangent, axis_name, config, "backward", scatter_dimension, tiled, site, calibration),)
-
-
-_reduce_scatter.defvjp(_reduce_scatter_fwd, _reduce_scatter_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _all_reduce(x, axis_name, config, algorithm, site, calibration):
-    return _reduce(x, axis_name, config, "forward", algorithm, site, calibration)
-
-
-def _all_reduce_fwd(x, axis_name, config, algorithm, site, calibration):
-    return _all_reduce(x, axis_name, config, algorithm, site, calibration), None
-
-
-def _all_reduce_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
+def _all_reduce_transpose(cotangent, axis_name, config, algorithm, site, calibration):
     if checks_vma(axis_name):  # the transpose of an invariant sum is a broadcast (lax.psum's too)
-        return (vary(cotangent, (axis_name,)),)
-    return (_reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration),)
+        return vary(cotangent, (axis_name,))
+    return _reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration)
 
 
-_all_reduce.defvjp(_all_reduce_fwd, _all_reduce_bwd)
+def directed(implementation, direction: str):
+    """`implementation(x, axis_name, config, direction, *rest)` as `f(x, axis_name, config, *rest)`."""
+    return functools.partial(_directed, implementation, direction)
+
+
+_all_gather = straight_through(directed(_gather, "forward"), directed(_scatter, "backward"))
+_reduce_scatter = straight_through(directed(_scatter, "forward"), directed(_gather, "backward"))
+_all_reduce = straight_through(directed(_reduce, "forward"), _all_reduce_transpose)
 
 
 def check_arguments(config: TacoConfig, calibration: Calibration | None, algorithm: str = "auto") -> None:

@@ -52,38 +52,19 @@ def _refuse_gradient_outside(mapping: str, axis_name: str) -> None:
             "either way.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _copy(x, axis_name, config, algorithm, site, calibration):
-    return collectives.vary(x, (axis_name,))
-
-
-def _copy_fwd(x, axis_name, config, algorithm, site, calibration):
-    return _copy(x, axis_name, config, algorithm, site, calibration), None
-
-
-def _copy_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
+def _copy_backward(cotangent, axis_name, config, algorithm, site, calibration):
     _refuse_gradient_outside("copy_to_tp", axis_name)
-    return (collectives._reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration),)
+    return collectives._reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration)
 
 
-_copy.defvjp(_copy_fwd, _copy_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _reduce(x, axis_name, config, algorithm, site, calibration):
-    return collectives._reduce(x, axis_name, config, "forward", algorithm, site, calibration)
-
-
-def _reduce_fwd(x, axis_name, config, algorithm, site, calibration):
-    return _reduce(x, axis_name, config, algorithm, site, calibration), None
-
-
-def _reduce_bwd(axis_name, config, algorithm, site, calibration, _, cotangent):
+def _reduce_backward(cotangent, axis_name, *_):
     _refuse_gradient_outside("reduce_from_tp", axis_name)
-    return (collectives.vary(cotangent, (axis_name,)),)
+    return collectives.vary(cotangent, (axis_name,))
 
 
-_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+# Megatron's f (identity forward; marked varying under check_vma=True) and g.
+_copy = collectives.straight_through(lambda x, axis_name, *_: collectives.vary(x, (axis_name,)), _copy_backward)
+_reduce = collectives.straight_through(collectives.directed(collectives._reduce, "forward"), _reduce_backward)
 
 
 def copy_to_tp(
