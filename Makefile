@@ -11,7 +11,7 @@ CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,ref]'
+	$(PY) -m pip install -q -e '.[flax,train,test,ref]'
 	touch $(STAMP)
 
 train: $(STAMP)

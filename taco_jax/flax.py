@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -31,6 +30,11 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import tp
 from taco_jax.calibration import Calibration
 from taco_jax.spec import TacoConfig
+
+try:
+    from flax import nnx
+except ModuleNotFoundError as error:  # flax is an optional dependency of the library
+    raise ModuleNotFoundError("taco_jax.flax needs flax: pip install 'taco_jax[flax]'", name=error.name) from error
 
 KINDS = ("column", "row")
 

