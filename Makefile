@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench-codec: $(STAMP)
-	$(PY) benchmarks/codec_error.py --out benchmarks/results/codec_error.json
+	$(PY) -m benchmarks.codec_error --out benchmarks/results/codec_error.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

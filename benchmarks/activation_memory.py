@@ -7,14 +7,13 @@ saved for the backward pass included) for: uncompressed, compressed with decoded
 inputs, and compressed with the gathered inputs saved in their 8-bit wire form.
 
 Usage:
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/activation_memory.py
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.activation_memory
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -22,9 +21,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import models  # noqa: E402
-import taco_jax as tj  # noqa: E402
+import models
+import taco_jax as tj
 
 
 def temp_bytes(config, mesh, tokens_shape, par: models.Parallelism) -> int:

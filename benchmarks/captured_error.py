@@ -10,7 +10,7 @@ relative RMSE and of the median per-channel relative error, forward and backward
 "calibrated" rows choose the permutation and transform per site as calibration does
 (without the gain bar).
 
-Usage (GPU):  python benchmarks/captured_error.py --simulate [--models gpt2-mini,qwen2-mini]
+Usage (GPU):  python -m benchmarks.captured_error --simulate [--models gpt2-mini,qwen2-mini]
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import taco_jax as tj  # noqa: E402
-from taco_jax import calibration  # noqa: E402
-from train import trainer  # noqa: E402
-from train.config import TrainConfig  # noqa: E402
+import taco_jax as tj
+from taco_jax import calibration
+from train import trainer
+from train.config import TrainConfig
 
 SPECS = {
     "e4m3 (fp8)": "e4m3:128:-:single",

@@ -10,7 +10,7 @@ On the synthetic TP tensors of `benchmarks/tp_tensors.py`, for each configuratio
   wire_ratio          wire bytes / bf16 bytes
 
 Usage:
-  python benchmarks/codec_error.py [--tokens 1024] [--channels 4096] [--out FILE.json]
+  python -m benchmarks.codec_error [--tokens 1024] [--channels 4096] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import taco_jax as tj  # noqa: E402
-from benchmarks import tp_tensors  # noqa: E402
+import taco_jax as tj
+from benchmarks import tp_tensors
 
 FMTS = ("e4m3", "e5m2", "int8")
 SCALES = ("dual", "single", "bf16", "e8m0")

@@ -16,7 +16,7 @@ library costs beyond its parts (< 1 where the parts overlap or, at small sizes, 
 timing the two codec programs separately counts a launch latency twice).
 
 Usage:
-  python benchmarks/collectives.py [--sizes-mib 4,16,64,256] [--presets taco,taco+]
+  python -m benchmarks.collectives [--sizes-mib 4,16,64,256] [--presets taco,taco+]
       [--chunks 1,4] [--trials 15] [--out benchmarks/results/collectives.json]
 
 On CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before running to get N
@@ -41,11 +41,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import taco_jax as tj  # noqa: E402
-from taco_jax import codec  # noqa: E402
-from taco_jax.collectives import chunk_bounds  # noqa: E402
-from taco_jax.probe import median_ms  # noqa: E402
+import taco_jax as tj
+from taco_jax import codec
+from taco_jax.collectives import chunk_bounds
+from taco_jax.probe import median_ms
 
 HIDDEN = 8192
 AXIS = "tensor"

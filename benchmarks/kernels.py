@@ -13,7 +13,7 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
 Effective bandwidth counts the bytes each op must read and write once.
 
-Usage:  python benchmarks/kernels.py [--quick] [--out DIR]
+Usage:  python -m benchmarks.kernels [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pallas_kernels import compress as kc  # noqa: E402
-from pallas_kernels import decompress as kd  # noqa: E402
-from pallas_kernels import group_codec  # noqa: E402
-from pallas_kernels.formats import SCALE_FORMATS  # noqa: E402
+from pallas_kernels import compress as kc
+from pallas_kernels import decompress as kd
+from pallas_kernels import group_codec
+from pallas_kernels.formats import SCALE_FORMATS
 
 PRESETS = {  # name: (fmt, scale_format, transform)
     "taco": ("e4m3", "dual", True),

@@ -15,23 +15,21 @@ residual stream, which every other layer reads in the original order, so the inv
 gather stays unless one permutation is shared by the whole residual stream (then it
 folds into every weight and norm). The table shows what is left to save.
 
-Usage (GPU):  python benchmarks/permutation_cost.py [--out benchmarks/results/permutation_cost.json]
+Usage (GPU):  python -m benchmarks.permutation_cost [--out benchmarks/results/permutation_cost.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import taco_jax as tj  # noqa: E402
-from benchmarks.kernels import time_ms  # noqa: E402
+import taco_jax as tj
+from benchmarks.kernels import time_ms
 
 SHAPES = [(8192, 4096), (16384, 8192)]
 

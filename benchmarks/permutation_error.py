@@ -8,20 +8,18 @@ Strategies, from per-channel RMS statistics (as calibration would collect them):
 Reports relative RMSE and the median per-channel relative error on the synthetic TP
 tensors of `tp_tensors.py`, G = 128.
 
-Usage:  python benchmarks/permutation_error.py [--out benchmarks/results/permutation_error.json]
+Usage:  python -m benchmarks.permutation_error [--out benchmarks/results/permutation_error.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import taco_jax as tj  # noqa: E402
-from taco_jax import calibration  # noqa: E402
-from benchmarks import tp_tensors  # noqa: E402
+import taco_jax as tj
+from taco_jax import calibration
+from benchmarks import tp_tensors
 
 SPECS = {
     "fp8 (E4M3)": tj.QuantSpec("e4m3", 128, False, "single"),

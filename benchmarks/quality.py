@@ -25,8 +25,8 @@ Variants:
                  can afford them
 
 Usage (GPU, one device):
-  python benchmarks/quality.py --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
-CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/quality.py \\
+  python -m benchmarks.quality --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
+CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.quality \\
       --models gpt2-tiny --steps 200
 """
 
@@ -43,7 +43,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 VARIANTS: dict[str, dict] = {
     "off": {"taco": "off"},
@@ -88,8 +87,8 @@ def _spawn(args: argparse.Namespace, model: str, variant: str, seed: int) -> dic
     if args.jobs > 1:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.2f}")
     forwarded = [a for a in sys.argv[1:] if a != "--report-only"]
-    proc = subprocess.run([sys.executable, __file__, *forwarded, "--one", model, variant, str(seed)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.quality", *forwarded, "--one", model, variant, str(seed)],
+                          env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{model} {variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -18,7 +18,7 @@ slow-link proxy from 2-GPU NCCL measurements on these machines, PCIe and InfiniB
 their line rates. Validation: the model's collective times against the 2-GPU collective
 measurements it was not fitted to.
 
-Usage:  python benchmarks/scaling_model.py [--out benchmarks/results]
+Usage:  python -m benchmarks.scaling_model [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ overhead bound. On several GPUs the same script gives the end-to-end speed-up (r
 with NCCL_P2P_DISABLE=1 for the slow-link proxy).
 
 Usage:
-  python benchmarks/step.py [--mesh 1,1,1] [--model PRESET | --families gpt2,qwen2 --d-model 2048] [--layers 16]
+  python -m benchmarks.step [--mesh 1,1,1] [--model PRESET | --families gpt2,qwen2 --d-model 2048] [--layers 16]
       [--seq 2048] [--batch 4] [--modes off,taco,taco+,default] [--remat none] [--reference torch] [--steps 10]
       [--profile] [--out benchmarks/results/step.json]
 
@@ -38,12 +38,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import models  # noqa: E402
-import taco_jax as tj  # noqa: E402
-from benchmarks import profiling  # noqa: E402
-from train import trainer  # noqa: E402
-from train.config import TrainConfig  # noqa: E402
+import models
+import taco_jax as tj
+from benchmarks import profiling
+from train import trainer
+from train.config import TrainConfig
 
 
 def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool,

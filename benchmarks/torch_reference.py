@@ -11,7 +11,7 @@ Prints one JSON object (step_ms, tokens_per_s, compile_s, loss). GPU only; not p
 the CPU test suite.
 
 Usage:
-  python benchmarks/torch_reference.py --family gpt2 --d-model 2048 --layers 16 --heads 16 --seq 2048 --batch 4
+  python -m benchmarks.torch_reference --family gpt2 --d-model 2048 --layers 16 --heads 16 --seq 2048 --batch 4
 """
 
 from __future__ import annotations
