@@ -29,10 +29,6 @@ def _prepare(config: ModelConfig, mesh: Mesh | None, taco, sequence_parallel: bo
     return mesh, Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel, calibration=calibration)
 
 
-def _batch_spec(mesh: Mesh, batch: int) -> P:
-    return P("data") if batch % mesh.shape["data"] == 0 else P()
-
-
 def logits(
     config: ModelConfig,
     params: dict,
@@ -62,7 +58,7 @@ def logits(
         vocabulary (or the sequence, with sequence parallelism).
     """
     mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)
-    batch = _batch_spec(mesh, tokens.shape[0])
+    batch = P(tj.mesh.data_axis(mesh, tokens.shape[0]))
     fn = jax.shard_map(
         lambda p, t: local_logits(config, p, t, par), mesh=mesh,
         in_specs=(partition_specs(config), batch), out_specs=P(*batch, None, AXIS), check_vma=False,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
@@ -140,14 +140,10 @@ class Transformer(nnx.Module):
         if not config.tie_embeddings:
             self.head = _param(rngs, (padded_vocab(config), config.d_model), (AXIS, None), mesh)
 
-    def _batch(self, batch: int) -> str | None:
-        data = self.mesh.shape["data"]
-        return "data" if data > 1 and batch % data == 0 else None
-
     def _lookup(self, tokens: jax.Array) -> jax.Array:
         """Vocabulary-parallel embedding: each rank looks up its rows, the partial sums
         are all-reduced (reduce-scattered over the sequence with sequence parallelism)."""
-        batch = self._batch(tokens.shape[0])
+        batch = tj.mesh.data_axis(self.mesh, tokens.shape[0])
         out_spec = P(batch, AXIS if self.sequence_parallel else None, None)
         leave = tj.tp.reduce_scatter_to_sp if self.sequence_parallel else tj.tp.reduce_from_tp
         kwargs = dict(axis=1) if self.sequence_parallel else {}
@@ -248,10 +244,10 @@ def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoC
     Returns:
       The module, its parameters placed on `mesh` with their partitioning.
     """
-    model = Transformer(config, mesh=mesh, taco=taco, rngs=nnx.Rngs(0), **kwargs)
-    state = nnx.state(model, nnx.Param)
-    placed = jax.tree.map(lambda value, current: jax.device_put(jnp.asarray(value, jnp.float32), current.sharding),
+    # Shapes and shardings only: no random initialization to throw away.
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, mesh=mesh, taco=taco, rngs=nnx.Rngs(0),
+                                                                    **kwargs)))
+    placed = jax.tree.map(lambda value, target: jax.device_put(jnp.asarray(value, jnp.float32), target.sharding),
                           nnx_params(config, params), state.to_pure_dict())
     nnx.replace_by_pure_dict(state, placed)
-    nnx.update(model, state)
-    return model
+    return nnx.merge(graphdef, state)

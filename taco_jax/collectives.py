@@ -317,12 +317,6 @@ def _two_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array,
 # ----------------------------------------------------------------------------- differentiable API
 
 
-def _directed(implementation, direction, x, axis_name, config, *static):
-    """`implementation(x, axis_name, config, direction, *static)`: one direction of a
-    collective (forward messages use `config.forward`, backward ones `config.backward`)."""
-    return implementation(x, axis_name, config, direction, *static)
-
-
 def straight_through(forward, backward):
     """A differentiable op `op(x, *static)` = `forward(x, *static)` whose cotangent is
     `backward(cotangent, *static)`: an explicit rule, so autodiff never differentiates
@@ -343,8 +337,14 @@ def _all_reduce_transpose(cotangent, axis_name, config, algorithm, site, calibra
 
 
 def directed(implementation, direction: str):
-    """`implementation(x, axis_name, config, direction, *rest)` as `f(x, axis_name, config, *rest)`."""
-    return functools.partial(_directed, implementation, direction)
+    """`implementation(x, axis_name, config, direction, *rest)` as `f(x, axis_name, config,
+    *rest)`: one direction of a collective (forward messages use `config.forward`,
+    backward ones `config.backward`)."""
+
+    def one_direction(x, axis_name, config, *rest):
+        return implementation(x, axis_name, config, direction, *rest)
+
+    return one_direction
 
 
 _all_gather = straight_through(directed(_gather, "forward"), directed(_scatter, "backward"))

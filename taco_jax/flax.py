@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax import tp
 from taco_jax.calibration import Calibration
+from taco_jax.mesh import data_axis
 from taco_jax.spec import TacoConfig
 
 try:
@@ -96,10 +97,9 @@ class ParallelDotGeneral:
         ndim, axis = jnp.ndim(lhs), self.axis_name
         if self.sequence_parallel and ndim < 2:
             raise ValueError(f"sequence parallelism needs (..., sequence, features) inputs, got shape {jnp.shape(lhs)}")
-        outside = self._batch_axes(jnp.shape(lhs))
-        if self.sequence_parallel:
-            outside[ndim - 2] = axis
-        inside = {**self._batch_axes(jnp.shape(lhs)), ndim - 1: axis}
+        batch = self._batch_axes(jnp.shape(lhs))
+        outside = {**batch, ndim - 2: axis} if self.sequence_parallel else batch
+        inside = {**batch, ndim - 1: axis}
         if self.kind == "column":
             in_specs, out_spec = (_spec(ndim, outside), P(None, axis)), _spec(ndim, inside)
         else:
@@ -114,8 +114,8 @@ class ParallelDotGeneral:
     def _batch_axes(self, shape: tuple[int, ...]) -> dict[int, str]:
         """{0: "data"} when the leading axis is a batch axis that splits over "data"."""
         batch_dims = len(shape) - 1 - self.sequence_parallel
-        data = self.mesh.shape.get("data", 1)
-        return {0: "data"} if batch_dims > 0 and data > 1 and shape[0] % data == 0 else {}
+        axis = data_axis(self.mesh, shape[0]) if batch_dims > 0 else None
+        return {} if axis is None else {0: axis}
 
     def _column(self, x: jax.Array, kernel: jax.Array, matmul) -> jax.Array:
         kwargs = dict(site=self.site, calibration=self.calibration)

@@ -42,6 +42,12 @@ def make_mesh(data: int = 1, pipe: int = 1, tensor: int = 1, devices: Sequence[j
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
+def data_axis(mesh: Mesh, batch: int) -> str | None:
+    """"data" when a batch of `batch` examples splits over the mesh's data axis, else
+    None (the batch is replicated)."""
+    return "data" if "data" in mesh.axis_names and batch % mesh.shape["data"] == 0 else None
+
+
 def _sharded_dim(spec: P, axis: str) -> int | None:
     """The array dimension `spec` splits over mesh axis `axis`, or None."""
     for dim, entry in enumerate(spec):

@@ -4,7 +4,6 @@ clear errors."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,19 +51,20 @@ def hf_folders(tmp_path_factory):
     return {"gpt2": (root / "gpt2", gpt2), "qwen2": (root / "qwen2", qwen2)}
 
 
-def _hf_logits(reference, tokens):
+def _hf_case(hf_folders, family):
+    """(tokens, transformers' logits, config, params loaded by models.load_hf)."""
     import torch
 
+    folder, reference = hf_folders[family]
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
     with torch.no_grad():
-        return reference(torch.tensor(tokens)).logits.numpy()
+        expected = reference(torch.tensor(tokens)).logits.numpy()
+    return tokens, expected, *models.load_hf(folder)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_logits_match_transformers(hf_folders, family):
-    folder, reference = hf_folders[family]
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
-    expected = _hf_logits(reference, tokens)
-    config, params = models.load_hf(folder)
+    tokens, expected, config, params = _hf_case(hf_folders, family)
     assert config.family == family and config.vocab_size == VOCAB
     for tensor, sequence_parallel in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
         got = np.asarray(models.logits(config, params, tokens, mesh=_mesh(tensor=tensor), sequence_parallel=sequence_parallel))
@@ -79,10 +79,7 @@ def test_nnx_modules_from_hf_weights_match_transformers(hf_folders, family):
 
     from models import flax_modules
 
-    folder, reference = hf_folders[family]
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
-    expected = _hf_logits(reference, tokens)
-    config, params = models.load_hf(folder)
+    tokens, expected, config, params = _hf_case(hf_folders, family)
     for sequence_parallel in (False, True):
         model = flax_modules.from_params(config, params, mesh=_mesh(data=2, tensor=4),
                                          taco=tj.TacoConfig.preset("off"), sequence_parallel=sequence_parallel)
