@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
+from taco_jax import models
 import taco_jax as tj
 
 

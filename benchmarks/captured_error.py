@@ -26,8 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 import taco_jax as tj
 from taco_jax import calibration
-from train import trainer
-from train.config import TrainConfig
+from taco_jax.training import trainer
+from taco_jax.training.config import TrainConfig
 
 SPECS = {
     "e4m3 (fp8)": "e4m3:128:-:single",

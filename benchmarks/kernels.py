@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import compress as kc
-from pallas_kernels import decompress as kd
-from pallas_kernels import group_codec
-from pallas_kernels.formats import SCALE_FORMATS
+from taco_jax.kernels import compress as kc
+from taco_jax.kernels import decompress as kd
+from taco_jax.kernels import group_codec
+from taco_jax.kernels.formats import SCALE_FORMATS
+from taco_jax.kernels.launch import KernelConfig
 
 PRESETS = {  # name: (fmt, scale_format, transform)
     "taco": ("e4m3", "dual", True),
@@ -148,8 +149,8 @@ def sweep_blocks(key, tokens: int, channels: int) -> list[dict]:
     results = []
     for block_rows in (32, 64, 128, 256, 512):
         for warps in (4, 8):
-            cfg_c = kc.CompressConfig(block_rows=block_rows, num_warps=warps)
-            cfg_d = kd.DecompressConfig(block_rows=block_rows, num_warps=warps)
+            cfg_c = KernelConfig(block_rows=block_rows, num_warps=warps)
+            cfg_d = KernelConfig(block_rows=block_rows, num_warps=warps)
             timings = {
                 "compress": time_ms(jax.jit(lambda v: kc.compress(v, fmt="e4m3", scale_format="dual", transform=True,
                                                                     config=cfg_c)), (x,)),

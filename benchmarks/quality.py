@@ -61,8 +61,8 @@ VARIANTS: dict[str, dict] = {
 
 def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> dict:
     """One run in this process; returns its result row."""
-    from train.config import TrainConfig
-    from train.trainer import train
+    from taco_jax.training.config import TrainConfig
+    from taco_jax.training.trainer import train
 
     out = args.runs / f"{model}_{variant}_seed{seed}"
     settings = dict(model=model, mesh=(1, 1, args.tensor), simulate_mesh=args.simulate, taco_min_bytes=0,

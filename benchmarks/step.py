@@ -38,11 +38,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
+from taco_jax import models
 import taco_jax as tj
 from benchmarks import profiling
-from train import trainer
-from train.config import TrainConfig
+from taco_jax.training import trainer
+from taco_jax.training.config import TrainConfig
 
 
 def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool,

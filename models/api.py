@@ -9,9 +9,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from models.config import ModelConfig, check_tensor_parallel
-from models.params import partition_specs, shard_params
-from models.transformer import AXIS, Parallelism, cross_entropy, local_logits
+from taco_jax.models.config import ModelConfig, check_tensor_parallel
+from taco_jax.models.params import partition_specs, shard_params
+from taco_jax.models.transformer import AXIS, Parallelism, cross_entropy, local_logits
 
 
 def _mesh_or_default(mesh: Mesh | None) -> Mesh:

@@ -24,8 +24,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from models import layers
-from models.config import ModelConfig, check_tensor_parallel, head_dim, padded_vocab
+from taco_jax.models import layers
+from taco_jax.models.config import ModelConfig, check_tensor_parallel, head_dim, padded_vocab
 from taco_jax.flax import ColumnParallelLinear, ParallelDotGeneral, RowParallelLinear
 
 AXIS = "tensor"

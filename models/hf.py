@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from models.config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
+from taco_jax.models.config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """The tensors of one .safetensors file as numpy arrays in their stored dtype (bf16

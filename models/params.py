@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig, head_dim, padded_vocab
+from taco_jax.models.config import ModelConfig, head_dim, padded_vocab
 
 # Logical axis -> mesh axis. Everything not named here is replicated. Stacked layers are
 # split over "pipe" (pipeline stages); with pipe = 1 that is no split.

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import taco_jax as tj
-from models import layers
-from models.config import ModelConfig, padded_vocab
+from taco_jax.models import layers
+from taco_jax.models.config import ModelConfig, padded_vocab
 
 AXIS = "tensor"
 _UNCOMPRESSED = tj.TacoConfig.preset("off")

@@ -1,15 +1,16 @@
 """Pallas GPU kernels for TACO's fused compress / decompress, each beside its jnp reference.
 
-This package depends only on jax and numpy. `group_codec` is the plain-jnp definition of
+Installed as `taco_jax.kernels`. This package depends only on jax and numpy (nothing else
+in `taco_jax`). `launch` holds what both kernels share about launching; `group_codec` is the plain-jnp definition of
 the math, written so the kernels reuse it on their tiles; `compress` and `decompress` hold
 the fused kernels, each beside its jnp reference. Which one runs is the caller's choice
 (`taco_jax.TacoConfig.kernels`: the kernels on GPU by default, the jnp path elsewhere and
 where no kernel applies, e.g. group sizes under 16 or 4-bit formats).
 """
 
-from pallas_kernels.formats import SCALE_FORMATS, WIRE_FORMATS, WireFormat
-from pallas_kernels.group_codec import quantize_groups
-from pallas_kernels.hadamard import hadamard_matrix, hadamard_transform
+from taco_jax.kernels.formats import SCALE_FORMATS, WIRE_FORMATS, WireFormat
+from taco_jax.kernels.group_codec import quantize_groups
+from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 __all__ = [
     "SCALE_FORMATS",

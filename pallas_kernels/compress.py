@@ -11,7 +11,6 @@ three bf16 parts (three matmuls) so the transform keeps float32 accuracy.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,37 +19,18 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import formats, group_codec, wire
-from pallas_kernels.hadamard import hadamard_matrix
+from taco_jax.kernels import formats, group_codec, wire
+from taco_jax.kernels.launch import KernelConfig, block_rows_for, output_struct
+from taco_jax.kernels.hadamard import hadamard_matrix
 
-
-def output_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A kernel output's shape and dtype, varying over the manual mesh axes `like` varies
-    over (a pallas_call inside `shard_map(check_vma=True)` must state its outputs' type)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
 
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
 
 
-@dataclasses.dataclass(frozen=True)
-class CompressConfig:
-    """Launch parameters of the compress kernel.
-
-    Attributes:
-      block_rows: groups (rows of G elements) per program; a power of two >= 16.
-      num_warps: warps per program.
-      num_stages: software pipelining stages.
-    """
-
-    block_rows: int = 64
-    num_warps: int = 4
-    num_stages: int = 1
-
-
-def default_config(group_size: int) -> CompressConfig:
+def default_config(group_size: int) -> KernelConfig:
     """Block sizes by group size: about 8K elements per program (set from H200 sweeps,
     benchmarks/kernels.py)."""
-    return CompressConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
+    return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
 def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax.Array:
@@ -82,15 +62,6 @@ def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_f
     payload_ref[...] = payload if payload_ref.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, payload_ref.dtype)
     for ref, entry in zip(scale_refs, entries):
         ref[...] = entry.reshape(ref.shape)
-
-
-def block_rows_for(rows: int, preferred: int) -> int:
-    """The largest power-of-two block of at most `preferred` rows (and at least 16)
-    that divides `rows`, so no padding copy is needed; `preferred` if none does."""
-    block = preferred
-    while block > 16 and rows % block:
-        block //= 2
-    return block if rows % block == 0 else preferred
 
 
 def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
@@ -135,7 +106,7 @@ def compress(
     fmt: str,
     scale_format: str,
     transform: bool,
-    config: CompressConfig | None = None,
+    config: KernelConfig | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize rows of G elements with the fused kernel.
@@ -163,7 +134,7 @@ def compress_message(
     fmt: str,
     scale_format: str,
     transform: bool,
-    config: CompressConfig | None = None,
+    config: KernelConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Quantize rows of G elements straight into wire messages (`wire.MessageLayout`).

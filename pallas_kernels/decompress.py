@@ -15,7 +15,6 @@ per-group multipliers, sums the dequantized shards in the transformed domain, an
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -24,32 +23,17 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import formats, group_codec, wire
-from pallas_kernels.compress import hadamard_dot, output_struct
-from pallas_kernels.compress import block_rows_for as compress_block_rows
-from pallas_kernels.hadamard import hadamard_matrix, hadamard_transform
+from taco_jax.kernels import formats, group_codec, wire
+from taco_jax.kernels.compress import hadamard_dot
+from taco_jax.kernels.launch import KernelConfig, block_rows_for, output_struct
+from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 
-@dataclasses.dataclass(frozen=True)
-class DecompressConfig:
-    """Launch parameters of the decompress kernel.
-
-    Attributes:
-      block_rows: groups (rows of G elements) per program; a power of two >= 16.
-      num_warps: warps per program.
-      num_stages: software pipelining stages.
-    """
-
-    block_rows: int = 64
-    num_warps: int = 4
-    num_stages: int = 1
-
-
-def default_config(group_size: int, shards: int, requantize: bool = False) -> DecompressConfig:
+def default_config(group_size: int, shards: int, requantize: bool = False) -> KernelConfig:
     """8K elements per program, 16K when decoding a sum of several shards (the fastest
     in the H200 block sweep of benchmarks/kernels.py)."""
     elements = 16384 if shards > 1 and not requantize else 8192
-    return DecompressConfig(block_rows=max(16, elements // group_size), num_warps=4)
+    return KernelConfig(block_rows=max(16, elements // group_size), num_warps=4)
 
 
 def _codes(payload_ref, shard: int, fmt: str | None) -> jax.Array:
@@ -101,7 +85,7 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
     """
     batch, shards, rows, group_size = payload.shape
     config = config or default_config(group_size, shards, requantize is not None)
-    block = compress_block_rows(groups, config.block_rows)
+    block = block_rows_for(groups, config.block_rows)
     padded = groups + (-groups % block)
     if padded > rows:  # odd sizes only: pad so every block reads inside the buffer
         payload = jnp.pad(payload, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
@@ -153,7 +137,7 @@ def decompress(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize: tuple[str, str] | None = None,
-    config: DecompressConfig | None = None,
+    config: KernelConfig | None = None,
     interpret: bool = False,
 ):
     """Dequantize and sum k shards of rows of G elements with the fused kernel.
@@ -190,7 +174,7 @@ def decompress_message(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize: bool = False,
-    config: DecompressConfig | None = None,
+    config: KernelConfig | None = None,
     interpret: bool = False,
 ):
     """Decode wire messages straight from their buffers: for each of B batches, the sum

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import formats
-from pallas_kernels.hadamard import hadamard_transform
+from taco_jax.kernels import formats
+from taco_jax.kernels.hadamard import hadamard_transform
 
 PRESCALE_MIN = np.float32(2.0**-100)
 PRESCALE_MAX = np.float32(2.0**100)

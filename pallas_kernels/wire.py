@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import formats, group_codec
+from taco_jax.kernels import formats, group_codec
 
 @dataclasses.dataclass(frozen=True)
 class MessageLayout:

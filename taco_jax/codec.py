@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import compress as compress_kernel
-from pallas_kernels import decompress as decompress_kernel
-from pallas_kernels import group_codec, wire
+from taco_jax.kernels import compress as compress_kernel
+from taco_jax.kernels import decompress as decompress_kernel
+from taco_jax.kernels import group_codec, wire
 from taco_jax.spec import KERNEL_MODES, QuantSpec
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pallas_kernels.formats import SCALE_FORMATS, WIRE_FORMATS
+from taco_jax.kernels.formats import SCALE_FORMATS, WIRE_FORMATS
 from taco_jax.policy import LinkProfile
 
 MODES = ("off", "fp8", "taco")

@@ -17,7 +17,7 @@ def main() -> int:
     missing = [name for name in _TRAINER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(f"the trainer needs {', '.join(missing)} (the 'train' extra): pip install 'taco_jax[train]'")
-    from train.cli import main as cli_main
+    from taco_jax.training.cli import main as cli_main
 
     return cli_main()
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import taco_jax as tj
-from pallas_kernels import formats
+from taco_jax.kernels import formats
 from tests import reference as ref
 
 FMTS = ["e4m3", "e5m2", "int8", "int4"]

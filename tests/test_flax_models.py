@@ -10,9 +10,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
+from taco_jax import models
 import taco_jax as tj
-from models import flax_modules
+from taco_jax.models import flax_modules
 
 FAMILIES = ["gpt2-tiny", "qwen2-tiny"]
 

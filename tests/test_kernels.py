@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import taco_jax as tj
-from pallas_kernels import compress as kc
-from pallas_kernels import decompress as kd
-from pallas_kernels import group_codec
+from taco_jax.kernels import compress as kc
+from taco_jax.kernels import decompress as kd
+from taco_jax.kernels import group_codec
 from tests import reference as ref
 
 FMTS = ["e4m3", "e5m2", "int8"]

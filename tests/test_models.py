@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-import models
+from taco_jax import models
 import taco_jax as tj
-from models.hf import read_safetensors
+from taco_jax.models.hf import read_safetensors
 
 
 
@@ -77,7 +77,7 @@ def test_logits_match_transformers(hf_folders, family):
 def test_nnx_modules_from_hf_weights_match_transformers(hf_folders, family):
     from flax import nnx
 
-    from models import flax_modules
+    from taco_jax.models import flax_modules
 
     tokens, expected, config, params = _hf_case(hf_folders, family)
     for sequence_parallel in (False, True):

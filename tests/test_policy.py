@@ -18,8 +18,8 @@ import taco_jax as tj
 from taco_jax.collectives import chunk_bounds
 from taco_jax.policy import LinkProfile, Route, Timing, route_for
 from taco_jax.probe import Message, probe_link
-from train import link_policy, trainer
-from train.config import TrainConfig
+from taco_jax.training import link_policy, trainer
+from taco_jax.training.config import TrainConfig
 
 OPS = {
     "all_gather": lambda c: lambda v: tj.all_gather(v, "tensor", c),

@@ -16,12 +16,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-import models
+from taco_jax import models
 import taco_jax as tj
-from train import trainer
-from train.checkpoint import Checkpointer
-from train.config import TrainConfig, apply_overrides, parse_key_values
-from train.data import batch, load
+from taco_jax.training import trainer
+from taco_jax.training.checkpoint import Checkpointer
+from taco_jax.training.config import TrainConfig, apply_overrides, parse_key_values
+from taco_jax.training.data import batch, load
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(model="gpt2-tiny", taco="off", steps=3, batch_size=8, seq_len=32, eval_every=1000, warmup_steps=1)
@@ -229,7 +229,7 @@ def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
 
 
 def test_default_yaml_matches_the_dataclass_defaults():
-    from train.config import load_yaml
+    from taco_jax.training.config import load_yaml
 
     assert apply_overrides(TrainConfig(), load_yaml("default")) == TrainConfig()
 

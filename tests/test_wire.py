@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import compress as kc
-from pallas_kernels import decompress as kd
-from pallas_kernels import formats, group_codec, wire
+from taco_jax.kernels import compress as kc
+from taco_jax.kernels import decompress as kd
+from taco_jax.kernels import formats, group_codec, wire
 
 FORMATS = ["e4m3", "e5m2", "int8", "int4"]
 SCALES = ["dual", "single", "bf16", "e8m0"]

@@ -73,7 +73,7 @@ def _simulated_cpu_devices(mesh: tuple[int, ...]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from train import config as config_lib
+    from taco_jax.training import config as config_lib
 
     values = config_lib.load_yaml(args.config)
     for flag in ("model", "mesh", "taco", "steps", "seed", "out"):
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
         _simulated_cpu_devices(cfg.mesh)
-    from train.trainer import TrainingError, calibrate_only, train
+    from taco_jax.training.trainer import TrainingError, calibrate_only, train
 
     try:
         if args.calibrate_only:

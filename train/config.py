@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from models.transformer import REMAT_POLICIES
+from taco_jax.models.transformer import REMAT_POLICIES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")

@@ -24,7 +24,7 @@ import jax
 import taco_jax as tj
 from taco_jax.policy import LinkProfile
 from taco_jax.probe import Message, probe_link
-from train.config import TrainConfig
+from taco_jax.training.config import TrainConfig
 
 PROFILE_FILE = "link_profile.json"
 # Profiles measured by this process, by the path they are (or, off process 0, would be)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from models.config import ModelConfig
-from models.transformer import Parallelism, embed, final_norm, loss_from_hidden, run_layers
+from taco_jax.models.config import ModelConfig
+from taco_jax.models.transformer import Parallelism, embed, final_norm, loss_from_hidden, run_layers
 
 PIPE = "pipe"
 

@@ -19,17 +19,17 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
+from taco_jax import models
 import taco_jax as tj
-from models.api import sequence_parallel_grads
-from models.transformer import Parallelism
+from taco_jax.models.api import sequence_parallel_grads
+from taco_jax.models.transformer import Parallelism
 from taco_jax.calibration import Calibration
 from taco_jax.probe import Message
-from train import data as data_lib
-from train import link_policy
-from train.checkpoint import Checkpointer
-from train.config import TrainConfig, to_dict
-from train.pipeline import PIPE, bubble_fraction, pipeline_loss
+from taco_jax.training import data as data_lib
+from taco_jax.training import link_policy
+from taco_jax.training.checkpoint import Checkpointer
+from taco_jax.training.config import TrainConfig, to_dict
+from taco_jax.training.pipeline import PIPE, bubble_fraction, pipeline_loss
 
 
 class TrainingError(RuntimeError):
