@@ -56,15 +56,16 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
     mesh = tj.make_mesh(*mesh_shape)
     tx, _ = trainer.make_optimizer(cfg, config)
     params, opt_state = trainer.init_state(config, 0, mesh, tx)
-    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    feedback = trainer.init_error_feedback(cfg, config, params, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, feedback))
     rng = np.random.default_rng(0)
     batches = [jax.device_put(rng.integers(0, config.vocab_size, (batch, seq + 1)).astype(np.int32),
                               NamedSharding(mesh, P("data"))) for _ in range(2)]
     cfg = trainer.resolve_taco_policy(cfg, config, mesh, params, batches[0], Path(cfg.out))
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
     start = time.perf_counter()
-    memory = train_step.lower(params, opt_state, batches[0], jnp.bool_(False)).compile().memory_analysis()
-    params, opt_state, metrics = train_step(params, opt_state, batches[0], jnp.bool_(False))
+    memory = train_step.lower(params, opt_state, feedback, batches[0], jnp.bool_(False)).compile().memory_analysis()
+    params, opt_state, feedback, metrics = train_step(params, opt_state, feedback, batches[0], jnp.bool_(False))
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - start  # compile and the first step
     sync_each = jax.default_backend() == "cpu"
@@ -72,7 +73,8 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
     for trial in range(3):
         start = time.perf_counter()
         for i in range(steps):
-            params, opt_state, metrics = train_step(params, opt_state, batches[i % 2], jnp.bool_(False))
+            params, opt_state, feedback, metrics = train_step(params, opt_state, feedback, batches[i % 2],
+                                                              jnp.bool_(False))
             if sync_each:
                 jax.block_until_ready(metrics)
         jax.block_until_ready(metrics)
@@ -85,10 +87,10 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
     if cfg.taco_policy.endswith(".json"):
         row["policy_decisions"] = json.loads(Path(cfg.taco_policy).read_text())["decisions"]
     if profile:
-        state = [params, opt_state]
+        state = [params, opt_state, feedback]
 
         def one_step():
-            state[0], state[1], out = train_step(state[0], state[1], batches[0], jnp.bool_(False))
+            *state[:], out = train_step(*state, batches[0], jnp.bool_(False))
             return out
 
         row["profile"] = profiling.gpu_timeline(one_step, calls=3)

@@ -16,8 +16,8 @@ class WireRecord:
 
     Attributes:
       site: call-site name given by the caller (e.g. "layer3.mlp.out"), or the op name.
-      op: "all_gather", "reduce_scatter", "all_reduce_one_shot", "all_reduce_two_shot"
-        or "all_reduce" (uncompressed psum).
+      op: "all_gather", "reduce_scatter", "all_reduce_one_shot", "all_reduce_two_shot",
+        "all_reduce" (uncompressed psum) or "ppermute".
       direction: "forward" or "backward".
       shape: per-rank input shape.
       dtype: input dtype name.
@@ -26,6 +26,8 @@ class WireRecord:
       sent_bytes: bytes each rank sends over its links (direct/ring algorithms: an
         all-gather sends its shard to k-1 peers; an all-to-all keeps 1/k at home).
       uncompressed_sent_bytes: the same for the plain collective in the input dtype.
+      axis: the mesh axis the collective runs over ("tensor", "pipe", "data", ...).
+      bf16_sent_bytes: the same for the plain collective with 2-byte (bfloat16) elements.
     """
 
     site: str
@@ -37,6 +39,8 @@ class WireRecord:
     compressed: bool
     sent_bytes: int
     uncompressed_sent_bytes: int
+    axis: str
+    bf16_sent_bytes: int
 
 
 @dataclasses.dataclass
@@ -52,6 +56,13 @@ class WireLedger:
     def uncompressed_total(self, direction: str | None = None) -> int:
         """What `total` would be with every collective uncompressed."""
         return sum(r.uncompressed_sent_bytes for r in self.records if direction in (None, r.direction))
+
+    def by_axis(self, bf16: bool = False) -> dict[str, int]:
+        """Bytes sent per rank, summed per mesh axis (`bf16`: as plain bfloat16)."""
+        sums: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            sums[r.axis] += r.bf16_sent_bytes if bf16 else r.sent_bytes
+        return dict(sums)
 
     def by_site(self) -> dict[str, int]:
         """Bytes sent per rank, summed per call site."""

@@ -78,7 +78,7 @@ def transposing_whole_shard_map() -> bool:
     return False
 
 
-def _gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
+def gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
     """Stacked all-gather whose result is invariant over `axis_name` (every rank holds
     the same), as the last step of an all-reduce must be under `check_vma=True`."""
     gather = lax_parallel.all_gather_invariant if checks_vma(axis_name) else lax.all_gather
@@ -170,11 +170,15 @@ def _unpermute(x: jax.Array, inverse) -> jax.Array:
     return x if inverse is None else jnp.take(x, inverse, axis=-1)
 
 
-def _record(site, op, direction, x, ranks, spec, sent, plain_sent) -> None:
+def record_collective(site, op, direction, x, axis_name, spec, sent, plain_sent) -> None:
+    """Record a collective's wire bytes; `plain_sent` is what the uncompressed collective
+    sends in x's dtype, and scaled to 2-byte elements it is the bf16 figure."""
     accounting.record(
         accounting.WireRecord(
             site=site or op, op=op, direction=direction, shape=tuple(x.shape), dtype=jnp.dtype(x.dtype).name,
-            ranks=ranks, compressed=spec is not None, sent_bytes=int(sent), uncompressed_sent_bytes=int(plain_sent),
+            ranks=lax.axis_size(axis_name), compressed=spec is not None, sent_bytes=int(sent),
+            uncompressed_sent_bytes=int(plain_sent), axis=str(axis_name),
+            bf16_sent_bytes=int(plain_sent) * 2 // jnp.dtype(x.dtype).itemsize,
         )
     )
 
@@ -200,13 +204,13 @@ def gather_and_received(
     route = _route(x, config, "all_gather", axis_name)
     wire, spec, inverse = _wire_view(x, config, direction, "all_gather", site, calibration, route)
     if spec is None:
-        _record(site, "all_gather", direction, x, ranks, None, plain_sent, plain_sent)
+        record_collective(site, "all_gather", direction, x, axis_name, None, plain_sent, plain_sent)
         gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
         return gathered, gathered
     rows = _to_rows(wire, spec.group_size, 0)
     received = tuple(lax.all_gather(encode(rows[a:b], spec, config.kernels), axis_name, axis=0, tiled=False)
                      for a, b in chunk_bounds(rows.shape[0], route.chunks))
-    _record(site, "all_gather", direction, x, ranks, spec,
+    record_collective(site, "all_gather", direction, x, axis_name, spec,
             (ranks - 1) * _message_bytes(rows.shape[0], spec, route.chunks), plain_sent)
     return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse, config.kernels), received
 
@@ -252,14 +256,14 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, ca
     wire, spec, inverse = _wire_view(x, config, direction, "reduce_scatter", site, calibration, route,
                                      dim == x.ndim - 1)
     if spec is None:
-        _record(site, "reduce_scatter", direction, x, ranks, None, plain_sent, plain_sent)
+        record_collective(site, "reduce_scatter", direction, x, axis_name, None, plain_sent, plain_sent)
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(wire, dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
     rows = _to_rows(moved.reshape(ranks, *chunk_shape), spec.group_size, 1)
     pieces = [_reduce_scatter_rows(rows[:, a:b], axis_name, spec, x.dtype, config.kernels)
               for a, b in chunk_bounds(rows.shape[1], route.chunks)]
-    _record(site, "reduce_scatter", direction, x, ranks, spec,
+    record_collective(site, "reduce_scatter", direction, x, axis_name, spec,
             (ranks - 1) * _message_bytes(rows.shape[1], spec, route.chunks), plain_sent)
     out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
     out = _unpermute(_from_rows(out, chunk_shape, 0), inverse)
@@ -279,12 +283,12 @@ def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
     route = _route(x, config, "all_reduce", axis_name, algorithm)
     wire, spec, inverse = _wire_view(x, config, direction, "all_reduce", site, calibration, route)
     if spec is None:
-        _record(site, "all_reduce", direction, x, ranks, None, plain_sent, plain_sent)
+        record_collective(site, "all_reduce", direction, x, axis_name, None, plain_sent, plain_sent)
         return lax.psum(x, axis_name)
     rows = _to_rows(wire, spec.group_size, 0)
     exchange = _one_shot if route.algorithm == "one_shot" else _two_shot
     out, sent = exchange(rows, axis_name, spec, route.chunks, x.dtype, config.kernels)
-    _record(site, f"all_reduce_{route.algorithm}", direction, x, ranks, spec, (ranks - 1) * sent, plain_sent)
+    record_collective(site, f"all_reduce_{route.algorithm}", direction, x, axis_name, spec, (ranks - 1) * sent, plain_sent)
     return _unpermute(_from_rows(out, x.shape, 0), inverse)
 
 
@@ -292,7 +296,7 @@ def _one_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array,
     """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
     pieces = []
     for a, b in chunk_bounds(rows.shape[0], chunks):
-        received = _gather_invariant(encode(rows[a:b], spec, kernels), axis_name)
+        received = gather_invariant(encode(rows[a:b], spec, kernels), axis_name)
         pieces.append(decode(received[None], b - a, spec, dtype, kernels)[0])
     out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
     return out, _message_bytes(rows.shape[0], spec, chunks)
@@ -308,10 +312,29 @@ def _two_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array,
     for a, b in chunk_bounds(per_rank, chunks):
         received = lax.all_to_all(encode(blocks[:, a:b], spec, kernels), axis_name, 0, 0, tiled=True)
         reduced = requantize(received, b - a, spec, kernels)
-        gathered = _gather_invariant(reduced, axis_name)
+        gathered = gather_invariant(reduced, axis_name)
         pieces.append(decode(gathered[:, None], b - a, spec, dtype, kernels))
     out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
     return out.reshape(-1, spec.group_size)[:count], 2 * _message_bytes(per_rank, spec, chunks)
+
+
+def _permute(x, axis_name, config, direction, perm, site):
+    """`lax.ppermute` of `x`, compressed with the direction's spec where `config`
+    compresses a message of its size (no calibration plans: point-to-point sends)."""
+    nbytes = x.size * x.dtype.itemsize
+    spec = config.forward if direction == "forward" else config.backward
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(nbytes)):
+        record_collective(site, "ppermute", direction, x, axis_name, None, nbytes, nbytes)
+        return lax.ppermute(x, axis_name, perm)
+    rows = _to_rows(x, spec.group_size, 0)
+    received = lax.ppermute(encode(rows, spec, config.kernels), axis_name, perm)
+    record_collective(site, "ppermute", direction, x, axis_name, spec, message_layout(rows.shape[0], spec).nbytes, nbytes)
+    return _from_rows(decode(received[None, None], rows.shape[0], spec, x.dtype, config.kernels)[0], x.shape, 0)
+
+
+def _permute_transpose(cotangent, axis_name, config, perm, site):
+    """The cotangent goes back along the reversed pairs, with the backward spec."""
+    return _permute(cotangent, axis_name, config, "backward", tuple((dst, src) for src, dst in perm), site)
 
 
 # ----------------------------------------------------------------------------- differentiable API
@@ -350,6 +373,7 @@ def directed(implementation, direction: str):
 _all_gather = straight_through(directed(_gather, "forward"), directed(_scatter, "backward"))
 _reduce_scatter = straight_through(directed(_scatter, "forward"), directed(_gather, "backward"))
 _all_reduce = straight_through(directed(_reduce, "forward"), _all_reduce_transpose)
+_ppermute = straight_through(directed(_permute, "forward"), _permute_transpose)
 
 
 def check_arguments(config: TacoConfig, calibration: Calibration | None, algorithm: str = "auto") -> None:
@@ -470,3 +494,41 @@ def all_reduce(
     """
     check_arguments(config, calibration, algorithm)
     return _all_reduce(vary(x, (axis_name,)), axis_name, config, algorithm, site, calibration)
+
+
+def ppermute(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    perm,
+    site: str | None = None,
+) -> jax.Array:
+    """Compressed `lax.ppermute`: each (source, destination) pair of `perm` sends the
+    source's `x` to the destination; ranks that receive nothing get zeros.
+
+    The message is compressed with `config.forward` (and the cotangent, sent back along
+    the reversed pairs, with `config.backward`) where `config` compresses a message of
+    its size; e.g. the activations a pipeline stage hands to the next one.
+
+    Args:
+      x: this rank's array, any shape and float dtype.
+      axis_name: the mesh axis, e.g. "pipe".
+      config: `TacoConfig`.
+      perm: (source, destination) index pairs along the axis, each source and each
+        destination at most once.
+      site: name for wire-byte accounting (`taco_jax.record_wire`).
+
+    Returns:
+      What this rank received, shape and dtype of `x`.
+
+    Raises:
+      ValueError: bad config, or a rank appearing twice as source or destination.
+    """
+    check_arguments(config, None)
+    perm = tuple((int(src), int(dst)) for src, dst in perm)
+    for position, name in ((0, "source"), (1, "destination")):
+        ranks = [pair[position] for pair in perm]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ppermute: a rank appears twice as a {name} in perm {perm}")
+    return _ppermute(vary(x, (axis_name,)), axis_name, config, perm, site)

@@ -66,7 +66,7 @@ def test_pipeline_gradients_equal_the_sequential_model(mesh):
     params = models.init_params(config, jax.random.key(1))
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (8, 33)), jnp.int32)
     pipe_mesh = tj.make_mesh(*mesh)
-    loss, grads = jax.jit(trainer.make_grads_fn(cfg, config, pipe_mesh))(models.shard_params(params, config, pipe_mesh), tokens)
+    loss, grads, _ = jax.jit(trainer.make_grads_fn(cfg, config, pipe_mesh))(models.shard_params(params, config, pipe_mesh), tokens, {})
     ref_loss, ref_grads = models.loss_and_grads(config, params, tokens, mesh=tj.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from taco_jax.models.transformer import REMAT_POLICIES
+from taco_jax.spec import PRESETS, QuantSpec
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
@@ -30,6 +31,16 @@ class TrainConfig:
         message of at least taco_min_bytes), or a link_profile.json to reuse.
       taco_forward, taco_backward: replace the preset's forward / backward quantizer,
         as "fmt:group_size:H|-:scales" (e.g. "int4:128:H:bf16"); empty: the preset's.
+      taco_pipe: TACO preset for what pipeline stages send each other (activations
+        forward with the preset's forward quantizer, their gradients backward with its
+        backward one); "off": plain sends.
+      taco_pipe_forward, taco_pipe_backward: replace taco_pipe's quantizers (as taco_forward).
+      taco_data: TACO preset for the data-parallel gradient reduction (one bucket per
+        step through the compressed two-shot all-reduce with the preset's backward
+        quantizer, with error feedback: each data rank keeps what its quantizers dropped,
+        adds it to the next step's gradients, and saves it in checkpoints); "off": pmean.
+      taco_data_backward: replace taco_data's quantizer (gradients are backward-pass
+        tensors), e.g. "int4:128:H:bf16" for 4-bit gradients.
       sequence_parallel: norms and residuals on sequence shards.
       steps: optimizer steps to run (a resumed run continues up to this step).
       seed: parameter init seed (and data order seed unless data_seed is set).
@@ -79,6 +90,11 @@ class TrainConfig:
     taco_policy: str = "auto"
     taco_forward: str = ""
     taco_backward: str = ""
+    taco_pipe: str = "off"
+    taco_pipe_forward: str = ""
+    taco_pipe_backward: str = ""
+    taco_data: str = "off"
+    taco_data_backward: str = ""
     sequence_parallel: bool = False
     steps: int = 300
     seed: int = 0
@@ -137,6 +153,15 @@ class TrainConfig:
                             f"got {self.calibration_strategy!r}")
         if self.taco_policy not in ("auto", "always") and not self.taco_policy.endswith(".json"):
             problems.append(f"taco_policy must be auto, always or a link_profile.json, got {self.taco_policy!r}")
+        for name in ("taco", "taco_pipe", "taco_data"):
+            if getattr(self, name) not in PRESETS:
+                problems.append(f"{name} must be a TACO preset, one of {sorted(PRESETS)}, got {getattr(self, name)!r}")
+        for name in ("taco_forward", "taco_backward", "taco_pipe_forward", "taco_pipe_backward", "taco_data_backward"):
+            if getattr(self, name):
+                try:
+                    QuantSpec.parse(getattr(self, name))
+                except ValueError as error:
+                    problems.append(f"{name}: {error}")
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if problems:

@@ -9,7 +9,8 @@ microbatch t - s, and `ppermute` hands activations to the next stage:
     stage 1:  .    m0   m1   m2   .
     stage 2:  .    .    m0   m1   m2         loss of m_k on the last stage
 
-M + stages - 1 ticks; the bubble (idle fraction) is (stages - 1) / (M + stages - 1). Every
+The sends go through `taco_jax.ppermute` with the run's pipe config: plain in mode
+"off", compressed (activations forward, their gradients backward) otherwise. M + stages - 1 ticks; the bubble (idle fraction) is (stages - 1) / (M + stages - 1). Every
 stage executes every tick (SPMD), idle slots on garbage-free zero or repeated inputs
 whose results are masked out. The backward pass is the autodiff of this schedule:
 `ppermute` transposes to the reverse permutation, so gradients flow from the last stage
@@ -21,6 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+import taco_jax as tj
 from taco_jax.models.config import ModelConfig
 from taco_jax.models.transformer import Parallelism, embed, final_norm, loss_from_hidden, run_layers
 
@@ -32,7 +34,8 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, microbatches: int):
+def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, microbatches: int,
+                  pipe: tj.TacoConfig = tj.TacoConfig.preset("off")):
     """Mean next-token loss of this rank's batch through the pipeline.
 
     Args:
@@ -41,6 +44,7 @@ def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, m
       tokens: (B, S + 1) token ids, B divisible by `microbatches`.
       par: tensor-parallel settings.
       microbatches: M.
+      pipe: compression of the stage-to-stage sends.
 
     Returns:
       This rank's share of the loss: the loss on the last stage, 0 elsewhere (their sum
@@ -59,5 +63,6 @@ def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, m
             loss = loss_from_hidden(config, params, final_norm(config, params, y), targets[out], par)
             total = total + jnp.where(stage == stages - 1, loss, 0.0)
         if stages > 1:
-            carry = lax.ppermute(y, PIPE, [(i, (i + 1) % stages) for i in range(stages)])
+            carry = tj.ppermute(y, PIPE, pipe, perm=[(i, (i + 1) % stages) for i in range(stages)],
+                                site="pipe.activations")
     return total / microbatches

@@ -89,25 +89,58 @@ def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTr
     return params, jax.jit(tx.init, out_shardings=optimizer_shardings(tx, params, mesh))(params)
 
 
-def taco_config(cfg: TrainConfig) -> tj.TacoConfig:
-    """The run's TACO configuration (preset, the min_bytes override, the quantizer
-    overrides and the measured link profile of taco_policy)."""
-    overrides = {"link": link_policy.link_for(cfg)}
+# The config keys naming each mesh axis's preset; its quantizer overrides are
+# KEY_forward / KEY_backward where they exist.
+AXIS_PRESET_KEYS = {"tensor": "taco", "pipe": "taco_pipe", "data": "taco_data"}
+
+
+def taco_config(cfg: TrainConfig, axis: str = "tensor") -> tj.TacoConfig:
+    """The run's TACO configuration for one mesh axis's traffic (its preset, the
+    min_bytes override, its quantizer overrides; for "tensor" also the measured link
+    profile of taco_policy)."""
+    key = AXIS_PRESET_KEYS[axis]
+    overrides = {"link": link_policy.link_for(cfg)} if axis == "tensor" else {}
     if cfg.taco_min_bytes >= 0:
         overrides["min_bytes"] = cfg.taco_min_bytes
     for field in ("forward", "backward"):
-        if getattr(cfg, f"taco_{field}"):
-            overrides[field] = tj.QuantSpec.parse(getattr(cfg, f"taco_{field}"))
-    return tj.TacoConfig.preset(cfg.taco, **overrides)
+        if getattr(cfg, f"{key}_{field}", ""):
+            overrides[field] = tj.QuantSpec.parse(getattr(cfg, f"{key}_{field}"))
+    return tj.TacoConfig.preset(getattr(cfg, key), **overrides)
+
+
+def uses_error_feedback(cfg: TrainConfig) -> bool:
+    """Whether the run compresses its data-parallel reduction (and keeps residuals)."""
+    return taco_config(cfg, "data").enabled and cfg.mesh[0] > 1
+
+
+def feedback_specs(cfg: TrainConfig, config: models.ModelConfig) -> dict:
+    """PartitionSpecs of the error-feedback residuals: one per parameter and data rank,
+    (data, *parameter shape) split over "data" and then like the parameter; {} when the
+    run keeps none."""
+    if not uses_error_feedback(cfg):
+        return {}
+    return jax.tree.map(lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P))
+
+
+def init_error_feedback(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
+    """Zero residuals (float32, laid out by `feedback_specs`); {} when the run keeps none."""
+    specs = feedback_specs(cfg, config)
+    if not specs:
+        return {}
+    data = cfg.mesh[0]
+    return jax.tree.map(
+        lambda p, spec: jax.jit(lambda: jnp.zeros((data, *p.shape), jnp.float32),
+                                out_shardings=NamedSharding(mesh, spec))(),
+        params, specs, is_leaf=lambda x: isinstance(x, jax.Array))
 
 
 def tp_messages(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array) -> list[Message]:
     """The tensor-parallel message shapes one step sends (traced, not run)."""
     always = dataclasses.replace(cfg, taco_policy="always")
     with tj.record_wire() as ledger:
-        jax.jit(make_grads_fn(always, config, mesh)).lower(params, tokens)
+        jax.jit(make_grads_fn(always, config, mesh)).lower(params, tokens, init_error_feedback(cfg, config, params, mesh))
     return [Message(r.op.removesuffix("_one_shot").removesuffix("_two_shot"), r.shape, r.dtype)
-            for r in ledger.records if r.compressed and r.ranks == cfg.mesh[2]]
+            for r in ledger.records if r.compressed and r.axis == "tensor"]
 
 
 def resolve_taco_policy(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array,
@@ -135,29 +168,41 @@ def device_mesh(cfg: TrainConfig):
     return tj.make_mesh(1, 1, 1, devices=jax.devices()[:1]) if cfg.simulate_mesh else tj.make_mesh(*cfg.mesh)
 
 
+def _sum_over_stages(grad: jax.Array) -> jax.Array:
+    """psum over "pipe" of a parameter every stage holds, recorded as pipe traffic."""
+    plain = 2 * (lax.axis_size(PIPE) - 1) * grad.size * grad.dtype.itemsize // lax.axis_size(PIPE)
+    tj.collectives.record_collective("pipe.shared_grads", "all_reduce", "backward", grad, PIPE, None, plain, plain)
+    return lax.psum(grad, PIPE)
+
+
 def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibration: Calibration = Calibration(),
                   collector: tj.calibration.Collector | None = None):
-    """shard_map'd (params, tokens) -> (loss, grads): the pipelined loss and its gradients,
-    averaged over data and accumulation steps, sharded like the parameters. With a
-    `collector`, every compressed collective reports what it sends to it."""
+    """shard_map'd (params, tokens, feedback) -> (loss, grads, feedback): the pipelined
+    loss and its gradients, averaged over data (compressed with error feedback where
+    taco_data says so: `feedback` holds the residuals, `init_error_feedback`) and
+    accumulation steps, sharded like the parameters. With a `collector`, every
+    compressed tensor-parallel collective reports what it sends to it."""
     par = _parallelism(cfg, calibration)
+    pipe, data = taco_config(cfg, "pipe"), taco_config(cfg, "data")
     specs = models.partition_specs(config)
 
-    def reduce_grads(loss, grads):
+    def reduce_grads(loss, grads, feedback):
         grads = sequence_parallel_grads(config, grads, par)
         # Parameters not split over "pipe" (embeddings, final norm, head) are used by one
         # stage each: sum their gradients over the stages.
-        grads = jax.tree.map(lambda g, s: g if PIPE in tuple(s) else lax.psum(g, PIPE), grads, specs)
+        grads = jax.tree.map(lambda g, s: g if PIPE in tuple(s) else _sum_over_stages(g), grads, specs)
         loss = lax.psum(loss, PIPE)
-        return lax.pmean(loss, "data"), jax.tree.map(lambda g: lax.pmean(g, "data"), grads)
+        residual = jax.tree.map(lambda r: r[0], feedback) if feedback else None
+        grads, residual = tj.data_parallel.mean_gradients(grads, "data", data, residual)
+        return lax.pmean(loss, "data"), grads, jax.tree.map(lambda r: r[None], residual) if feedback else feedback
 
-    def local_grads(params, tokens):
+    def local_grads(params, tokens, feedback):
         with tj.calibration.observing(collector) if collector is not None else contextlib.nullcontext():
-            return accumulated_grads(params, tokens)
+            return accumulated_grads(params, tokens, feedback)
 
-    def accumulated_grads(params, tokens):
+    def accumulated_grads(params, tokens, feedback):
         chunks = tokens.reshape(cfg.grad_accum, -1, tokens.shape[-1])
-        grad_fn = jax.value_and_grad(lambda p, t: pipeline_loss(config, p, t, par, cfg.microbatches))
+        grad_fn = jax.value_and_grad(lambda p, t: pipeline_loss(config, p, t, par, cfg.microbatches, pipe))
 
         def accumulate(total, chunk):
             loss, grads = grad_fn(params, chunk)
@@ -165,38 +210,41 @@ def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibratio
 
         zeros = (jnp.float32(0.0), jax.tree.map(jnp.zeros_like, params))
         (loss, grads), _ = lax.scan(accumulate, zeros, chunks)
-        return reduce_grads(loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads))
+        return reduce_grads(loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads), feedback)
 
-    return _shard_map(cfg, mesh, local_grads, (specs, P("data")), (P(), specs))
+    fb_specs = feedback_specs(cfg, config)
+    return _shard_map(cfg, mesh, local_grads, (specs, P("data"), fb_specs), (P(), specs, fb_specs))
 
 
 def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings,
                         calibration: Calibration = Calibration(), collector: tj.calibration.Collector | None = None):
-    """(train_step, eval_step), jitted. train_step(params, opt_state, tokens, poison) ->
-    (params, opt_state, metrics); a non-finite loss or gradient leaves params and
-    optimizer state unchanged (metrics["ok"] is False). `state_shardings` (of params and
-    optimizer state) are kept on the outputs, so every step reuses one compilation.
+    """(train_step, eval_step), jitted. train_step(params, opt_state, feedback, tokens,
+    poison) -> (params, opt_state, feedback, metrics); a non-finite loss or gradient
+    leaves params, optimizer state and error-feedback residuals unchanged
+    (metrics["ok"] is False). `state_shardings` (of params, optimizer state and
+    feedback) are kept on the outputs, so every step reuses one compilation.
     `calibration` and `collector` as in `make_grads_fn`."""
     par = _parallelism(cfg, calibration)
+    pipe = taco_config(cfg, "pipe")
     specs = models.partition_specs(config)
     grads_fn = make_grads_fn(cfg, config, mesh, calibration, collector)
 
-    def train_step(params, opt_state, tokens, poison):
-        loss, grads = grads_fn(params, tokens)
+    def train_step(params, opt_state, feedback, tokens, poison):
+        loss, grads, new_feedback = grads_fn(params, tokens, feedback)
         grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-        return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), {
-            "loss": loss, "grad_norm": grad_norm, "ok": ok}
+        return (keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state),
+                keep(new_feedback, feedback), {"loss": loss, "grad_norm": grad_norm, "ok": ok})
 
     def local_eval(params, tokens):
-        loss = pipeline_loss(config, params, tokens, par, cfg.microbatches)
+        loss = pipeline_loss(config, params, tokens, par, cfg.microbatches, pipe)
         return lax.pmean(lax.psum(loss, PIPE), "data")
 
     eval_fn = _shard_map(cfg, mesh, local_eval, (specs, P("data")), P())
-    jitted = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(*state_shardings, None))
+    jitted = jax.jit(train_step, donate_argnums=(0, 1, 2), out_shardings=(*state_shardings, None))
     return jitted, jax.jit(eval_fn)
 
 
@@ -210,16 +258,28 @@ def _scalar(x: jax.Array) -> float:
     return float(np.asarray(x.addressable_shards[0].data))
 
 
-def wire_bytes_per_step(cfg: TrainConfig, config, train_step, params, opt_state, tokens) -> tuple[int, int]:
-    """(compressed, uncompressed) TP bytes sent per rank per optimizer step, from the
-    collectives traced in one step: scanned layer sites count once per local layer, and
-    everything once per accumulation step."""
+# Sites traced once per optimizer step, outside the gradient-accumulation scan.
+PER_STEP_SITES = ("pipe.shared_grads", "data.grads")
+
+
+def wire_bytes_per_step(cfg: TrainConfig, config, train_step, state: tuple, tokens) -> tuple[dict, dict]:
+    """Bytes each rank sends per optimizer step on every mesh axis, as sent and as plain
+    bfloat16: ({"tensor": .., "pipe": .., "data": ..}, the same as bf16), from the
+    collectives traced in one step. Scanned layer sites count once per local layer,
+    what runs per microbatch once per accumulation step. (Scalars such as the loss's
+    mean over data are not counted.)
+
+    Args:
+      state: (params, opt_state, feedback) as train_step takes them.
+    """
     with tj.record_wire() as ledger:
-        train_step.lower(params, opt_state, tokens, jnp.bool_(False))
+        train_step.lower(*state, tokens, jnp.bool_(False))
     layers_per_stage = config.n_layers // cfg.mesh[1]
-    factor = lambda r: (layers_per_stage if r.site.startswith("layers.") else 1) * cfg.grad_accum
-    records = [r for r in ledger.records if r.site != "all_reduce"]  # the loss statistics
-    return (sum(r.sent_bytes * factor(r) for r in records), sum(r.uncompressed_sent_bytes * factor(r) for r in records))
+    factor = lambda r: ((layers_per_stage if r.site.startswith("layers.") else 1)
+                        * (1 if r.site in PER_STEP_SITES else cfg.grad_accum))
+    sums = lambda bf16: {axis: sum(factor(r) * (r.bf16_sent_bytes if bf16 else r.sent_bytes)
+                                   for r in ledger.records if r.axis == axis) for axis in ("tensor", "pipe", "data")}
+    return sums(False), sums(True)
 
 
 def _calibration_summary(calibration: Calibration) -> dict:
@@ -305,6 +365,7 @@ class _Run:
     checkpoints: Checkpointer
     params: dict
     opt_state: dict
+    feedback: dict
     step: int = 0
     bad_total: int = 0
     calibration: Calibration = Calibration()
@@ -327,16 +388,19 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
     tx, schedule = make_optimizer(cfg, config)
     params, opt_state = init_state(config, cfg.seed, mesh, tx)
     run = _Run(mesh, config, corpus, out, tx, schedule, Checkpointer(out / "checkpoints", cfg.keep_checkpoints),
-               params, opt_state)
+               params, opt_state, init_error_feedback(cfg, config, params, mesh))
     latest = run.checkpoints.latest_step()
     if resume:
         if latest is None:
             raise ValueError(f"--resume: no checkpoint in {run.checkpoints.directory}")
-        state, meta = run.checkpoints.restore(latest, {"params": params, "opt_state": opt_state})
+        meta = run.checkpoints.meta(latest)
         if meta.get("model") != cfg.model:
             raise ValueError(f"checkpoint at step {latest} is for model {meta.get('model')!r}, not {cfg.model!r}")
+        target = _checkpoint_state(params, opt_state, run.feedback if meta.get("error_feedback") else {})
+        state, meta = run.checkpoints.restore(latest, target)
         run.params, run.opt_state, run.step, run.bad_total = (
             state["params"], state["opt_state"], meta["step"], meta["skipped_steps"])
+        run.feedback = state.get("error_feedback", run.feedback)
         run.calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
         run.calibrated = bool(meta.get("calibrated", False))
     elif latest is not None:
@@ -344,6 +408,13 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
     if cfg.calibration_file:
         run.calibration, run.calibrated = load_calibration(cfg.calibration_file), True
     return run
+
+
+def _checkpoint_state(params: dict, opt_state, feedback: dict) -> dict:
+    """What a checkpoint holds: parameters, optimizer state and, where the run keeps
+    them, the error-feedback residuals. (A run that starts compressing its data-parallel
+    reduction on resume starts them at zero; one that stops drops them.)"""
+    return {"params": params, "opt_state": opt_state, **({"error_feedback": feedback} if feedback else {})}
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -370,8 +441,9 @@ def observe_batches(cfg: TrainConfig, config: models.ModelConfig, mesh, params: 
     """What every compressed site sends, forward and backward, over `batches` (no update)."""
     collector = tj.calibration.Collector()
     grads_fn = jax.jit(make_grads_fn(cfg, config, mesh, collector=collector))
+    feedback = init_error_feedback(cfg, config, params, mesh)
     for tokens in batches:
-        jax.block_until_ready(grads_fn(params, tokens))
+        jax.block_until_ready(grads_fn(params, tokens, feedback))
     return collector
 
 
@@ -420,7 +492,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     run = start_run(cfg, resume)
     mesh, config, corpus, out, tx, schedule, checkpoints = (
         run.mesh, run.config, run.corpus, run.out, run.tx, run.schedule, run.checkpoints)
-    params, opt_state, step, bad_total = run.params, run.opt_state, run.step, run.bad_total
+    params, opt_state, feedback, step, bad_total = run.params, run.opt_state, run.feedback, run.step, run.bad_total
     calibration, calibrated = run.calibration, run.calibrated
     main_process = jax.process_index() == 0
     batch_of = batch_maker(cfg, mesh)
@@ -428,20 +500,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
                               out if main_process else None)
     if main_process:
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, feedback))
     observe = taco_config(cfg).mode == "taco" and cfg.calibration_steps > 0 and (cfg.recalibrate or not calibrated)
     calibrate_at = step + cfg.calibration_steps if observe else None
     collector = tj.calibration.Collector() if observe else None
     train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
-    wire, wire_plain = wire_bytes_per_step(cfg, config, train_step, params, opt_state, batch_of(corpus.train, 0, cfg.batch_size))
+    wire, wire_bf16 = wire_bytes_per_step(cfg, config, train_step, (params, opt_state, feedback),
+                                          batch_of(corpus.train, 0, cfg.batch_size))
     log = MetricsLog(out / "metrics.jsonl", step, main_process)
     stop = _StopFlag()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def save(at_step):
         meta = {"step": at_step, "data_position": at_step, "skipped_steps": bad_total, "model": cfg.model, "seed": cfg.seed,
-                "calibrated": calibrated, "calibration": calibration.to_json()}
-        checkpoints.save(at_step, {"params": params, "opt_state": opt_state}, meta)
+                "calibrated": calibrated, "calibration": calibration.to_json(), "error_feedback": bool(feedback)}
+        checkpoints.save(at_step, _checkpoint_state(params, opt_state, feedback), meta)
 
     def evaluate():
         # Fixed validation batches: positions no training step uses.
@@ -458,8 +531,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     try:
         while step < cfg.steps and stop.signal_name is None:
             tick = time.perf_counter()
-            params, opt_state, metrics = train_step(
-                params, opt_state, batch_of(corpus.train, step, cfg.batch_size), jnp.bool_(step in cfg.debug_nan_steps))
+            params, opt_state, feedback, metrics = train_step(
+                params, opt_state, feedback, batch_of(corpus.train, step, cfg.batch_size),
+                jnp.bool_(step in cfg.debug_nan_steps))
             jax.block_until_ready(metrics)  # also keeps CPU collective programs from overlapping
             elapsed = time.perf_counter() - tick
             ok = bool(np.asarray(metrics["ok"].addressable_shards[0].data))
@@ -467,7 +541,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
             bad_total += 0 if ok else 1
             row = {"step": step + 1, "loss": _scalar(metrics["loss"]), "lr": float(schedule(step)),
                    "grad_norm": _scalar(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
-                   "step_time_s": elapsed, "wire_bytes": wire, "wire_bytes_bf16": wire_plain,
+                   "step_time_s": elapsed, "wire_bytes": wire["tensor"], "wire_bytes_bf16": wire_bf16["tensor"],
+                   "wire_bytes_by_axis": wire, "wire_bytes_bf16_by_axis": wire_bf16,
                    "skipped_steps": bad_total, "finite": ok}
             step += 1
             if step == calibrate_at:
@@ -499,7 +574,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
         "skipped_steps": bad_total, "seconds": round(time.time() - started, 1),
-        "wire_bytes_per_step": wire, "wire_bytes_per_step_bf16": wire_plain,
+        "taco_pipe": cfg.taco_pipe, "taco_data": cfg.taco_data,
+        "wire_bytes_per_step": wire["tensor"], "wire_bytes_per_step_bf16": wire_bf16["tensor"],
+        "wire_bytes_by_axis": wire, "wire_bytes_bf16_by_axis": wire_bf16,
         "pipeline_bubble": bubble_fraction(cfg.mesh[1], cfg.microbatches),
         **_calibration_summary(calibration),
     }

@@ -1,0 +1,116 @@
+"""The data-parallel gradient reduction, compressed with error feedback.
+
+Every rank's gradients travel as one bucket: each leaf flattened and padded to whole
+groups (a group never mixes two parameters), all leaves in one (rows, G) block. The
+bucket goes through the two-shot all-reduce (compressed all-to-all, float32 sum of the
+rank's block, requantize, compressed all-gather), which sends 2 (k-1)/k of the bucket
+at 8 bits per element instead of the ring all-reduce's 2 (k-1)/k at 32.
+
+Error feedback keeps what the quantizers dropped and adds it to the next step's
+gradients, so nothing is lost over the run, only delayed: each rank keeps the error of
+its own message, and the rank that requantized a block the error of that block. Over
+any number of steps the sum of the results equals the sum of the exact means minus the
+residual still held.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from taco_jax.codec import decode, encode, message_layout, requantize
+from taco_jax.collectives import check_arguments, gather_invariant, record_collective
+from taco_jax.spec import TacoConfig
+
+
+def _bucket(leaves: list[jax.Array], group_size: int) -> jax.Array:
+    """Leaves as one float32 (rows, G) block, each leaf padded to whole groups."""
+    parts = [jnp.pad(leaf.astype(jnp.float32).ravel(), (0, -leaf.size % group_size)) for leaf in leaves]
+    return jnp.concatenate(parts).reshape(-1, group_size)
+
+
+def _unbucket(rows: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
+    """Invert `_bucket` (shapes and dtypes of `like`)."""
+    flat, leaves, start = rows.reshape(-1), [], 0
+    group_size = rows.shape[-1]
+    for leaf in like:
+        leaves.append(flat[start:start + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+        start += leaf.size + (-leaf.size % group_size)
+    return leaves
+
+
+def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig) -> tuple[jax.Array, jax.Array, int]:
+    """Sum (n, G) rows over the axis through the compressed two-shot all-reduce.
+
+    Returns:
+      (the sum as every rank decodes it, this rank's residual (n, G): its message's
+      quantization error plus, on the block it requantized, that block's error; bytes
+      each rank sends).
+    """
+    spec, kernels = config.backward, config.kernels
+    ranks, count = lax.axis_size(axis_name), rows.shape[0]
+    per_rank = -(-count // ranks)
+    blocks = jnp.pad(rows, [(0, ranks * per_rank - count), (0, 0)]).reshape(ranks, per_rank, spec.group_size)
+    sent = encode(blocks, spec, kernels)
+    message_error = blocks - decode(sent[:, None], per_rank, spec, jnp.float32, kernels)
+    received = lax.all_to_all(sent, axis_name, 0, 0, tiled=True)
+    block_sum = decode(received[None], per_rank, spec, jnp.float32, kernels)[0]
+    gathered = gather_invariant(requantize(received, per_rank, spec, kernels), axis_name)
+    total = decode(gathered[:, None], per_rank, spec, jnp.float32, kernels)
+    own = lax.axis_index(axis_name)
+    block_error = block_sum - lax.dynamic_index_in_dim(total, own, keepdims=False)
+    residual = message_error + jnp.where((jnp.arange(ranks) == own)[:, None, None], block_error, 0.0)
+    trim = lambda x: x.reshape(-1, spec.group_size)[:count]
+    return trim(total), trim(residual), 2 * (ranks - 1) * message_layout(per_rank, spec).nbytes
+
+
+def mean_gradients(grads, axis_name: str, config: TacoConfig, residual=None, *, site: str = "data.grads"):
+    """Average gradients over a data-parallel mesh axis (inside `shard_map`), compressed
+    with error feedback where `config` compresses.
+
+    Args:
+      grads: this rank's gradients, a pytree of float arrays.
+      axis_name: the data-parallel mesh axis, e.g. "data".
+      config: `TacoConfig`; the gradients are quantized with `config.backward`. Mode
+        "off", a bucket under `config.min_bytes` or an axis of size 1 is `lax.pmean`
+        per leaf.
+      residual: what the quantizers dropped on this rank so far (the previous call's
+        second result), a pytree like `grads`; None = zeros.
+      site: name for wire-byte accounting (`taco_jax.record_wire`).
+
+    Returns:
+      (the mean of every rank's `grads + residual`, within codec error, identical on
+      every rank; this rank's new residual, float32, like `grads`). Uncompressed, the
+      residual comes back as given (None stays None).
+
+    Raises:
+      ValueError: a non-float leaf, a residual of another structure or shape, a bad config.
+    """
+    check_arguments(config, None)
+    leaves, treedef = jax.tree.flatten(grads)
+    if any(not jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves):
+        raise ValueError("mean_gradients: every gradient leaf must be a float array")
+    if residual is not None:
+        shapes = jax.tree.map(jnp.shape, residual)
+        if jax.tree.structure(residual) != treedef or shapes != jax.tree.map(jnp.shape, grads):
+            raise ValueError("mean_gradients: residual must have the structure and shapes of grads")
+    ranks = lax.axis_size(axis_name)
+    nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    if ranks == 1 or not config.compresses(nbytes):
+        for leaf in leaves:
+            plain = 2 * (ranks - 1) * leaf.size * leaf.dtype.itemsize // ranks
+            record_collective(site, "all_reduce", "backward", leaf, axis_name, None, plain, plain)
+        return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads), residual
+    group_size = config.backward.group_size
+    rows = _bucket(leaves, group_size)
+    if residual is not None:
+        rows = rows + _bucket(jax.tree.leaves(residual), group_size)
+    # Each rank sends its share of the mean; the residual is kept in gradient units.
+    total, dropped, sent = _two_shot_with_feedback(rows / ranks, axis_name, config)
+    bucket = jax.ShapeDtypeStruct((sum(leaf.size for leaf in leaves),), jnp.result_type(*leaves))
+    record_collective(site, "all_reduce_two_shot", "backward", bucket, axis_name, config.backward, sent,
+                      2 * (ranks - 1) * bucket.size * bucket.dtype.itemsize // ranks)
+    mean = treedef.unflatten(_unbucket(total, leaves))
+    new_residual = treedef.unflatten(_unbucket(dropped * ranks, [leaf.astype(jnp.float32) for leaf in leaves]))
+    return mean, new_residual
