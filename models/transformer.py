@@ -219,7 +219,9 @@ def loss_from_hidden(config: ModelConfig, params: dict, hidden, targets, par: Pa
       Scalar float32 loss, identical on every tensor rank.
     """
     logits = logits_from_hidden(config, params, hidden, par)
-    peak = lax.pmax(lax.stop_gradient(logits.max(-1)).astype(jnp.float32), AXIS)
+    peak = lax.stop_gradient(logits.max(-1)).astype(jnp.float32)
+    tj.collectives.record_plain_all_reduce(peak, AXIS, "loss.peak")
+    peak = lax.pmax(peak, AXIS)
     # Statistics summed over the vocabulary shards; identity backward (each rank
     # differentiates its own copy of the loss).
     sum_exp = tj.tp.reduce_from_tp(jnp.exp(logits.astype(jnp.float32) - peak[..., None]).sum(-1), AXIS, _UNCOMPRESSED)

@@ -183,6 +183,14 @@ def record_collective(site, op, direction, x, axis_name, spec, sent, plain_sent)
     )
 
 
+def record_plain_all_reduce(x: jax.Array, axis_name: str, site: str, direction: str = "forward") -> None:
+    """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
+    with `jax.lax` directly: a ring all-reduce sends 2 (k-1)/k of it per rank."""
+    ranks = lax.axis_size(axis_name)
+    plain = 2 * (ranks - 1) * x.size * jnp.dtype(x.dtype).itemsize // ranks
+    record_collective(site, "all_reduce", direction, x, axis_name, None, plain, plain)
+
+
 def _check_axis(axis: int, ndim: int, what: str) -> int:
     if not -ndim <= axis < max(ndim, 1):
         raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.codec import decode, encode, message_layout, requantize
-from taco_jax.collectives import check_arguments, gather_invariant, record_collective
+from taco_jax.collectives import check_arguments, gather_invariant, record_collective, record_plain_all_reduce
 from taco_jax.spec import TacoConfig
 
 
@@ -99,8 +99,7 @@ def mean_gradients(grads, axis_name: str, config: TacoConfig, residual=None, *, 
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     if ranks == 1 or not config.compresses(nbytes):
         for leaf in leaves:
-            plain = 2 * (ranks - 1) * leaf.size * leaf.dtype.itemsize // ranks
-            record_collective(site, "all_reduce", "backward", leaf, axis_name, None, plain, plain)
+            record_plain_all_reduce(leaf, axis_name, site, "backward")
         return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads), residual
     group_size = config.backward.group_size
     rows = _bucket(leaves, group_size)

@@ -6,6 +6,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 
 COLLECTIVE_OPS = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 _DTYPE_BYTES = {
@@ -17,8 +19,8 @@ _INSTRUCTION = re.compile(
     r"(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]")
+_GROUPS_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[0-9,{}]*\})\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,10 @@ class HloCollective:
       group_size: devices per replica group.
       result_bytes: bytes of the result per device.
       operand_bytes: bytes each device hands to the collective.
+      groups: the replica groups as device ids (for a collective-permute, its
+        (source, target) pairs); empty if the instruction names none.
+      parts: (dtype, shape) of each array of the result (several for a combined,
+        tuple-shaped collective).
     """
 
     op: str
@@ -40,9 +46,34 @@ class HloCollective:
     group_size: int
     result_bytes: int
     operand_bytes: int
+    groups: tuple[tuple[int, ...], ...]
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes each device sends over its links, counted as `taco_jax.WireRecord`
+        counts them: an all-gather sends its operand to k-1 peers, an all-to-all or
+        reduce-scatter (k-1)/k of it, a ring all-reduce 2 (k-1)/k, a permute all of it."""
+        k = self.group_size
+        factor = {"all-gather": (k - 1, 1), "all-to-all": (k - 1, k), "reduce-scatter": (k - 1, k),
+                  "all-reduce": (2 * (k - 1), k), "collective-permute": (1, 1)}[self.op]
+        return self.operand_bytes * factor[0] // factor[1]
+
+    def mesh_axes(self, mesh) -> tuple[str, ...]:
+        """The axes of `mesh` the collective runs over: those along which the devices of
+        a group differ (device ids are `jax.Device.id`s of the mesh's devices)."""
+        coords = {device.id: index for index, device in np.ndenumerate(mesh.devices)}
+        varying = {axis for group in self.groups for a in group for b in group
+                   for axis, (i, j) in enumerate(zip(coords[a], coords[b])) if i != j}
+        return tuple(name for axis, name in enumerate(mesh.axis_names) if axis in varying)
 
 
-def _dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of an HLO element type (e.g. "bf16" -> 2).
+
+    Raises:
+      ValueError: an element type this reader does not know.
+    """
     try:
         return _DTYPE_BYTES[dtype]
     except KeyError:
@@ -50,12 +81,17 @@ def _dtype_bytes(dtype: str) -> int:
                          f"known: {sorted(_DTYPE_BYTES)}") from None
 
 
-def _group_size(line: str) -> int:
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    """Replica groups (or permute pairs), explicit or in iota form `[G,S]<=[dims]T(perm)`."""
     if match := _GROUPS_LIST.search(line):
-        return len(match.group(1).split(","))
+        return tuple(tuple(int(d) for d in group.split(",") if d) for group in re.findall(r"\{([0-9,]*)\}", match.group(1)))
     if match := _GROUPS_IOTA.search(line):
-        return int(match.group(1).split(",")[-1])
-    return 1
+        shape, dims = [[int(d) for d in g.split(",")] for g in match.group(1, 2)]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match.group(3):
+            ids = ids.transpose([int(d) for d in match.group(3).split(",")])
+        return tuple(tuple(int(d) for d in row) for row in ids.reshape(shape[0], -1))
+    return ()
 
 
 def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
@@ -81,14 +117,15 @@ def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
             arrays = arrays[-1:]  # an async start's tuple is (operands..., result)
         dtype, shape = arrays[-1]
         # A tuple-shaped (e.g. per-peer all-to-all) result counts all its parts.
-        result_bytes = sum(math.prod(dims) * _dtype_bytes(t) for t, dims in arrays)
-        group = _group_size(line)
+        result_bytes = sum(math.prod(dims) * dtype_bytes(t) for t, dims in arrays)
+        groups = _groups(line)
         op = match.group("op")
+        group = 1 if op == "collective-permute" or not groups else len(groups[0])
         operand_bytes = {"all-gather": result_bytes // max(group, 1), "reduce-scatter": result_bytes * group}.get(
             op, result_bytes
         )
-        found.append(HloCollective(op, dtype, shape, group, result_bytes, operand_bytes))
+        found.append(HloCollective(op, dtype, shape, group, result_bytes, operand_bytes, groups, tuple(arrays)))
     return found
 
 
-__all__ = ["COLLECTIVE_OPS", "HloCollective", "collectives_in_hlo"]
+__all__ = ["COLLECTIVE_OPS", "HloCollective", "collectives_in_hlo", "dtype_bytes"]

@@ -1,6 +1,7 @@
 """The trainer on simulated CPU devices: mesh equivalence, pipeline gradients, resume,
 signals, NaN steps, errors, and two processes through jax.distributed."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import pytest
 
 from taco_jax import models
 import taco_jax as tj
+from taco_jax.hlo import dtype_bytes
 from taco_jax.training import trainer
 from taco_jax.training.checkpoint import Checkpointer
 from taco_jax.training.config import TrainConfig, apply_overrides, parse_key_values
@@ -167,6 +169,12 @@ def test_errors_name_the_problem(tmp_path):
     assert bad_spec.returncode == 2 and "is not fmt:group_size:H|-:scales" in bad_spec.stderr
     with pytest.raises(ValueError, match="calibration_strategy must be one of"):
         TrainConfig(calibration_strategy="sorted")
+    with pytest.raises(ValueError, match="taco_pipe must be a TACO preset.*'tacoo'"):
+        TrainConfig(taco_pipe="tacoo")
+    with pytest.raises(ValueError, match="taco_data must be a TACO preset"):
+        apply_overrides(TrainConfig(), {"taco_data": "8bit"})
+    with pytest.raises(ValueError, match="taco_data_backward: .*not fmt:group_size"):
+        TrainConfig(taco_data_backward="int4")
 
 
 def test_data_order_is_a_function_of_seed_and_position(tmp_path):
@@ -273,3 +281,71 @@ def test_standalone_calibration_feeds_other_runs(tmp_path):
         trainer.calibrate_only(_cfg(tmp_path, "fp8", taco="fp8"))
     with pytest.raises(ValueError, match="cannot be read"):
         trainer.train(_cfg(tmp_path, "missing", taco="taco", calibration_file=str(tmp_path / "nope.json")), progress=False)
+
+
+ALL_AXES_COMPRESSED = dict(taco="taco+", taco_pipe="taco+", taco_data="taco+", calibration_steps=0)
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pipe_and_data_compression_with_error_feedback_resumes_bit_exactly(tmp_path):
+    base = dict(mesh=(2, 2, 2), microbatches=2, steps=4, checkpoint_every=2)
+    off = _cfg(tmp_path, "off", **base)
+    trainer.train(off, progress=False)
+    straight = _cfg(tmp_path, "straight", **base, **ALL_AXES_COMPRESSED)
+    trainer.train(straight, progress=False)
+    off_losses, losses = np.array(_losses(off.out)), np.array(_losses(straight.out))
+    assert np.all(np.abs(losses / off_losses - 1) < 0.01) and np.all(losses != off_losses)
+    off_row, row = _rows(off.out)[0], _rows(straight.out)[0]
+    for r in (off_row, row):
+        assert set(r["wire_bytes_by_axis"]) == set(r["wire_bytes_bf16_by_axis"]) == {"tensor", "pipe", "data"}
+    assert off_row["wire_bytes_bf16_by_axis"] == row["wire_bytes_bf16_by_axis"]
+    # float32 gradients in mode off; one bucket of 8-bit codes and scales when compressed.
+    assert off_row["wire_bytes_by_axis"]["data"] == 2 * off_row["wire_bytes_bf16_by_axis"]["data"]
+    assert 0.45 < row["wire_bytes_by_axis"]["data"] / row["wire_bytes_bf16_by_axis"]["data"] < 0.55
+    assert row["wire_bytes_by_axis"]["pipe"] < off_row["wire_bytes_by_axis"]["pipe"]
+
+    first = _cfg(tmp_path, "resumed", **{**base, "steps": 2, "decay_steps": 4}, **ALL_AXES_COMPRESSED)
+    trainer.train(first, progress=False)
+    trainer.train(_cfg(tmp_path, "resumed", **{**base, "decay_steps": 4}, **ALL_AXES_COMPRESSED), resume=True,
+                  progress=False)
+    assert _losses(first.out) == _losses(straight.out)
+    saved = []
+    for run in (straight, first):
+        checkpoints = Checkpointer(Path(run.out) / "checkpoints", 3)
+        assert checkpoints.meta(4)["error_feedback"] is True
+        saved.append(checkpoints.manager.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"])
+        checkpoints.close()
+    residuals = [jax.tree.leaves(s["error_feedback"]) for s in saved]
+    assert any(np.abs(np.asarray(r)).max() > 0 for r in residuals[0])
+    for a, b in zip(*residuals):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
+    """Every non-scalar collective of the compiled step, attributed to its mesh axis by
+    its replica groups, against wire_bytes_by_axis (one layer per stage, one
+    accumulation step, so no instruction runs in a loop of several trips)."""
+    cfg = _cfg(tmp_path, "hlo", mesh=(2, 2, 2), microbatches=2, **ALL_AXES_COMPRESSED)
+    config, mesh = models.preset(cfg.model), trainer.device_mesh(cfg)
+    assert config.n_layers == cfg.mesh[1]
+    tx, _ = trainer.make_optimizer(cfg, config)
+    params, opt_state = trainer.init_state(config, 0, mesh, tx)
+    feedback = trainer.init_error_feedback(cfg, config, params, mesh)
+    state = (params, opt_state, feedback)
+    train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, jax.tree.map(lambda x: x.sharding, state))
+    tokens = trainer.batch_maker(cfg, mesh)(load("shakespeare", val_fraction=0.05).train, 0, cfg.batch_size)
+    wire, _ = trainer.wire_bytes_per_step(cfg, config, mesh, train_step, state, tokens)
+    hlo = train_step.lower(*state, tokens, jnp.bool_(False)).compile().as_text()
+    compiled = {"tensor": 0, "pipe": 0, "data": 0}
+    for collective in tj.collectives_in_hlo(hlo):
+        arrays = [int(np.prod(shape)) * dtype_bytes(dtype) for dtype, shape in collective.parts if shape]
+        if not arrays:
+            continue  # scalars (the loss, the gradient norm)
+        (axis,) = collective.mesh_axes(mesh)
+        compiled[axis] += collective.sent_bytes * sum(arrays) // collective.result_bytes
+    assert wire == compiled and all(compiled.values())
+    trainer.train(dataclasses.replace(cfg, steps=1), progress=False)
+    assert _rows(cfg.out)[0]["wire_bytes_by_axis"] == wire

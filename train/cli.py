@@ -71,8 +71,8 @@ def _simulated_cpu_devices(mesh: tuple[int, ...]) -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _config(args: argparse.Namespace):
+    """The TrainConfig of the command line: YAML file, then flags, then key=value."""
     from taco_jax.training import config as config_lib
 
     values = config_lib.load_yaml(args.config)
@@ -82,7 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.recalibrate:
         values["recalibrate"] = True
     values.update(config_lib.parse_key_values(args.overrides))
-    cfg = config_lib.apply_overrides(config_lib.TrainConfig(), values)
+    return config_lib.apply_overrides(config_lib.TrainConfig(), values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = _config(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.coordinator or args.distributed:
         import jax
 

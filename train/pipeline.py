@@ -9,12 +9,14 @@ microbatch t - s, and `ppermute` hands activations to the next stage:
     stage 1:  .    m0   m1   m2   .
     stage 2:  .    .    m0   m1   m2         loss of m_k on the last stage
 
-The sends go through `taco_jax.ppermute` with the run's pipe config: plain in mode
-"off", compressed (activations forward, their gradients backward) otherwise. M + stages - 1 ticks; the bubble (idle fraction) is (stages - 1) / (M + stages - 1). Every
-stage executes every tick (SPMD), idle slots on garbage-free zero or repeated inputs
-whose results are masked out. The backward pass is the autodiff of this schedule:
-`ppermute` transposes to the reverse permutation, so gradients flow from the last stage
-back to the first (all forward ticks, then all backward ticks, as in GPipe).
+M + stages - 1 ticks; the bubble (idle fraction) is (stages - 1) / (M + stages - 1). Every
+stage executes every tick (SPMD); idle slots run on whatever they hold (stage 0, after
+the last microbatch, on what wrapped around from the last stage) and their results are
+masked out. Nothing is sent after the last tick. The backward pass is the autodiff of
+this schedule: `ppermute` transposes to the reverse permutation, so gradients flow from
+the last stage back to the first (all forward ticks, then all backward ticks, as in
+GPipe). The sends go through `taco_jax.ppermute` with the run's pipe config: plain in
+mode "off", compressed otherwise (activations forward, their gradients backward).
 """
 
 from __future__ import annotations
@@ -53,16 +55,19 @@ def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, m
     stages, stage = lax.axis_size(PIPE), lax.axis_index(PIPE)
     inputs = tokens[:, :-1].reshape(microbatches, -1, tokens.shape[1] - 1)
     targets = tokens[:, 1:].reshape(microbatches, -1, tokens.shape[1] - 1)
-    carry, total = None, jnp.float32(0.0)
-    for tick in range(microbatches + stages - 1):
-        first = embed(config, params, inputs[min(tick, microbatches - 1)], par)
-        x = first if carry is None else jnp.where(stage == 0, first, carry)
+    carry, total, ticks = None, jnp.float32(0.0), microbatches + stages - 1
+    for tick in range(ticks):
+        if tick < microbatches:
+            first = embed(config, params, inputs[tick], par)
+            x = first if carry is None else jnp.where(stage == 0, first, carry)
+        else:  # no microbatch left for stage 0: it runs on what wrapped around (masked)
+            x = carry
         y = run_layers(config, params["layers"], x, par)
         out = tick - (stages - 1)
         if 0 <= out < microbatches:
             loss = loss_from_hidden(config, params, final_norm(config, params, y), targets[out], par)
             total = total + jnp.where(stage == stages - 1, loss, 0.0)
-        if stages > 1:
+        if stages > 1 and tick < ticks - 1:
             carry = tj.ppermute(y, PIPE, pipe, perm=[(i, (i + 1) % stages) for i in range(stages)],
                                 site="pipe.activations")
     return total / microbatches
