@@ -1,7 +1,8 @@
 """Training quality per compression variant: same model, data order and steps, several seeds.
 
-Each run trains with the trainer on a (1, 1, tensor) mesh (simulated as named vmaps on
-one device with --simulate, which reproduces a TP run's arithmetic on a single GPU) and
+Each run trains with the trainer on a (data, pipe, tensor) mesh (--mesh, default 1,1,4;
+simulated as named vmaps on one device with --simulate, which reproduces the mesh's
+arithmetic on a single GPU) and
 reports the final train loss (mean of the last 20 steps) and validation loss as
 mean ± spread (max - min) over seeds, the gap to `off`, the seed-to-seed spread of `off`
 itself, and the paired gap: per seed (same init and data order) the relative gap to
@@ -23,9 +24,16 @@ Variants:
   int4fwd-int8bwd / int8fwd-int4bwd
                  4 bits in one direction only (taco+ in the other): which direction
                  can afford them
+Beyond the tensor axis (tensor traffic plain; use a mesh with pipe and data > 1):
+  pipe-taco / pipe-taco+   pipeline-stage sends compressed
+  data-taco / data-taco+   data-parallel gradient reduction compressed, error feedback
+  data-int4+H              4-bit gradients (INT4 + Hadamard, bf16 scales), error feedback
+  all-taco+                taco+ on every axis
 
 Usage (GPU, one device):
   python -m benchmarks.quality --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
+  python -m benchmarks.quality --simulate --mesh 2,2,2 --microbatches 2 --tag pipe_data \
+      --variants off,pipe-taco,pipe-taco+,data-taco,data-taco+,data-int4+H,all-taco+ --seeds 5 --jobs 10
 CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.quality \\
       --models gpt2-tiny --steps 200
 """
@@ -56,6 +64,12 @@ VARIANTS: dict[str, dict] = {
     "int4+H-G32": {"taco": "taco+", "taco_forward": "int4:32:H:bf16", "taco_backward": "int4:32:H:bf16"},
     "int4fwd-int8bwd": {"taco": "taco+", "taco_forward": "int4:128:H:bf16"},
     "int8fwd-int4bwd": {"taco": "taco+", "taco_backward": "int4:128:H:bf16"},
+    "pipe-taco": {"taco": "off", "taco_pipe": "taco"},
+    "pipe-taco+": {"taco": "off", "taco_pipe": "taco+"},
+    "data-taco": {"taco": "off", "taco_data": "taco"},
+    "data-taco+": {"taco": "off", "taco_data": "taco+"},
+    "data-int4+H": {"taco": "off", "taco_data": "taco+", "taco_data_backward": "int4:128:H:bf16"},
+    "all-taco+": {"taco": "taco+", "taco_pipe": "taco+", "taco_data": "taco+"},
 }
 
 
@@ -65,7 +79,8 @@ def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> 
     from taco_jax.training.trainer import train
 
     out = args.runs / f"{model}_{variant}_seed{seed}"
-    settings = dict(model=model, mesh=(1, 1, args.tensor), simulate_mesh=args.simulate, taco_min_bytes=0,
+    settings = dict(model=model, mesh=args.mesh, microbatches=args.microbatches, simulate_mesh=args.simulate,
+                    taco_min_bytes=0,
                     steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
                     lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
                     checkpoint_every=args.steps, keep_checkpoints=1, calibration_steps=args.calibration_steps,
@@ -75,7 +90,8 @@ def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = {"model": model, "variant": variant, "seed": seed, "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
               "val_loss": summary["final_val_loss"], "curve": [r["loss"] for r in rows], "seconds": summary["seconds"],
-              "wire_fraction": summary["wire_bytes_per_step"] / summary["wire_bytes_per_step_bf16"]}
+              "wire_bytes_by_axis": summary["wire_bytes_by_axis"],
+              "wire_bytes_bf16_by_axis": summary["wire_bytes_bf16_by_axis"]}
     calibration = out / "calibration.json"
     if calibration.exists():
         result["calibration_report"] = json.loads(calibration.read_text())["report"]
@@ -94,10 +110,10 @@ def _spawn(args: argparse.Namespace, model: str, variant: str, seed: int) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def report(results: list[dict], models: list[str], variants: list[str], out: Path) -> str:
-    """Markdown table; writes quality.md and quality.png next to the JSON."""
+def report(results: list[dict], models: list[str], variants: list[str], out: Path, name: str, mesh: str) -> str:
+    """Markdown table; writes NAME.md and NAME.png next to the JSON."""
     lines = ["| model | variant | seeds | train loss | val loss | val gap vs off | paired val gap | "
-             "paired train gap | TP bytes vs bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+             "paired train gap | bytes vs bf16 per axis |", "|---|---|---|---|---|---|---|---|---|"]
     for model in models:
         base = {r["seed"]: r for r in results if r["model"] == model and r["variant"] == "off"}
         for variant in variants:
@@ -108,14 +124,22 @@ def report(results: list[dict], models: list[str], variants: list[str], out: Pat
             gap = f"{100 * (np.mean(val_l) / np.mean([r['val_loss'] for r in base.values()]) - 1):+.2f}%" if base else "n/a"
             lines.append(f"| {model} | {variant} | {len(runs)} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
                          f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {_paired(runs, base, 'val_loss')} | "
-                         f"{_paired(runs, base, 'train_loss')} | {100 * runs[0]['wire_fraction']:.1f}% |")
+                         f"{_paired(runs, base, 'train_loss')} | {_bytes(runs[0])} |")
         if len(base) > 1:
             spread = np.ptp([r["val_loss"] for r in base.values()]) / np.mean([r["val_loss"] for r in base.values()])
             lines.append(f"| {model} | off seed spread (max - min) | | | {100 * spread:.2f}% of the mean | | | | |")
     table = "\n".join(lines)
-    (out / "quality.md").write_text(table + "\n")
-    _plot(results, models, variants, out / "quality.png")
+    (out / f"{name}.md").write_text(table + "\n")
+    _plot(results, models, variants, out / f"{name}.png", mesh)
     return table
+
+
+def _bytes(run: dict) -> str:
+    """Bytes sent per axis as a share of the same traffic in bf16, e.g. "tensor 51%"."""
+    if "wire_fraction" in run:  # runs measured before the per-axis counts: tensor traffic only
+        return f"tensor {100 * run['wire_fraction']:.0f}%"
+    sent, bf16 = run["wire_bytes_by_axis"], run["wire_bytes_bf16_by_axis"]
+    return ", ".join(f"{axis} {100 * sent[axis] / bf16[axis]:.0f}%" for axis in sent if bf16[axis])
 
 
 def _paired(runs: list[dict], base: dict, key: str) -> str:
@@ -126,7 +150,7 @@ def _paired(runs: list[dict], base: dict, key: str) -> str:
     return f"{np.mean(gaps):+.2f} ± {np.std(gaps, ddof=1) / np.sqrt(len(gaps)):.2f}%"
 
 
-def _plot(results: list[dict], models: list[str], variants: list[str], path: Path) -> None:
+def _plot(results: list[dict], models: list[str], variants: list[str], path: Path, title: str) -> None:
     """Loss curves (top) and the paired gap to `off` along training (bottom)."""
     import matplotlib
 
@@ -151,9 +175,10 @@ def _plot(results: list[dict], models: list[str], variants: list[str], path: Pat
             paired = [100 * (np.asarray(r["curve"]) / base[r["seed"]] - 1) for r in runs if r["seed"] in base]
             if paired:
                 axes[1, column].plot(steps, smooth(np.mean(paired, axis=0)), **style)
-        axes[0, column].set_title(f"{model}, TP=4")
+        axes[0, column].set_title(f"{model}, mesh {title}")
         axes[0, column].set_ylabel("train loss (mean over seeds, 20-step average)")
-        axes[0, column].set_ylim(top=max(tops))
+        if tops:
+            axes[0, column].set_ylim(top=max(tops))
         axes[1, column].set_ylabel("paired train-loss gap to off, % (20-step average)")
         axes[1, column].axhline(0, color="black", lw=0.5)
         for ax in axes[:, column]:
@@ -176,7 +201,10 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=32)
     parser.add_argument("--calibration-steps", type=int, default=50)
     parser.add_argument("--compute-dtype", default="bfloat16")
-    parser.add_argument("--tensor", type=int, default=4)
+    parser.add_argument("--mesh", type=lambda s: tuple(int(d) for d in s.split(",")), default=(1, 1, 4),
+                        help="DATA,PIPE,TENSOR")
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--tag", default="", help="write quality_TAG.{json,md,png}")
     parser.add_argument("--simulate", action="store_true", help="simulate the mesh on one device (named vmaps)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (worker processes)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs/quality")
@@ -192,7 +220,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "quality.json"
+    name = f"quality_{args.tag}" if args.tag else "quality"
+    path = args.out / f"{name}.json"
     results = json.loads(path.read_text())["runs"] if path.exists() else []
     done = {(r["model"], r["variant"], r["seed"]) for r in results}
     todo = [(m, v, s) for s in range(args.seeds) for m in models for v in variants if (m, v, s) not in done]
@@ -210,7 +239,7 @@ def main() -> None:
                 path.write_text(json.dumps({"settings": settings, "runs": results}))
                 print(f"  {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
                       f"val {result['val_loss']:.4f} ({result['seconds']:.0f} s)", file=sys.stderr, flush=True)
-    print(report(results, models, variants, args.out))
+    print(report(results, models, variants, args.out, name, ",".join(map(str, args.mesh))))
 
 
 if __name__ == "__main__":

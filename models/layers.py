@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from taco_jax.mesh import simulating
 from taco_jax.models.config import ModelConfig
 
 
@@ -52,9 +53,10 @@ _FLASH_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def attention_implementation(q: jax.Array) -> str:
     """cuDNN flash attention on GPU for 16-bit inputs and head sizes it takes (no
-    (B, heads, S, S) scores in memory); XLA's attention elsewhere."""
+    (B, heads, S, S) scores in memory); XLA's attention elsewhere, and on a simulated
+    mesh (cuDNN's backward pass cannot be batched over the vmapped mesh axes)."""
     flash = (jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _FLASH_DTYPES
-             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128 and not simulating())
     return "cudnn" if flash else "xla"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from typing import Callable, Sequence
 
 import jax
@@ -11,6 +12,14 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "pipe", "tensor")
+_SIMULATING = contextvars.ContextVar("simulating", default=False)
+
+
+def simulating() -> bool:
+    """Whether the code being traced runs inside `simulated_shard_map` (its mesh axes
+    are vmaps: ops whose batching rules take only a leading batch axis, such as cuDNN
+    attention's backward pass, must choose another implementation)."""
+    return _SIMULATING.get()
 
 
 def make_mesh(data: int = 1, pipe: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -108,7 +117,11 @@ def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out
                                           tuple(in_specs), args, is_leaf=is_spec)
         split = per_spec(lambda x, spec: _split(x, spec, axis, size))
         in_axes = per_spec(lambda x, spec: None if _sharded_dim(spec, axis) is None else 0)
-        out = jax.vmap(inner, in_axes=in_axes, axis_name=axis, axis_size=size)(*split)
+        token = _SIMULATING.set(True)
+        try:
+            out = jax.vmap(inner, in_axes=in_axes, axis_name=axis, axis_size=size)(*split)
+        finally:
+            _SIMULATING.reset(token)
         return jax.tree.map(lambda spec, tree: jax.tree.map(lambda y: _merge(y, spec, axis), tree),
                             out_specs, out, is_leaf=is_spec)
 
