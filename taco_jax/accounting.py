@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Iterator
 
 _active_ledgers: list[WireLedger] = []
+_paused = [0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,21 @@ def record_wire() -> Iterator[WireLedger]:
         _active_ledgers.remove(ledger)
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Record nothing traced inside the block: for work traced again that the compiler
+    performs once (an identical recomputation, merged by common-subexpression
+    elimination), so that the ledger counts what the compiled program sends."""
+    _paused[0] += 1
+    try:
+        yield
+    finally:
+        _paused[0] -= 1
+
+
 def record(entry: WireRecord) -> None:
-    """Add a record to every active ledger."""
+    """Add a record to every active ledger (none while `paused`)."""
+    if _paused[0]:
+        return
     for ledger in _active_ledgers:
         ledger.records.append(entry)
