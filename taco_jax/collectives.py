@@ -19,6 +19,8 @@ all-reduce algorithm, pipelined chunks) is `taco_jax.policy`'s decision.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import sys
@@ -348,17 +350,36 @@ def _permute_transpose(cotangent, axis_name, config, perm, site):
 # ----------------------------------------------------------------------------- differentiable API
 
 
+_CALLING = contextvars.ContextVar("calling", default=False)
+
+
 def straight_through(forward, backward):
     """A differentiable op `op(x, *static)` = `forward(x, *static)` whose cotangent is
     `backward(cotangent, *static)`: an explicit rule, so autodiff never differentiates
-    the quantizer. `static` are hashable non-array arguments (axis name, config, ...)."""
+    the quantizer. `static` are hashable non-array arguments (axis name, config, ...).
+
+    The forward messages are recorded in the wire ledger while the op is called: JAX may
+    trace the forward rule once more later (differentiating a scan traces its body's
+    primal and then its forward rule), and that second trace sends nothing more."""
+
+    def counted_forward(x, static):
+        with contextlib.nullcontext() if _CALLING.get() else accounting.paused():
+            return forward(x, *static)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
     def op(x, static):
-        return forward(x, *static)
+        return counted_forward(x, static)
 
-    op.defvjp(lambda x, static: (forward(x, *static), None), lambda static, _, ct: (backward(ct, *static),))
-    return lambda x, *static: op(x, static)
+    op.defvjp(lambda x, static: (counted_forward(x, static), None), lambda static, _, ct: (backward(ct, *static),))
+
+    def call(x, *static):
+        token = _CALLING.set(True)
+        try:
+            return op(x, static)
+        finally:
+            _CALLING.reset(token)
+
+    return call
 
 
 def _all_reduce_transpose(cotangent, axis_name, config, algorithm, site, calibration):

@@ -278,6 +278,29 @@ def test_wire_ledger_matches_hlo_and_backward_spec():
     assert to_all.operand_bytes * 3 // 4 == bwd.sent_bytes
 
 
+def test_ledger_counts_each_message_of_a_differentiated_scan_once():
+    """Differentiating a scan traces its body's forward rules twice; the compiled step
+    sends each message once, and so does the ledger (against the HLO's collectives)."""
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    config = _config("taco+")
+    x = jnp.ones((4 * 16, 256), jnp.float32)
+    weights = jnp.ones((3, 256), jnp.float32)
+
+    def body(v):
+        def layer(h, w):
+            return tj.tp.reduce_from_tp(tj.tp.copy_to_tp(h, "tensor", config, site="in") * w, "tensor", config,
+                                        site="out"), None
+
+        return jax.grad(lambda u: jnp.sum(jax.lax.scan(layer, u, weights)[0] ** 2))(v)
+
+    with tj.record_wire() as ledger:
+        hlo = _hlo(mesh, body, x)
+    assert sorted((r.site, r.direction) for r in ledger.records) == [("in", "backward"), ("out", "forward")]
+    compiled = [c for c in tj.collectives_in_hlo(hlo) if c.dtype == "u8"]
+    assert len(compiled) == 2  # one per message (the scan's loop runs each of them 3 times)
+    assert sum(c.sent_bytes for c in compiled) == ledger.total()
+
+
 def test_works_under_vmap_with_axis_name():
     """Per-shard code also runs under vmap(axis_name=...), e.g. to simulate TP on one device."""
     config = _config("taco")

@@ -337,7 +337,7 @@ def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
     state = (params, opt_state, feedback)
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, jax.tree.map(lambda x: x.sharding, state))
     tokens = trainer.batch_maker(cfg, mesh)(load("shakespeare", val_fraction=0.05).train, 0, cfg.batch_size)
-    wire, _ = trainer.wire_bytes_per_step(cfg, config, mesh, train_step, state, tokens)
+    wire, _ = trainer.wire_bytes_per_step(cfg, config, train_step, state, tokens)
     hlo = train_step.lower(*state, tokens, jnp.bool_(False)).compile().as_text()
     compiled = {"tensor": 0, "pipe": 0, "data": 0}
     for collective in tj.collectives_in_hlo(hlo):

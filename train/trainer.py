@@ -261,38 +261,25 @@ def _scalar(x: jax.Array) -> float:
 PER_STEP_SITES = ("pipe.shared_grads", "data.grads")
 
 
-def wire_bytes_per_step(cfg: TrainConfig, config, mesh, train_step, state: tuple, tokens) -> tuple[dict, dict]:
+def wire_bytes_per_step(cfg: TrainConfig, config, train_step, state: tuple, tokens) -> tuple[dict, dict]:
     """Bytes each rank sends per optimizer step on every mesh axis, as sent and as plain
     bfloat16: ({"tensor": .., "pipe": .., "data": ..}, the same as bf16), from the
     collectives traced in one step. Scanned layer sites count once per local layer,
-    what runs per microbatch once per accumulation step. Forward messages come from a
-    trace of the loss alone: differentiating a scan traces its body's forward rules
-    twice, so the step's own trace counts only its backward messages. (Scalars, e.g.
-    the loss's mean over data, and forward messages recomputed under `remat` are not
-    counted.)
+    what runs per microbatch once per accumulation step. (Scalars, e.g. the loss's mean
+    over data, and forward messages recomputed under `remat` are not counted.)
 
     Args:
-      mesh: the run's device mesh.
       train_step: from `make_step_functions`.
       state: (params, opt_state, feedback) as train_step takes them.
       tokens: a global batch.
     """
-    with tj.record_wire() as step_ledger:
+    with tj.record_wire() as ledger:
         train_step.lower(*state, tokens, jnp.bool_(False))
-    par, pipe = _parallelism(cfg, Calibration()), taco_config(cfg, "pipe")
-    loss = _shard_map(cfg, mesh, lambda p, t: pipeline_loss(config, p, t, par, cfg.microbatches, pipe),
-                      (models.partition_specs(config), P("data")), P())
-    chunk = jax.ShapeDtypeStruct((tokens.shape[0] // cfg.grad_accum, tokens.shape[1]), tokens.dtype,
-                                 sharding=tokens.sharding)
-    with tj.record_wire() as forward_ledger:
-        jax.jit(loss).lower(state[0], chunk)
-    records = ([r for r in forward_ledger.records if r.direction == "forward"]
-               + [r for r in step_ledger.records if r.direction == "backward"])
     layers_per_stage = config.n_layers // cfg.mesh[1]
     factor = lambda r: ((layers_per_stage if r.site.startswith("layers.") else 1)
                         * (1 if r.site in PER_STEP_SITES else cfg.grad_accum))
     sums = lambda bf16: {axis: sum(factor(r) * (r.bf16_sent_bytes if bf16 else r.sent_bytes)
-                                   for r in records if r.axis == axis) for axis in ("tensor", "pipe", "data")}
+                                   for r in ledger.records if r.axis == axis) for axis in ("tensor", "pipe", "data")}
     return sums(False), sums(True)
 
 
@@ -519,7 +506,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     calibrate_at = step + cfg.calibration_steps if observe else None
     collector = tj.calibration.Collector() if observe else None
     train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
-    wire, wire_bf16 = wire_bytes_per_step(cfg, config, mesh, train_step, (params, opt_state, feedback),
+    wire, wire_bf16 = wire_bytes_per_step(cfg, config, train_step, (params, opt_state, feedback),
                                           batch_of(corpus.train, 0, cfg.batch_size))
     log = MetricsLog(out / "metrics.jsonl", step, main_process)
     stop = _StopFlag()
