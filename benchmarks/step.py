@@ -48,8 +48,11 @@ from taco_jax.training.config import TrainConfig
 def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool,
             profile: bool = False, remat: str = "none") -> dict:
     # "default": the trainer's defaults (preset and taco_policy, which probes the link);
-    # a preset name: that preset with every message compressed.
-    preset = {} if mode == "default" else {"taco": mode, "taco_policy": "always"}
+    # a preset name: that preset with every tensor message compressed; "pipe:PRESET" or
+    # "data:PRESET": tensor traffic plain, that axis's traffic with the preset.
+    axis, _, name = mode.rpartition(":")
+    preset = ({} if mode == "default" else {"taco": mode, "taco_policy": "always"}) if not axis else {
+        "taco": "off", f"taco_{axis}": name}
     cfg = TrainConfig(model="custom", mesh=mesh_shape, taco_min_bytes=0, batch_size=batch, seq_len=seq,
                       compute_dtype="bfloat16", sequence_parallel=sequence_parallel, steps=1000, warmup_steps=1,
                       remat=remat, out=tempfile.mkdtemp(prefix="step_"), **preset)
@@ -142,7 +145,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--modes", default="off,taco,taco+,default",
-                        help="presets (every message compressed) and 'default' (the trainer's default policy)")
+                        help="presets (every tensor message compressed), 'default' (the trainer's default "
+                             "policy), and pipe:PRESET / data:PRESET (that axis's traffic compressed)")
     parser.add_argument("--remat", default="none", help="activation checkpointing (models.transformer.REMAT_POLICIES)")
     parser.add_argument("--reference", choices=("torch",), help="also time the PyTorch reference step")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the card, for MFU")
