@@ -29,16 +29,9 @@ def _prepare(config: ModelConfig, mesh: Mesh | None, taco, sequence_parallel: bo
     return mesh, Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel, calibration=calibration)
 
 
-def logits(
-    config: ModelConfig,
-    params: dict,
-    tokens: jax.Array,
-    *,
-    mesh: Mesh | None = None,
-    taco: tj.TacoConfig | None = None,
-    sequence_parallel: bool = False,
-    calibration: tj.calibration.Calibration | None = None,
-) -> jax.Array:
+def logits(config: ModelConfig, params: dict, tokens: jax.Array, *, mesh: Mesh | None = None,
+           taco: tj.TacoConfig | None = None, sequence_parallel: bool = False,
+           calibration: tj.calibration.Calibration | None = None) -> jax.Array:
     """Next-token logits for evaluation.
 
     Args:
@@ -90,16 +83,9 @@ def sequence_parallel_grads(config: ModelConfig, grads: dict, par: Parallelism) 
     return tj.tp.sum_sequence_parallel_grads(grads, partition_specs(config), AXIS)
 
 
-def loss_and_grads(
-    config: ModelConfig,
-    params: dict,
-    tokens: jax.Array,
-    *,
-    mesh: Mesh | None = None,
-    taco: tj.TacoConfig | None = None,
-    sequence_parallel: bool = False,
-    calibration: tj.calibration.Calibration | None = None,
-):
+def loss_and_grads(config: ModelConfig, params: dict, tokens: jax.Array, *, mesh: Mesh | None = None,
+                   taco: tj.TacoConfig | None = None, sequence_parallel: bool = False,
+                   calibration: tj.calibration.Calibration | None = None):
     """Mean next-token loss and its gradients, averaged over the data axis.
 
     Args:

@@ -100,15 +100,8 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
-def compress(
-    x: jax.Array,
-    *,
-    fmt: str,
-    scale_format: str,
-    transform: bool,
-    config: KernelConfig | None = None,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, config: KernelConfig | None = None,
+             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Quantize rows of G elements with the fused kernel.
 
     Args:
@@ -128,15 +121,8 @@ def compress(
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
-def compress_message(
-    x: jax.Array,
-    *,
-    fmt: str,
-    scale_format: str,
-    transform: bool,
-    config: KernelConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:
+def compress_message(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, config: KernelConfig | None = None,
+                     interpret: bool = False) -> jax.Array:
     """Quantize rows of G elements straight into wire messages (`wire.MessageLayout`).
 
     The kernel writes the payload rows of each buffer; the scale rows are then written

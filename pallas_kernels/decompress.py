@@ -130,16 +130,8 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
 @functools.partial(
     jax.jit, static_argnames=("transform", "out_dtype", "requantize", "config", "interpret")
 )
-def decompress(
-    payload: jax.Array,
-    multiplier: jax.Array,
-    *,
-    transform: bool,
-    out_dtype: jnp.dtype = jnp.float32,
-    requantize: tuple[str, str] | None = None,
-    config: KernelConfig | None = None,
-    interpret: bool = False,
-):
+def decompress(payload: jax.Array, multiplier: jax.Array, *, transform: bool, out_dtype: jnp.dtype = jnp.float32,
+               requantize: tuple[str, str] | None = None, config: KernelConfig | None = None, interpret: bool = False):
     """Dequantize and sum k shards of rows of G elements with the fused kernel.
 
     Args:
@@ -167,16 +159,9 @@ def decompress(
 @functools.partial(
     jax.jit, static_argnames=("layout", "transform", "out_dtype", "requantize", "config", "interpret")
 )
-def decompress_message(
-    messages: jax.Array,
-    layout: wire.MessageLayout,
-    *,
-    transform: bool,
-    out_dtype: jnp.dtype = jnp.float32,
-    requantize: bool = False,
-    config: KernelConfig | None = None,
-    interpret: bool = False,
-):
+def decompress_message(messages: jax.Array, layout: wire.MessageLayout, *, transform: bool,
+                       out_dtype: jnp.dtype = jnp.float32, requantize: bool = False, config: KernelConfig | None = None,
+                       interpret: bool = False):
     """Decode wire messages straight from their buffers: for each of B batches, the sum
     of its k messages (k a power of two), decoded or requantized into a new message.
 
@@ -205,14 +190,8 @@ def decompress_message(
     return wire.place_scales(buffer, group_codec.pack_scale_entries(tuple(entries), layout.scale_format), layout)
 
 
-def decompress_reference(
-    payload: jax.Array,
-    multiplier: jax.Array,
-    *,
-    transform: bool,
-    out_dtype: jnp.dtype = jnp.float32,
-    requantize: tuple[str, str] | None = None,
-):
+def decompress_reference(payload: jax.Array, multiplier: jax.Array, *, transform: bool,
+                         out_dtype: jnp.dtype = jnp.float32, requantize: tuple[str, str] | None = None):
     """The same computation in plain jnp (what the kernel is tested against)."""
     if payload.shape[0] == 1 and transform and requantize is None:
         # Transform the small payload values first, then scale: no overflow near f32 max.

@@ -135,8 +135,7 @@ def _route(x: jax.Array, config: TacoConfig, op: str, axis_name: str, algorithm:
 
 
 def planned_spec(
-    spec: QuantSpec, calibration: Calibration | None, site: str, direction: str, channels: int
-) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
+                 spec: QuantSpec, calibration: Calibration | None, site: str, direction: str, channels: int) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
     """`spec` with the site's calibrated transform decision, and the site's permutation
     plan (None when it has none or it is the identity).
 
@@ -203,8 +202,7 @@ def _check_axis(axis: int, ndim: int, what: str) -> int:
 
 
 def gather_and_received(
-    x, axis_name, config, direction, axis, tiled, site, calibration=None
-) -> tuple[jax.Array, jax.Array | tuple[jax.Array, ...]]:
+                        x, axis_name, config, direction, axis, tiled, site, calibration=None) -> tuple[jax.Array, jax.Array | tuple[jax.Array, ...]]:
     """The all-gather result and what crossed the wire: a tuple of (ranks, rows, W)
     uint8 messages (one per pipelined chunk) when compressed (decode again with
     `decode_gathered`), else the result."""
@@ -229,16 +227,8 @@ def _gather(x, axis_name, config, direction, axis, tiled, site, calibration=None
     return gather_and_received(x, axis_name, config, direction, axis, tiled, site, calibration)[0]
 
 
-def decode_gathered(
-    received: tuple[jax.Array, ...],
-    shape: tuple[int, ...],
-    dtype: jnp.dtype,
-    spec: QuantSpec,
-    axis: int,
-    tiled: bool,
-    inverse_perm: np.ndarray | None = None,
-    kernels: str = "auto",
-) -> jax.Array:
+def decode_gathered(received: tuple[jax.Array, ...], shape: tuple[int, ...], dtype: jnp.dtype, spec: QuantSpec,
+                    axis: int, tiled: bool, inverse_perm: np.ndarray | None = None, kernels: str = "auto") -> jax.Array:
     """Decode the all-gathered messages of per-rank arrays of `shape` (the chunks of
     `gather_and_received`) into the all-gather result (`lax.all_gather` layout),
     undoing a channel permutation if given; `kernels` is the kernel mode."""
@@ -416,16 +406,8 @@ def check_arguments(config: TacoConfig, calibration: Calibration | None, algorit
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
 
 
-def all_gather(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    axis: int = 0,
-    tiled: bool = True,
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> jax.Array:
+def all_gather(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, tiled: bool = True,
+               site: str | None = None, calibration: Calibration | None = None) -> jax.Array:
     """Compressed `lax.all_gather` over `axis_name` (inside `shard_map`).
 
     Args:
@@ -451,16 +433,8 @@ def all_gather(
     return _all_gather(vary(x, (axis_name,)), axis_name, config, axis, tiled, site, calibration)
 
 
-def reduce_scatter(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    scatter_dimension: int = 0,
-    tiled: bool = True,
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> jax.Array:
+def reduce_scatter(x: jax.Array, axis_name: str, config: TacoConfig, *, scatter_dimension: int = 0, tiled: bool = True,
+                   site: str | None = None, calibration: Calibration | None = None) -> jax.Array:
     """Compressed `lax.psum_scatter`: sum over `axis_name`, each rank keeps its block.
 
     Chunks are compressed, exchanged with one all-to-all, dequantized and summed in
@@ -486,15 +460,8 @@ def reduce_scatter(
     return _reduce_scatter(vary(x, (axis_name,)), axis_name, config, scatter_dimension, tiled, site, calibration)
 
 
-def all_reduce(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    algorithm: str = "auto",
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> jax.Array:
+def all_reduce(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None,
+               calibration: Calibration | None = None) -> jax.Array:
     """Compressed `lax.psum` over `axis_name`.
 
     "two_shot": compressed reduce-scatter (sum in float32 in the transformed domain),
@@ -525,14 +492,7 @@ def all_reduce(
     return _all_reduce(vary(x, (axis_name,)), axis_name, config, algorithm, site, calibration)
 
 
-def ppermute(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    perm,
-    site: str | None = None,
-) -> jax.Array:
+def ppermute(x: jax.Array, axis_name: str, config: TacoConfig, *, perm, site: str | None = None) -> jax.Array:
     """Compressed `lax.ppermute`: each (source, destination) pair of `perm` sends the
     source's `x` to the destination; ranks that receive nothing get zeros.
 

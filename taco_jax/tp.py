@@ -67,15 +67,8 @@ _copy = collectives.straight_through(lambda x, axis_name, *_: collectives.vary(x
 _reduce = collectives.straight_through(collectives.directed(collectives._reduce, "forward"), _reduce_backward)
 
 
-def copy_to_tp(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    algorithm: str = "auto",
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> jax.Array:
+def copy_to_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None,
+               calibration: Calibration | None = None) -> jax.Array:
     """Enter a tensor-parallel region: identity forward, compressed all-reduce of the
     gradient backward (every rank's partial input gradient is summed).
 
@@ -102,15 +95,8 @@ def copy_to_tp(
     return _copy(x, axis_name, config, algorithm, site, calibration)
 
 
-def reduce_from_tp(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    algorithm: str = "auto",
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> jax.Array:
+def reduce_from_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto",
+                   site: str | None = None, calibration: Calibration | None = None) -> jax.Array:
     """Leave a tensor-parallel region: compressed all-reduce of the partial sums forward
     (`config.forward`), identity backward.
 
@@ -139,15 +125,8 @@ def reduce_from_tp(
     return _reduce(x, axis_name, config, algorithm, site, calibration)
 
 
-def gather_from_sp(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    axis: int = 0,
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> jax.Array:
+def gather_from_sp(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None,
+                   calibration: Calibration | None = None) -> jax.Array:
     """Leave a sequence-parallel region: compressed all-gather of the sequence shards
     forward, compressed reduce-scatter of the gradient backward.
 
@@ -168,15 +147,8 @@ def gather_from_sp(
     return collectives.all_gather(x, axis_name, config, axis=axis, tiled=True, site=site, calibration=calibration)
 
 
-def reduce_scatter_to_sp(
-    x: jax.Array,
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    axis: int = 0,
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> jax.Array:
+def reduce_scatter_to_sp(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None,
+                         calibration: Calibration | None = None) -> jax.Array:
     """Enter a sequence-parallel region: compressed reduce-scatter of the partial sums
     along the sequence forward, compressed all-gather of the gradient backward.
 
@@ -239,16 +211,8 @@ def _gather_matmul_bwd(axis_name, config, axis, site, calibration, residuals, co
 _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
 
 
-def gather_matmul(
-    x: jax.Array,
-    kernels: tuple[jax.Array, ...],
-    axis_name: str,
-    config: TacoConfig,
-    *,
-    axis: int = 1,
-    site: str | None = None,
-    calibration: Calibration | None = None,
-) -> tuple[jax.Array, ...]:
+def gather_matmul(x: jax.Array, kernels: tuple[jax.Array, ...], axis_name: str, config: TacoConfig, *, axis: int = 1,
+                  site: str | None = None, calibration: Calibration | None = None) -> tuple[jax.Array, ...]:
     """Sequence-parallel column-parallel matmuls: `gather_from_sp(x) @ k` for each kernel.
 
     Same values and gradients as `gather_from_sp` followed by the matmuls, but when the
