@@ -122,16 +122,20 @@ def feedback_specs(cfg: TrainConfig, config: models.ModelConfig) -> dict:
     return jax.tree.map(lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P))
 
 
+def _feedback_layout(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
+    """Shapes and shardings of residuals for `params` (what a checkpoint holds)."""
+    specs = jax.tree.map(lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P))
+    return jax.tree.map(
+        lambda p, spec: jax.ShapeDtypeStruct((cfg.mesh[0], *p.shape), jnp.float32, sharding=NamedSharding(mesh, spec)),
+        params, specs, is_leaf=lambda x: isinstance(x, jax.Array))
+
+
 def init_error_feedback(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
     """Zero residuals (float32, laid out by `feedback_specs`); {} when the run keeps none."""
-    specs = feedback_specs(cfg, config)
-    if not specs:
+    if not uses_error_feedback(cfg):
         return {}
-    data = cfg.mesh[0]
-    return jax.tree.map(
-        lambda p, spec: jax.jit(lambda: jnp.zeros((data, *p.shape), jnp.float32),
-                                out_shardings=NamedSharding(mesh, spec))(),
-        params, specs, is_leaf=lambda x: isinstance(x, jax.Array))
+    return jax.tree.map(lambda leaf: jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding)(),
+                        _feedback_layout(cfg, config, params, mesh))
 
 
 def tp_messages(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array) -> list[Message]:
@@ -397,11 +401,14 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
         meta = run.checkpoints.meta(latest)
         if meta.get("model") != cfg.model:
             raise ValueError(f"checkpoint at step {latest} is for model {meta.get('model')!r}, not {cfg.model!r}")
-        target = _checkpoint_state(params, opt_state, run.feedback if meta.get("error_feedback") else {})
-        state, meta = run.checkpoints.restore(latest, target)
+        saved_feedback = _feedback_layout(cfg, config, params, mesh) if meta.get("error_feedback") else {}
+        state, meta = run.checkpoints.restore(latest, _checkpoint_state(params, opt_state, saved_feedback))
         run.params, run.opt_state, run.step, run.bad_total = (
             state["params"], state["opt_state"], meta["step"], meta["skipped_steps"])
-        run.feedback = state.get("error_feedback", run.feedback)
+        if run.feedback:  # a run that starts compressing its data-parallel reduction starts them at zero
+            run.feedback = state.get("error_feedback", run.feedback)
+        elif saved_feedback:
+            print("taco_data is off: the checkpoint's error-feedback residuals are not used", file=sys.stderr)
         run.calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
         run.calibrated = bool(meta.get("calibrated", False))
     elif latest is not None:
