@@ -113,21 +113,22 @@ def uses_error_feedback(cfg: TrainConfig) -> bool:
     return taco_config(cfg, "data").enabled and cfg.mesh[0] > 1
 
 
-def feedback_specs(cfg: TrainConfig, config: models.ModelConfig) -> dict:
-    """PartitionSpecs of the error-feedback residuals: one per parameter and data rank,
-    (data, *parameter shape) split over "data" and then like the parameter; {} when the
-    run keeps none."""
-    if not uses_error_feedback(cfg):
-        return {}
+def _residual_specs(config: models.ModelConfig) -> dict:
+    """(data, *parameter shape) split over "data" and then like the parameter."""
     return jax.tree.map(lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P))
+
+
+def feedback_specs(cfg: TrainConfig, config: models.ModelConfig) -> dict:
+    """PartitionSpecs of the error-feedback residuals, one per parameter and data rank;
+    {} when the run keeps none."""
+    return _residual_specs(config) if uses_error_feedback(cfg) else {}
 
 
 def _feedback_layout(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
     """Shapes and shardings of residuals for `params` (what a checkpoint holds)."""
-    specs = jax.tree.map(lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P))
     return jax.tree.map(
         lambda p, spec: jax.ShapeDtypeStruct((cfg.mesh[0], *p.shape), jnp.float32, sharding=NamedSharding(mesh, spec)),
-        params, specs, is_leaf=lambda x: isinstance(x, jax.Array))
+        params, _residual_specs(config), is_leaf=lambda x: isinstance(x, jax.Array))
 
 
 def init_error_feedback(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
@@ -142,7 +143,8 @@ def tp_messages(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict
     """The tensor-parallel message shapes one step sends (traced, not run)."""
     always = dataclasses.replace(cfg, taco_policy="always")
     with tj.record_wire() as ledger:
-        jax.jit(make_grads_fn(always, config, mesh)).lower(params, tokens, init_error_feedback(cfg, config, params, mesh))
+        feedback = _feedback_layout(cfg, config, params, mesh) if uses_error_feedback(cfg) else {}
+        jax.jit(make_grads_fn(always, config, mesh)).lower(params, tokens, feedback)
     return [Message(r.op.removesuffix("_one_shot").removesuffix("_two_shot"), r.shape, r.dtype)
             for r in ledger.records if r.compressed and r.axis == "tensor"]
 
