@@ -15,6 +15,8 @@ residual still held.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -65,7 +67,8 @@ def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig)
     return trim(total), trim(residual), 2 * (ranks - 1) * message_layout(per_rank, spec).nbytes
 
 
-def mean_gradients(grads, axis_name: str, config: TacoConfig, residual=None, *, site: str = "data.grads"):
+def mean_gradients(grads: Any, axis_name: str, config: TacoConfig, residual: Any = None, *,
+                   site: str = "data.grads") -> tuple[Any, Any]:
     """Average gradients over a data-parallel mesh axis (inside `shard_map`), compressed
     with error feedback where `config` compresses.
 
