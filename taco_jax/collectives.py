@@ -134,8 +134,8 @@ def _route(x: jax.Array, config: TacoConfig, op: str, axis_name: str, algorithm:
                             compresses=jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(nbytes))
 
 
-def planned_spec(
-                 spec: QuantSpec, calibration: Calibration | None, site: str, direction: str, channels: int) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
+def planned_spec(spec: QuantSpec, calibration: Calibration | None, site: str, direction: str,
+                 channels: int) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
     """`spec` with the site's calibrated transform decision, and the site's permutation
     plan (None when it has none or it is the identity).
 
@@ -201,8 +201,8 @@ def _check_axis(axis: int, ndim: int, what: str) -> int:
 # ----------------------------------------------------------------------------- implementations
 
 
-def gather_and_received(
-                        x, axis_name, config, direction, axis, tiled, site, calibration=None) -> tuple[jax.Array, jax.Array | tuple[jax.Array, ...]]:
+def gather_and_received(x, axis_name, config, direction, axis, tiled, site,
+                        calibration=None) -> tuple[jax.Array, jax.Array | tuple[jax.Array, ...]]:
     """The all-gather result and what crossed the wire: a tuple of (ranks, rows, W)
     uint8 messages (one per pipelined chunk) when compressed (decode again with
     `decode_gathered`), else the result."""
