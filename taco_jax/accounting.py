@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections import defaultdict
 from typing import Iterator
 
 _active_ledgers: list[WireLedger] = []
-_paused = [0]
+_PAUSED = contextvars.ContextVar("paused", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +59,6 @@ class WireLedger:
         """What `total` would be with every collective uncompressed."""
         return sum(r.uncompressed_sent_bytes for r in self.records if direction in (None, r.direction))
 
-    def by_axis(self, bf16: bool = False) -> dict[str, int]:
-        """Bytes sent per rank, summed per mesh axis (`bf16`: as plain bfloat16)."""
-        sums: dict[str, int] = defaultdict(int)
-        for r in self.records:
-            sums[r.axis] += r.bf16_sent_bytes if bf16 else r.sent_bytes
-        return dict(sums)
-
     def by_site(self) -> dict[str, int]:
         """Bytes sent per rank, summed per call site."""
         sums: dict[str, int] = defaultdict(int)
@@ -97,16 +91,16 @@ def paused() -> Iterator[None]:
     """Record nothing traced inside the block: for work traced again that the compiler
     performs once (an identical recomputation, merged by common-subexpression
     elimination), so that the ledger counts what the compiled program sends."""
-    _paused[0] += 1
+    token = _PAUSED.set(True)
     try:
         yield
     finally:
-        _paused[0] -= 1
+        _PAUSED.reset(token)
 
 
 def record(entry: WireRecord) -> None:
     """Add a record to every active ledger (none while `paused`)."""
-    if _paused[0]:
+    if _PAUSED.get():
         return
     for ledger in _active_ledgers:
         ledger.records.append(entry)

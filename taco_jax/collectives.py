@@ -184,11 +184,15 @@ def record_collective(site, op, direction, x, axis_name, spec, sent, plain_sent)
     )
 
 
+def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `nbytes`: 2 (k-1)/k of them."""
+    return 2 * (ranks - 1) * nbytes // ranks
+
+
 def record_plain_all_reduce(x: jax.Array, axis_name: str, site: str, direction: str = "forward") -> None:
     """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
-    with `jax.lax` directly: a ring all-reduce sends 2 (k-1)/k of it per rank."""
-    ranks = lax.axis_size(axis_name)
-    plain = 2 * (ranks - 1) * x.size * jnp.dtype(x.dtype).itemsize // ranks
+    with `jax.lax` directly."""
+    plain = ring_all_reduce_bytes(x.size * jnp.dtype(x.dtype).itemsize, lax.axis_size(axis_name))
     record_collective(site, "all_reduce", direction, x, axis_name, None, plain, plain)
 
 
@@ -279,7 +283,7 @@ def _reduce_scatter_rows(rows, axis_name: str, spec: QuantSpec, dtype: jnp.dtype
 def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
     ranks = lax.axis_size(axis_name)
     nbytes = x.size * x.dtype.itemsize
-    plain_sent = 2 * (ranks - 1) * nbytes // ranks
+    plain_sent = ring_all_reduce_bytes(nbytes, ranks)
     route = _route(x, config, "all_reduce", axis_name, algorithm)
     wire, spec, inverse = _wire_view(x, config, direction, "all_reduce", site, calibration, route)
     if spec is None:
@@ -302,12 +306,19 @@ def _one_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array,
     return out, _message_bytes(rows.shape[0], spec, chunks)
 
 
+def rank_blocks(rows: jax.Array, ranks: int) -> jax.Array:
+    """(n, G) rows as (ranks, ceil(n / ranks), G) blocks, zero rows padding the last:
+    block i is what rank i reduces in a two-shot all-reduce."""
+    per_rank = -(-rows.shape[0] // ranks)
+    return jnp.pad(rows, [(0, ranks * per_rank - rows.shape[0]), (0, 0)]).reshape(ranks, per_rank, rows.shape[1])
+
+
 def _two_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array, int]:
     """Reduce-scatter, requantize the reduced block, all-gather it: (n, G) sum, bytes
     per peer."""
-    ranks, count = lax.axis_size(axis_name), rows.shape[0]
-    per_rank = -(-count // ranks)
-    blocks = jnp.pad(rows, [(0, ranks * per_rank - count), (0, 0)]).reshape(ranks, per_rank, spec.group_size)
+    count = rows.shape[0]
+    blocks = rank_blocks(rows, lax.axis_size(axis_name))
+    per_rank = blocks.shape[1]
     pieces = []
     for a, b in chunk_bounds(per_rank, chunks):
         received = lax.all_to_all(encode(blocks[:, a:b], spec, kernels), axis_name, 0, 0, tiled=True)

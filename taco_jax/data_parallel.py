@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.codec import decode, encode, message_layout, requantize
-from taco_jax.collectives import check_arguments, gather_invariant, record_collective, record_plain_all_reduce
+from taco_jax.collectives import (check_arguments, gather_invariant, rank_blocks, record_collective,
+                                  record_plain_all_reduce, ring_all_reduce_bytes)
 from taco_jax.spec import TacoConfig
 
 
@@ -52,8 +53,8 @@ def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig)
     """
     spec, kernels = config.backward, config.kernels
     ranks, count = lax.axis_size(axis_name), rows.shape[0]
-    per_rank = -(-count // ranks)
-    blocks = jnp.pad(rows, [(0, ranks * per_rank - count), (0, 0)]).reshape(ranks, per_rank, spec.group_size)
+    blocks = rank_blocks(rows, ranks)
+    per_rank = blocks.shape[1]
     sent = encode(blocks, spec, kernels)
     message_error = blocks - decode(sent[:, None], per_rank, spec, jnp.float32, kernels)
     received = lax.all_to_all(sent, axis_name, 0, 0, tiled=True)
@@ -112,7 +113,7 @@ def mean_gradients(grads: Any, axis_name: str, config: TacoConfig, residual: Any
     total, dropped, sent = _two_shot_with_feedback(rows / ranks, axis_name, config)
     bucket = jax.ShapeDtypeStruct((sum(leaf.size for leaf in leaves),), jnp.result_type(*leaves))
     record_collective(site, "all_reduce_two_shot", "backward", bucket, axis_name, config.backward, sent,
-                      2 * (ranks - 1) * bucket.size * bucket.dtype.itemsize // ranks)
+                      ring_all_reduce_bytes(bucket.size * bucket.dtype.itemsize, ranks))
     mean = treedef.unflatten(_unbucket(total, leaves))
     new_residual = treedef.unflatten(_unbucket(dropped * ranks, [leaf.astype(jnp.float32) for leaf in leaves]))
     return mean, new_residual

@@ -135,8 +135,9 @@ def init_error_feedback(cfg: TrainConfig, config: models.ModelConfig, params: di
     """Zero residuals (float32, laid out by `feedback_specs`); {} when the run keeps none."""
     if not uses_error_feedback(cfg):
         return {}
-    return jax.tree.map(lambda leaf: jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding)(),
-                        _feedback_layout(cfg, config, params, mesh))
+    layout = _feedback_layout(cfg, config, params, mesh)
+    zeros = lambda: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), layout)
+    return jax.jit(zeros, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, layout))()
 
 
 def tp_messages(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array) -> list[Message]:
