@@ -139,29 +139,61 @@ def torch_copy_tb_per_s(elements: int) -> float | None:
     return 4 * elements / statistics.median(times) / 1e9
 
 
-def sweep_blocks(key, tokens: int, channels: int) -> list[dict]:
+SWEEP_OPS = {  # op name: (preset, k shards, requantize)
+    "compress/taco": ("taco", 0, False),
+    "compress/taco+": ("taco+", 0, False),
+    "compress/fp8": ("fp8", 0, False),
+    "decompress/taco": ("taco", 1, False),
+    "decompress/taco+": ("taco+", 1, False),
+    "decompress/fp8": ("fp8", 1, False),
+    "decompress_sum/taco": ("taco", SHARDS, False),
+    "decompress_sum/taco+": ("taco+", SHARDS, False),
+    "requantize_sum/taco": ("taco", SHARDS, True),
+    "requantize_sum/taco+": ("taco+", SHARDS, True),
+}
+
+
+def _sweep_op(name: str, xs: list, config: KernelConfig):
+    """(jitted fn, its inputs, bytes moved) for one swept op under `config`."""
+    preset, shards, requantize = SWEEP_OPS[name]
+    fmt, scale_format, transform = PRESETS[preset]
+    kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
+    rows_n = xs[0].shape[0]
+    if not shards:
+        fn = jax.jit(lambda vs: [kc.compress(v, config=config, **kw) for v in vs])
+        return fn, (xs,), 3 * xs[0].size + _scales_bytes(rows_n, scale_format)
+    compressed = [kc.compress(v, **kw) for v in xs]
+    payloads = [p.reshape(shards, rows_n // shards, GROUP) for p, _ in compressed]
+    multipliers = [group_codec.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed]
+    out_rows = rows_n // shards
+    if requantize:
+        fn = jax.jit(lambda ps, ms: [kd.decompress(p, m, transform=transform, requantize=(fmt, scale_format), config=config)
+                                     for p, m in zip(ps, ms)])
+        out_bytes = out_rows * GROUP + _scales_bytes(out_rows, scale_format)
+    else:
+        fn = jax.jit(lambda ps, ms: [kd.decompress(p, m, transform=transform, out_dtype=jnp.bfloat16, config=config)
+                                     for p, m in zip(ps, ms)])
+        out_bytes = 2 * out_rows * GROUP
+    return fn, (payloads, multipliers), xs[0].size + 4 * rows_n + out_bytes
+
+
+def sweep_configs(key, tokens: int, channels: int, budget_s: float) -> list[dict]:
+    """Time every op over launch configurations: block rows, blocks per program (the
+    kernel's loop), warps and pipelining stages."""
     rows_n = tokens * channels // GROUP
-    x = jax.random.normal(key, (rows_n, GROUP), jnp.bfloat16)
-    payload, scales = kc.compress(x, fmt="e4m3", scale_format="dual", transform=True)
-    multiplier = group_codec.dequantize_scale(scales, "dual").reshape(1, -1)
-    payload_k = jnp.stack([payload] * SHARDS)[:, : rows_n // SHARDS]
-    multiplier_k = jnp.concatenate([multiplier] * SHARDS)[:, : rows_n // SHARDS]
-    results = []
-    for block_rows in (32, 64, 128, 256, 512):
-        for warps in (4, 8):
-            cfg_c = KernelConfig(block_rows=block_rows, num_warps=warps)
-            cfg_d = KernelConfig(block_rows=block_rows, num_warps=warps)
-            timings = {
-                "compress": time_ms(jax.jit(lambda v: kc.compress(v, fmt="e4m3", scale_format="dual", transform=True,
-                                                                    config=cfg_c)), (x,)),
-                "decompress": time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
-                                                                          config=cfg_d)), (payload[None], multiplier)),
-                "decompress_sum": time_ms(jax.jit(lambda p, m: kd.decompress(p, m, transform=True, out_dtype=jnp.bfloat16,
-                                                                              config=cfg_d)), (payload_k, multiplier_k)),
-            }
-            results.append(dict(block_rows=block_rows, num_warps=warps, **timings))
-            print(f"  block_rows={block_rows:4d} warps={warps}: " + "  ".join(f"{k} {v:.3f} ms" for k, v in timings.items()),
-                  file=sys.stderr, flush=True)
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
+    start, results = time.perf_counter(), []
+    configs = [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
+               for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
+    for name in SWEEP_OPS:
+        for config in configs:
+            if time.perf_counter() - start > budget_s:
+                return results
+            fn, inputs, nbytes = _sweep_op(name, xs, config)
+            ms = time_ms(fn, inputs, trials=5, calls=3)
+            results.append(dict(op=name, **dataclasses.asdict(config), ms=ms, tb_per_s=nbytes / ms / 1e9))
+            print(f"  {name:22s} {config.block_rows:4d} x{config.blocks_per_program:<3d} w{config.num_warps} "
+                  f"s{config.num_stages} {ms:7.3f} ms {nbytes / ms / 1e9:5.2f} TB/s", file=sys.stderr, flush=True)
     return results
 
 
@@ -215,6 +247,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, no block sweep")
     parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
+    parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
+    parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
@@ -222,12 +256,16 @@ def main() -> None:
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
+    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget)
+    if args.sweep_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kernels_sweep.json").write_text(json.dumps({"device": device, "sweep": sweep}, indent=1))
+        return
     correctness = check_correctness(key)
     rounding = check_rounding_under_jit(key)
     worst = max(r["scale_rel_diff"] for r in correctness)
     print(f"correctness: worst payload mismatch {max(r['payload_mismatch'] for r in correctness):.2e}, "
           f"worst scale diff {worst:.2e}, rounding {rounding}", file=sys.stderr, flush=True)
-    sweep = [] if args.quick or args.no_sweep else sweep_blocks(key, 16384, 8192)
     shapes = [(16384, 8192)] if args.quick else [(4096, 4096, 16), (16384, 8192, 4), (32768, 16384, 2)]
     timings = []
     for shape in shapes:
@@ -236,7 +274,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
             "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
-            "decompress_default": dataclasses.asdict(kd.default_config(GROUP, 1))}
+            "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True))}
     (args.out / "kernels.json").write_text(json.dumps(
         {"meta": meta, "correctness": correctness, "rounding": rounding, "block_sweep": sweep, "timings": timings}, indent=1))
     copy = {}

@@ -20,17 +20,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
-from taco_jax.kernels.launch import KernelConfig, block_rows_for, output_struct
+from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
 from taco_jax.kernels.hadamard import hadamard_matrix
 
 
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
 
 
-def default_config(group_size: int) -> KernelConfig:
-    """Block sizes by group size: about 8K elements per program (set from H200 sweeps,
-    benchmarks/kernels.py)."""
-    return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
+def default_config(group_size: int, transform: bool = True) -> KernelConfig:
+    """About 8K elements per block; with the transform, four blocks per program (the
+    Hadamard tile loaded once for them). Set from the H200 sweep of benchmarks/kernels.py."""
+    return KernelConfig(block_rows=max(16, 8192 // group_size), blocks_per_program=4 if transform else 1, num_warps=4)
 
 
 def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax.Array:
@@ -48,20 +48,27 @@ def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax
     return result
 
 
-def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits):
-    groups = x_ref[...].astype(jnp.float32)
-    group_size = groups.shape[-1]
-    normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
-    if transform:
-        row_factor = formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
-        scaled = hadamard_dot(normalized, hadamard_ref[...], splits) * row_factor
-    else:
-        scaled = groups * prescale
-    payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format)
-    # A message buffer is uint8: the codes go in as their bytes.
-    payload_ref[...] = payload if payload_ref.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, payload_ref.dtype)
-    for ref, entry in zip(scale_refs, entries):
-        ref[...] = entry.reshape(ref.shape)
+def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block):
+    group_size = x_ref.shape[-1]
+    hadamard = hadamard_ref[...] if transform else None  # once per program, for every block
+
+    def compress_block(rows):
+        groups = x_ref[rows, :].astype(jnp.float32)
+        normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
+        if transform:
+            row_factor = formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
+            scaled = hadamard_dot(normalized, hadamard, splits) * row_factor
+        else:
+            scaled = groups * prescale
+        payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format)
+        # A message buffer is uint8: the codes go in as their bytes.
+        if payload_ref.dtype != payload.dtype:
+            payload = jax.lax.bitcast_convert_type(payload, payload_ref.dtype)
+        payload_ref[rows, :] = payload
+        for ref, entry in zip(scale_refs, entries):
+            ref[rows] = entry.reshape(entry.shape[0])
+
+    row_loop(x_ref.shape[0], block, compress_block)
 
 
 def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
@@ -74,22 +81,22 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
     """
     group_codec.check_scale_format(scale_format)
     batch, rows, group_size = x.shape
-    config = config or default_config(group_size)
-    block = block_rows_for(rows, config.block_rows)
-    padded = rows + (-rows % block)
+    config = config or default_config(group_size, transform)
+    per_program, block = program_rows(rows, config, batch)
+    padded = rows + (-rows % per_program)
     if padded != rows:
         x = jnp.pad(x, ((0, 0), (0, padded - rows), (0, 0)))
     entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
     kernel = functools.partial(
         _compress_kernel, fmt=fmt, scale_format=scale_format, transform=transform,
-        splits=BF16_SPLITS[jnp.dtype(x.dtype)],
+        splits=BF16_SPLITS[jnp.dtype(x.dtype)], block=block,
     )
-    tile = pl.BlockSpec((None, block, group_size), lambda b, i: (b, i, 0))
+    tile = pl.BlockSpec((None, per_program, group_size), lambda b, i: (b, i, 0))
     payload, *entries = pl.pallas_call(
         kernel,
-        grid=(batch, padded // block),
+        grid=(batch, padded // per_program),
         in_specs=[tile, pl.BlockSpec((group_size, group_size), lambda b, i: (0, 0))],
-        out_specs=[tile] + [pl.BlockSpec((None, block), lambda b, i: (b, i))] * len(entry_dtypes),
+        out_specs=[tile] + [pl.BlockSpec((None, per_program), lambda b, i: (b, i))] * len(entry_dtypes),
         out_shape=[output_struct((batch, max(padded, payload_rows), group_size), payload_dtype, x)]
         + [output_struct((batch, padded), dtype, x) for dtype in entry_dtypes],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

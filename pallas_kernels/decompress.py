@@ -25,51 +25,63 @@ from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
 from taco_jax.kernels.compress import hadamard_dot
-from taco_jax.kernels.launch import KernelConfig, block_rows_for, output_struct
+from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 
-def default_config(group_size: int, shards: int, requantize: bool = False) -> KernelConfig:
-    """8K elements per program, 16K when decoding a sum of several shards (the fastest
-    in the H200 block sweep of benchmarks/kernels.py)."""
-    elements = 16384 if shards > 1 and not requantize else 8192
-    return KernelConfig(block_rows=max(16, elements // group_size), num_warps=4)
+def default_config(group_size: int, transform: bool) -> KernelConfig:
+    """About 8K elements per block; decoding through the transform loops over four
+    blocks per program (the Hadamard tile loaded once for them) with loads three stages
+    ahead. Set from the H200 sweep of benchmarks/kernels.py."""
+    if transform:
+        return KernelConfig(block_rows=max(16, 8192 // group_size), blocks_per_program=4, num_warps=4, num_stages=3)
+    return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
-def _codes(payload_ref, shard: int, fmt: str | None) -> jax.Array:
-    """One shard's codes as float32; a uint8 message buffer holds their bytes."""
-    codes = payload_ref[shard]
+def _codes(payload_ref, shard: int, rows, fmt: str | None) -> jax.Array:
+    """One shard's codes in their 8-bit type; a uint8 message buffer holds their bytes."""
+    codes = payload_ref[shard, rows, :]
     if fmt is not None:
         codes = jax.lax.bitcast_convert_type(codes, formats.wire_format(fmt).dtype)
-    return codes.astype(jnp.float32)
+    return codes
 
 
-def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt):
+def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt, block):
     shards, _, group_size = payload_ref.shape
     inv_sqrt = np.float32(1.0 / np.sqrt(group_size))
-    if shards == 1 and transform and requantize is None:
-        # One 8-bit shard is exact in bf16: a single matmul, then the group's scale.
-        payload = _codes(payload_ref, 0, message_fmt).astype(jnp.bfloat16)
-        values = jnp.dot(payload, hadamard_ref[...], preferred_element_type=jnp.float32)
-        out_refs[0][...] = (values * (multiplier_ref[0] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
-        return
-    summed = _codes(payload_ref, 0, message_fmt) * multiplier_ref[0][:, None]
-    for shard in range(1, shards):
-        summed = summed + _codes(payload_ref, shard, message_fmt) * multiplier_ref[shard][:, None]
-    if requantize is not None:
-        fmt, scale_format = requantize
-        _, _, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
-        payload, entries = group_codec.quantize_scaled(summed * prescale, prescale, fmt, scale_format)
-        out = out_refs[0]
-        out[...] = payload if out.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, out.dtype)
-        for ref, entry in zip(out_refs[1:], entries):
-            ref[...] = entry.reshape(ref.shape)
-        return
-    if transform:
-        # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
-        splits = 3 if out_refs[0].dtype == jnp.float32 else 2
-        summed = hadamard_dot(summed, hadamard_ref[...], splits) * inv_sqrt
-    out_refs[0][...] = summed.astype(out_refs[0].dtype)
+    single = shards == 1 and transform and requantize is None
+    # Loaded once per program, for every block.
+    hadamard = hadamard_ref[...] if transform and requantize is None else None
+
+    def dequantized(shard, rows):
+        return _codes(payload_ref, shard, rows, message_fmt).astype(jnp.float32) * multiplier_ref[shard, rows][:, None]
+
+    def decode_block(rows):
+        if single:
+            # One 8-bit shard is exact in bf16: a single matmul, then the group's scale.
+            payload = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32).astype(jnp.bfloat16)
+            values = jnp.dot(payload, hadamard, preferred_element_type=jnp.float32)
+            out_refs[0][rows, :] = (values * (multiplier_ref[0, rows] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
+            return
+        summed = dequantized(0, rows)
+        for shard in range(1, shards):
+            summed = summed + dequantized(shard, rows)
+        if requantize is not None:
+            fmt, scale_format = requantize
+            _, _, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
+            payload, entries = group_codec.quantize_scaled(summed * prescale, prescale, fmt, scale_format)
+            out = out_refs[0]
+            out[rows, :] = payload if out.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, out.dtype)
+            for ref, entry in zip(out_refs[1:], entries):
+                ref[rows] = entry.reshape(entry.shape[0])
+            return
+        if transform:
+            # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
+            splits = 3 if out_refs[0].dtype == jnp.float32 else 2
+            summed = hadamard_dot(summed, hadamard, splits) * inv_sqrt
+        out_refs[0][rows, :] = summed.astype(out_refs[0].dtype)
+
+    row_loop(payload_ref.shape[1], block, decode_block)
 
 
 def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, config, interpret, message_fmt,
@@ -84,16 +96,16 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
       N rows hold the codes, scale entries as (N, 1, 1) arrays).
     """
     batch, shards, rows, group_size = payload.shape
-    config = config or default_config(group_size, shards, requantize is not None)
-    block = block_rows_for(groups, config.block_rows)
-    padded = groups + (-groups % block)
+    config = config or default_config(group_size, transform and requantize is None)
+    per_program, block = program_rows(groups, config, batch)
+    padded = groups + (-groups % per_program)
     if padded > rows:  # odd sizes only: pad so every block reads inside the buffer
         payload = jnp.pad(payload, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     multiplier = jnp.pad(multiplier.astype(jnp.float32), ((0, 0), (0, 0), (0, padded - groups)))
-    blocks = padded // block
+    blocks = padded // per_program
     payload = payload.reshape(batch * shards, -1, group_size)
     multiplier = multiplier.reshape(batch * shards, padded)
-    tile = pl.BlockSpec((block, group_size), lambda b, i: (b * blocks + i, 0))
+    tile = pl.BlockSpec((per_program, group_size), lambda b, i: (b * blocks + i, 0))
     out_rows = batch * padded
     if requantize is None:
         out_specs, out_shape = [tile], [output_struct((out_rows, group_size), out_dtype, payload)]
@@ -102,18 +114,19 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         group_codec.check_scale_format(scale_format)
         entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
         payload_dtype = jnp.uint8 if message_fmt is not None else formats.wire_format(fmt).dtype
-        out_specs = [tile] + [pl.BlockSpec((block,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
+        out_specs = [tile] + [pl.BlockSpec((per_program,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
         if batch != 1:
             raise ValueError(f"requantizing sums one batch of shards, got {batch}")
         out_shape = [output_struct((max(out_rows, groups + extra_rows), group_size), payload_dtype, payload)] + [
             output_struct((out_rows,), dtype, payload) for dtype in entry_dtypes
         ]
     outs = pl.pallas_call(
-        functools.partial(_decompress_kernel, transform=transform, requantize=requantize, message_fmt=message_fmt),
+        functools.partial(_decompress_kernel, transform=transform, requantize=requantize, message_fmt=message_fmt,
+                          block=block),
         grid=(batch, blocks),
         in_specs=[
-            pl.BlockSpec((shards, block, group_size), lambda b, i: (b, i, 0)),
-            pl.BlockSpec((shards, block), lambda b, i: (b, i)),
+            pl.BlockSpec((shards, per_program, group_size), lambda b, i: (b, i, 0)),
+            pl.BlockSpec((shards, per_program), lambda b, i: (b, i)),
             pl.BlockSpec((group_size, group_size), lambda b, i: (0, 0)),
         ],
         out_specs=out_specs,

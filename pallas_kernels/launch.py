@@ -1,11 +1,14 @@
 """What the compress and decompress kernels share about launching: their launch
-parameters, the block of rows a program takes, and how a kernel output is typed."""
+parameters, the rows a program takes and the loop over them, and how a kernel output is
+typed."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
+from jax import lax
+from jax.experimental import pallas as pl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,14 +16,23 @@ class KernelConfig:
     """Launch parameters of a codec kernel.
 
     Attributes:
-      block_rows: groups (rows of G elements) per program; a power of two >= 16.
+      block_rows: groups (rows of G elements) a program works on at a time; a power of
+        two >= 16.
+      blocks_per_program: blocks of `block_rows` each program takes in turn (a loop in
+        the kernel, so the Hadamard tile is loaded once per program and the next
+        block's loads can be issued while one is computed); a power of two.
       num_warps: warps per program.
-      num_stages: software pipelining stages.
+      num_stages: software pipelining stages of that loop.
+      min_programs: fewer blocks per program where the grid would otherwise have fewer
+        programs than this, so that small messages still spread over every
+        multiprocessor (132 on an H200) several times.
     """
 
     block_rows: int = 64
+    blocks_per_program: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    min_programs: int = 1024
 
 
 def block_rows_for(rows: int, preferred: int) -> int:
@@ -30,6 +42,31 @@ def block_rows_for(rows: int, preferred: int) -> int:
     while block > 16 and rows % block:
         block //= 2
     return block if rows % block == 0 else preferred
+
+
+def program_rows(rows: int, config: KernelConfig, batch: int = 1) -> tuple[int, int]:
+    """(rows per program, rows per block of its loop) for `batch` launches of `rows`
+    rows: powers of two that divide `rows` where one does, with fewer blocks per program
+    than the config asks for where the grid would otherwise fall under `min_programs`."""
+    blocks = config.blocks_per_program
+    while blocks > 1 and batch * rows < config.min_programs * config.block_rows * blocks:
+        blocks //= 2
+    per_program = block_rows_for(rows, config.block_rows * blocks)
+    return per_program, min(config.block_rows, per_program)
+
+
+def row_loop(tile_rows: int, block: int, body) -> None:
+    """Inside a kernel: call body(rows) for each block of `block` rows of the program's
+    `tile_rows` rows (`rows` indexes the refs: a `pl.ds`, or all rows in one block)."""
+    if tile_rows == block:
+        body(slice(None))
+        return
+
+    def step(index, carry):
+        body(pl.ds(pl.multiple_of(index * block, block), block))
+        return carry
+
+    lax.fori_loop(0, tile_rows // block, step, 0)
 
 
 def output_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:

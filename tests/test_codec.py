@@ -102,6 +102,14 @@ def test_int8_cast_rounds_half_to_even_and_clips():
     np.testing.assert_array_equal(got, [0, 2, 2, 0, -2, 126, 127, 127, -127])
 
 
+def test_round_to_int_is_numpy_round_half_even():
+    rng = np.random.default_rng(3)
+    values = np.concatenate([np.arange(-2560, 2561) / 20, rng.uniform(-200, 200, 20000), [2.0**21 + 0.5, -(2.0**21) - 1.5]])
+    values = values.astype(np.float32)
+    for fn in (formats.round_to_int, jax.jit(formats.round_to_int)):
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(values))), np.round(values).astype(np.int32))
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("scales", SCALES)
 @pytest.mark.parametrize("magnitude", [1e-9, 1e-30, 1.0, 1e12, 1e30], ids=lambda m: f"{m:g}")

@@ -17,6 +17,7 @@ import taco_jax as tj
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import group_codec
+from taco_jax.kernels.launch import KernelConfig, program_rows
 from tests import reference as ref
 
 FMTS = ["e4m3", "e5m2", "int8"]
@@ -114,6 +115,43 @@ def test_decompress_kernel_requantizes(fmt, scale_format):
     same_scale = _assert_scales_close(got_scales, want_scales, scale_format)
     # Sums of power-of-two-scaled codes sit on coarse grids: ties are common there.
     _assert_payload_close(got_payload, want_payload, fmt, 0.01, same_scale)
+
+
+LOOPED = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1)
+
+
+def test_program_rows_loops_only_where_the_grid_stays_wide():
+    assert program_rows(1 << 20, KernelConfig(block_rows=64, blocks_per_program=4)) == (256, 64)
+    # 512 blocks of 64 rows: looping would leave fewer programs than min_programs.
+    assert program_rows(32768, KernelConfig(block_rows=64, blocks_per_program=4)) == (64, 64)
+    assert program_rows(8192, KernelConfig(block_rows=64, blocks_per_program=4), batch=32) == (256, 64)
+    assert program_rows(96, KernelConfig(block_rows=64, blocks_per_program=4, min_programs=1)) == (32, 32)
+    assert program_rows(200, LOOPED) == (64, 16)  # padded to whole programs
+
+
+@pytest.mark.parametrize("rows", [200, 256])
+@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
+def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows):
+    x = _groups(rows, 128, jnp.bfloat16, seed=rows)
+    kw = dict(fmt=fmt, scale_format=scale_format, transform=True)
+    payload, scales = kc.compress(x, interpret=True, **kw)
+    looped_payload, looped_scales = kc.compress(x, config=LOOPED, interpret=True, **kw)
+    # The interpreter reduces a 16-row block in another order than a 64-row one: ulps.
+    same_scale = _assert_scales_close(looped_scales, scales, scale_format)
+    _assert_payload_close(looped_payload, payload, fmt, 0.002, same_scale)
+    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+    for shards in (1, 2):
+        parts = (payload[None], multiplier) if shards == 1 else (payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1))
+        decoded = kd.decompress(*parts, transform=True, interpret=True)
+        looped = kd.decompress(*parts, transform=True, config=LOOPED, interpret=True)
+        np.testing.assert_allclose(ref.as_float64(looped), ref.as_float64(decoded), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(decoded))))
+        assert float(jnp.linalg.norm(decoded[: rows // shards] - x[: rows // shards].astype(jnp.float32) * shards)) > 0
+    requantized = kd.decompress(payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1), transform=True,
+                                requantize=(fmt, scale_format), config=LOOPED, interpret=True)
+    want = kd.decompress_reference(payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1), transform=True,
+                                   requantize=(fmt, scale_format))
+    same_scale = _assert_scales_close(requantized[1], want[1], scale_format)
+    _assert_payload_close(requantized[0], want[0], fmt, 0.01, same_scale)
 
 
 def test_kernels_propagate_nan_to_the_group():
