@@ -1,6 +1,8 @@
 """Training quality per compression variant: same model, data order and steps, several seeds.
 
-Each run trains with the trainer on a (data, pipe, tensor) mesh (--mesh, default 1,1,4;
+Each run trains with the trainer, on one of the corpora of `benchmarks/corpora.py`
+(--corpora: Shakespeare, Python documentation, Python code with a BPE tokenizer), on a
+(data, pipe, tensor) mesh (--mesh, default 1,1,4;
 simulated as named vmaps on one device with --simulate, which reproduces the mesh's
 arithmetic on a single GPU) and
 reports the final train loss (mean of the last 20 steps) and validation loss as
@@ -34,6 +36,8 @@ Usage (GPU, one device):
   python -m benchmarks.quality --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
   python -m benchmarks.quality --simulate --mesh 2,2,2 --microbatches 2 --tag pipe_data \
       --variants off,pipe-taco,pipe-taco+,data-taco,data-taco+,data-int4+H,all-taco+ --seeds 5 --jobs 10
+  python -m benchmarks.quality --simulate --tag corpora --corpora python-code,python-docs,shakespeare \
+      --models gpt2-40m,qwen2-40m --variants off,fp8,taco,taco+,int4+H --seeds 4 --steps 400 --jobs 12
 CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.quality \\
       --models gpt2-tiny --steps 200
 """
@@ -50,7 +54,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import corpora
+
 ROOT = Path(__file__).resolve().parent.parent
+VAL_FRACTION = 0.05
 
 VARIANTS: dict[str, dict] = {
     "off": {"taco": "off"},
@@ -73,13 +80,14 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> dict:
+def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int) -> dict:
     """One run in this process; returns its result row."""
     from taco_jax.training.config import TrainConfig
     from taco_jax.training.trainer import train
 
-    out = args.runs / f"{model}_{variant}_seed{seed}"
-    settings = dict(model=model, mesh=args.mesh, microbatches=args.microbatches, simulate_mesh=args.simulate,
+    out = args.runs / f"{corpus}_{model}_{variant}_seed{seed}"
+    settings = dict(model=model, data=str(corpora.build(corpus, args.runs / "corpora", VAL_FRACTION)),
+                    val_fraction=VAL_FRACTION, mesh=args.mesh, microbatches=args.microbatches, simulate_mesh=args.simulate,
                     taco_min_bytes=0,
                     steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
                     lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
@@ -88,7 +96,7 @@ def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> 
     cfg = TrainConfig(**{**settings, **VARIANTS[variant]})
     summary = train(cfg, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    result = {"model": model, "variant": variant, "seed": seed, "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
+    result = {"corpus": corpus, "model": model, "variant": variant, "seed": seed, "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
               "val_loss": summary["final_val_loss"], "curve": [r["loss"] for r in rows], "seconds": summary["seconds"],
               "wire_bytes_by_axis": summary["wire_bytes_by_axis"],
               "wire_bytes_bf16_by_axis": summary["wire_bytes_bf16_by_axis"]}
@@ -98,39 +106,64 @@ def train_one(args: argparse.Namespace, model: str, variant: str, seed: int) -> 
     return result
 
 
-def _spawn(args: argparse.Namespace, model: str, variant: str, seed: int) -> dict:
+def _check_budget(args: argparse.Namespace, corpus: str) -> dict:
+    """Build the corpus; its description, with the epochs a run takes of its train split.
+
+    Raises:
+      ValueError: a run would see more than one epoch.
+    """
+    tokens = np.load(corpora.build(corpus, args.runs / "corpora", VAL_FRACTION), mmap_mode="r")
+    train_tokens = int(len(tokens) * (1 - VAL_FRACTION))
+    epochs = args.steps * args.batch_size * args.seq_len / train_tokens
+    if epochs > 1:
+        raise ValueError(f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens are {epochs:.2f} epochs of "
+                         f"{corpus} ({train_tokens} train tokens): take fewer steps")
+    return corpora.describe(corpus, tokens) | {"epochs_per_run": round(epochs, 3)}
+
+
+def _spawn(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int) -> dict:
     env = dict(os.environ)
     if args.jobs > 1:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.2f}")
     forwarded = [a for a in sys.argv[1:] if a != "--report-only"]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.quality", *forwarded, "--one", model, variant, str(seed)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.quality", *forwarded, "--one", corpus, model, variant, str(seed)],
                           env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"{model} {variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{corpus} {model} {variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _corpus(run: dict) -> str:
+    return run.get("corpus", "shakespeare")  # runs measured before the corpora were named
+
+
 def report(results: list[dict], models: list[str], variants: list[str], out: Path, name: str, mesh: str) -> str:
-    """Markdown table; writes NAME.md and NAME.png next to the JSON."""
-    lines = ["| model | variant | seeds | train loss | val loss | val gap vs off | paired val gap | "
-             "paired train gap | bytes vs bf16 per axis |", "|---|---|---|---|---|---|---|---|---|"]
-    for model in models:
-        base = {r["seed"]: r for r in results if r["model"] == model and r["variant"] == "off"}
-        for variant in variants:
-            runs = [r for r in results if r["model"] == model and r["variant"] == variant]
-            if not runs:
-                continue
-            train_l, val_l = [r["train_loss"] for r in runs], [r["val_loss"] for r in runs]
-            gap = f"{100 * (np.mean(val_l) / np.mean([r['val_loss'] for r in base.values()]) - 1):+.2f}%" if base else "n/a"
-            lines.append(f"| {model} | {variant} | {len(runs)} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
-                         f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {_paired(runs, base, 'val_loss')} | "
-                         f"{_paired(runs, base, 'train_loss')} | {_bytes(runs[0])} |")
-        if len(base) > 1:
-            spread = np.ptp([r["val_loss"] for r in base.values()]) / np.mean([r["val_loss"] for r in base.values()])
-            lines.append(f"| {model} | off seed spread (max - min) | | | {100 * spread:.2f}% of the mean | | | | |")
+    """Markdown table per corpus x model x variant; writes NAME.md and NAME.png next to
+    the JSON. Paired val-loss gaps above +0.3% are in bold."""
+    lines = ["| corpus | model | variant | seeds | train loss | val loss | val gap vs off | paired val gap | "
+             "paired train gap | bytes vs bf16 per axis |", "|---|---|---|---|---|---|---|---|---|---|"]
+    panels = []
+    for corpus in dict.fromkeys(_corpus(r) for r in results):
+        for model in models:
+            mine = [r for r in results if _corpus(r) == corpus and r["model"] == model]
+            base = {r["seed"]: r for r in mine if r["variant"] == "off"}
+            if mine:
+                panels.append((corpus, model))
+            for variant in variants:
+                runs = [r for r in mine if r["variant"] == variant]
+                if not runs:
+                    continue
+                train_l, val_l = [r["train_loss"] for r in runs], [r["val_loss"] for r in runs]
+                gap = f"{100 * (np.mean(val_l) / np.mean([r['val_loss'] for r in base.values()]) - 1):+.2f}%" if base else "n/a"
+                lines.append(f"| {corpus} | {model} | {variant} | {len(runs)} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
+                             f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {_paired(runs, base, 'val_loss', flag=0.3)} | "
+                             f"{_paired(runs, base, 'train_loss')} | {_bytes(runs[0])} |")
+            if len(base) > 1:
+                spread = np.ptp([r["val_loss"] for r in base.values()]) / np.mean([r["val_loss"] for r in base.values()])
+                lines.append(f"| {corpus} | {model} | off seed spread (max - min) | | | {100 * spread:.2f}% of the mean | | | | |")
     table = "\n".join(lines)
     (out / f"{name}.md").write_text(table + "\n")
-    _plot(results, models, variants, out / f"{name}.png", mesh)
+    _plot(results, panels, variants, out / f"{name}.png", mesh)
     return table
 
 
@@ -142,28 +175,32 @@ def _bytes(run: dict) -> str:
     return ", ".join(f"{axis} {100 * sent[axis] / bf16[axis]:.0f}%" for axis in sent if bf16[axis])
 
 
-def _paired(runs: list[dict], base: dict, key: str) -> str:
-    """Mean ± standard error of the per-seed relative gap to `off` (same init and data)."""
+def _paired(runs: list[dict], base: dict, key: str, flag: float | None = None) -> str:
+    """Mean ± standard error of the per-seed relative gap to `off` (same init and data),
+    in bold where the mean exceeds `flag` percent."""
     gaps = [100 * (r[key] / base[r["seed"]][key] - 1) for r in runs if r["seed"] in base]
     if len(gaps) < 2:
         return "n/a"
-    return f"{np.mean(gaps):+.2f} ± {np.std(gaps, ddof=1) / np.sqrt(len(gaps)):.2f}%"
+    text = f"{np.mean(gaps):+.2f} ± {np.std(gaps, ddof=1) / np.sqrt(len(gaps)):.2f}%"
+    return f"**{text}**" if flag is not None and np.mean(gaps) > flag else text
 
 
-def _plot(results: list[dict], models: list[str], variants: list[str], path: Path, title: str) -> None:
-    """Loss curves (top) and the paired gap to `off` along training (bottom)."""
+def _plot(results: list[dict], panels: list[tuple[str, str]], variants: list[str], path: Path, title: str) -> None:
+    """Per (corpus, model): loss curves (top) and the paired gap to `off` along training
+    (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     smooth = lambda y: np.convolve(y, np.ones(20) / 20, mode="valid")
-    fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
-    for column, model in enumerate(models):
-        base = {r["seed"]: np.asarray(r["curve"]) for r in results if r["model"] == model and r["variant"] == "off"}
+    fig, axes = plt.subplots(2, len(panels), figsize=(6 * len(panels), 8), squeeze=False)
+    for column, (corpus, model) in enumerate(panels):
+        mine = [r for r in results if _corpus(r) == corpus and r["model"] == model]
+        base = {r["seed"]: np.asarray(r["curve"]) for r in mine if r["variant"] == "off"}
         tops = []
         for index, variant in enumerate(variants):
-            runs = [r for r in results if r["model"] == model and r["variant"] == variant]
+            runs = [r for r in mine if r["variant"] == variant]
             if not runs:
                 continue
             style = dict(label=variant, lw=1, color=plt.get_cmap("tab20")(index % 20),
@@ -175,7 +212,7 @@ def _plot(results: list[dict], models: list[str], variants: list[str], path: Pat
             paired = [100 * (np.asarray(r["curve"]) / base[r["seed"]] - 1) for r in runs if r["seed"] in base]
             if paired:
                 axes[1, column].plot(steps, smooth(np.mean(paired, axis=0)), **style)
-        axes[0, column].set_title(f"{model}, mesh {title}")
+        axes[0, column].set_title(f"{corpus}, {model}, mesh {title}")
         axes[0, column].set_ylabel("train loss (mean over seeds, 20-step average)")
         if tops:
             axes[0, column].set_ylim(top=max(tops))
@@ -191,6 +228,7 @@ def _plot(results: list[dict], models: list[str], variants: list[str], path: Pat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpora", default="shakespeare", help=f"comma-separated, from {list(corpora.CORPORA)}")
     parser.add_argument("--models", default="gpt2-mini,qwen2-mini")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--seeds", type=int, default=3)
@@ -210,12 +248,12 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=ROOT / "runs/quality")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the JSON")
-    parser.add_argument("--one", nargs=3, metavar=("MODEL", "VARIANT", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=4, metavar=("CORPUS", "MODEL", "VARIANT", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(train_one(args, args.one[0], args.one[1], int(args.one[2]))))
+        print(json.dumps(train_one(args, *args.one[:3], int(args.one[3]))))
         return
-    models, variants = args.models.split(","), args.variants.split(",")
+    names, models, variants = args.corpora.split(","), args.models.split(","), args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
@@ -223,10 +261,15 @@ def main() -> None:
     name = f"quality_{args.tag}" if args.tag else "quality"
     path = args.out / f"{name}.json"
     results = json.loads(path.read_text())["runs"] if path.exists() else []
-    done = {(r["model"], r["variant"], r["seed"]) for r in results}
-    todo = [(m, v, s) for s in range(args.seeds) for m in models for v in variants if (m, v, s) not in done]
+    done = {(_corpus(r), r["model"], r["variant"], r["seed"]) for r in results}
+    todo = [(c, m, v, s) for c in names for s in range(args.seeds) for m in models for v in variants
+            if (c, m, v, s) not in done]
     if not args.report_only:
-        settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")}
+        try:
+            described = {c: _check_budget(args, c) for c in names}
+        except ValueError as error:
+            parser.error(str(error))
+        settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")} | {"corpora": described}
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(_spawn, args, *key) for key in todo]
             for future in as_completed(futures):
@@ -237,7 +280,7 @@ def main() -> None:
                     continue
                 results.append(result)
                 path.write_text(json.dumps({"settings": settings, "runs": results}))
-                print(f"  {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
+                print(f"  {result['corpus']} {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
                       f"val {result['val_loss']:.4f} ({result['seconds']:.0f} s)", file=sys.stderr, flush=True)
     print(report(results, models, variants, args.out, name, ",".join(map(str, args.mesh))))
 

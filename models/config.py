@@ -76,12 +76,16 @@ PRESETS: dict[str, ModelConfig] = {
     # Byte-level models for quality studies: big enough for structure in the activations,
     # small enough to train many seeds.
     "gpt2-mini": GPT2Config(256, 512, 384, 6, 8, 1536),
+    # Over four times the mini presets' parameters (46M vs 11M; 48M vs 10M), with a
+    # 4096-token vocabulary that covers bytes and the quality experiment's BPE corpus.
+    "gpt2-40m": GPT2Config(4096, 512, 768, 6, 12, 3072),
     "gpt2-small": GPT2Config(50257, 1024, 768, 12, 12, 3072),
     "gpt2-medium": GPT2Config(50257, 1024, 1024, 24, 16, 4096),
     "gpt2-large": GPT2Config(50257, 1024, 1280, 36, 20, 5120),
     "gpt2-xl": GPT2Config(50257, 1024, 1600, 48, 25, 6400),
     "qwen2-tiny": Qwen2Config(),
     "qwen2-mini": Qwen2Config(256, 512, 384, 6, 8, 4, 1024),
+    "qwen2-40m": Qwen2Config(4096, 512, 768, 6, 12, 4, 2304),
     "qwen2-0.5b": Qwen2Config(151936, 32768, 896, 24, 14, 2, 4864, 1e-6, 1e6, True),
     "qwen2-1.5b": Qwen2Config(151936, 32768, 1536, 28, 12, 2, 8960, 1e-6, 1e6, True),
     "qwen2-7b": Qwen2Config(152064, 32768, 3584, 28, 28, 4, 18944, 1e-6, 1e6, False),

@@ -215,3 +215,14 @@ def test_calibration_observes_every_site_and_stays_within_codec_error():
     worst = max(_rel(g, g1) for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1))
                 if np.linalg.norm(np.asarray(g1)) > 0)
     assert 0 < worst < 0.15
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_quality_presets_are_four_times_the_mini_ones(family):
+    """The quality experiment's larger models: at least 4x the parameters of the minis."""
+    def parameters(name):
+        shapes = jax.tree.leaves(models.params.layout(models.preset(name)), is_leaf=models.params.is_layout_leaf)
+        return sum(int(np.prod(shape)) for shape, _ in shapes)
+
+    assert 4.0 <= parameters(f"{family}-40m") / parameters(f"{family}-mini") < 5.0
+    models.check_tensor_parallel(models.preset(f"{family}-40m"), 4)
