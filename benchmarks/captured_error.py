@@ -11,6 +11,8 @@ relative RMSE and of the median per-channel relative error, forward and backward
 (without the gain bar).
 
 Usage (GPU):  python -m benchmarks.captured_error --simulate [--models gpt2-mini,qwen2-mini]
+              python -m benchmarks.captured_error --simulate --models gpt2-40m,qwen2-40m \
+                  --corpus python-code --steps 400 --tag python-code
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 import taco_jax as tj
+from benchmarks import corpora
+from benchmarks.quality import VAL_FRACTION
 from taco_jax import calibration
 from taco_jax.training import trainer
 from taco_jax.training.config import TrainConfig
@@ -54,13 +58,17 @@ CALIBRATED = {"e4m3 calibrated": "e4m3:128:H:dual", "int8 calibrated": "int8:128
 
 
 def capture(args: argparse.Namespace, model: str) -> tj.calibration.Collector:
-    """Train `model` uncompressed (unless its run exists), then observe it compressing."""
-    common = dict(model=model, mesh=(1, 1, args.tensor), simulate_mesh=args.simulate, taco_min_bytes=0,
+    """Train `model` uncompressed on the corpus (unless its run exists), then observe it
+    compressing."""
+    run_dir = args.runs / f"{args.corpus}_{model}_off"
+    data = corpora.build(args.corpus, args.runs / "corpora", VAL_FRACTION)
+    common = dict(model=model, data=str(data), val_fraction=VAL_FRACTION, mesh=(1, 1, args.tensor),
+                  simulate_mesh=args.simulate, taco_min_bytes=0,
                   steps=args.steps, seed=0, batch_size=16, seq_len=256, lr=1e-3, warmup_steps=args.steps // 10,
                   eval_every=args.steps, checkpoint_every=args.steps, keep_checkpoints=1, compute_dtype="bfloat16",
-                  out=str(args.runs / f"{model}_off"))
+                  out=str(run_dir))
     trained = TrainConfig(**common, taco="off")
-    if not (args.runs / f"{model}_off" / "summary.json").exists():
+    if not (run_dir / "summary.json").exists():
         trainer.train(trained, progress=False)
     observing = dataclasses.replace(trained, taco="taco", calibration_steps=args.batches)
     run = trainer.start_run(observing, resume=True)
@@ -116,6 +124,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--tensor", type=int, default=4)
     parser.add_argument("--simulate", action="store_true", help="simulate the mesh on one device (named vmaps)")
+    parser.add_argument("--corpus", default="shakespeare", help=f"one of {list(corpora.CORPORA)}")
+    parser.add_argument("--tag", default="", help="write captured_error_TAG.{json,md}")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs/captured")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     args = parser.parse_args()
@@ -125,9 +135,10 @@ def main() -> None:
         print(f"  {model}: {len(results[model])} measurements", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     text = table(results)
-    (args.out / "captured_error.json").write_text(json.dumps(results))
-    (args.out / "captured_error.md").write_text(
-        "Relative RMSE / median per-channel relative error, median over sites (one round trip)\n\n" + text + "\n")
+    name = f"captured_error_{args.tag}" if args.tag else "captured_error"
+    (args.out / f"{name}.json").write_text(json.dumps(results))
+    (args.out / f"{name}.md").write_text(f"Corpus {args.corpus}. Relative RMSE / median per-channel relative error, "
+                                         "median over sites (one round trip)\n\n" + text + "\n")
     print(text)
 
 
