@@ -1,6 +1,8 @@
 """Fused Pallas compress / decompress kernels against the jnp path and a device copy.
 
-On a GPU: checks the kernels against the jnp reference, sweeps block sizes, then times
+On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
+warps, pipelining stages; `--sweep-only` writes them alone to kernels_sweep.json), checks
+the kernels against the jnp reference, then times
 (median of trials, launches queued with one sync per trial, each timed call covering
 several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
@@ -13,7 +15,7 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
 Effective bandwidth counts the bytes each op must read and write once.
 
-Usage:  python -m benchmarks.kernels [--quick] [--out DIR]
+Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--out DIR]
 """
 
 from __future__ import annotations
@@ -245,8 +247,8 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one shape, no block sweep")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
+    parser.add_argument("--quick", action="store_true", help="one shape, no launch sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
