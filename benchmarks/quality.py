@@ -86,9 +86,9 @@ def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, s
     from taco_jax.training.trainer import train
 
     out = args.runs / f"{corpus}_{model}_{variant}_seed{seed}"
-    settings = dict(model=model, data=str(corpora.build(corpus, args.runs / "corpora", VAL_FRACTION)),
-                    val_fraction=VAL_FRACTION, mesh=args.mesh, microbatches=args.microbatches, simulate_mesh=args.simulate,
-                    taco_min_bytes=0,
+    data = corpora.build(corpus, args.runs / "corpora", VAL_FRACTION)
+    settings = dict(model=model, data=str(data), val_fraction=VAL_FRACTION, mesh=args.mesh,
+                    microbatches=args.microbatches, simulate_mesh=args.simulate, taco_min_bytes=0,
                     steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
                     lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
                     checkpoint_every=args.steps, keep_checkpoints=1, calibration_steps=args.calibration_steps,
@@ -96,8 +96,9 @@ def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, s
     cfg = TrainConfig(**{**settings, **VARIANTS[variant]})
     summary = train(cfg, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    result = {"corpus": corpus, "model": model, "variant": variant, "seed": seed, "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
-              "val_loss": summary["final_val_loss"], "curve": [r["loss"] for r in rows], "seconds": summary["seconds"],
+    result = {"corpus": corpus, "model": model, "variant": variant, "seed": seed,
+              "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])), "val_loss": summary["final_val_loss"],
+              "curve": [r["loss"] for r in rows], "seconds": summary["seconds"],
               "wire_bytes_by_axis": summary["wire_bytes_by_axis"],
               "wire_bytes_bf16_by_axis": summary["wire_bytes_bf16_by_axis"]}
     calibration = out / "calibration.json"

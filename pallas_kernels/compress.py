@@ -1,6 +1,7 @@
 """Fused compress kernel: pre-scale -> Walsh-Hadamard -> scale -> clip -> 8-bit cast.
 
-One pass over memory: each program loads a (block_rows, G) tile of groups, computes the
+One pass over memory: each program takes `blocks_per_program` tiles of (block_rows, G)
+groups in turn (the Hadamard matrix loaded once for them); for each it computes the
 group statistics, transforms the tile with one tensor-core matmul against the +-1
 Hadamard matrix (exact in bf16, FP32 accumulation; 1/sqrt(G) folded into the scale),
 and stores the 8-bit payload and the per-group scales. float32 inputs are split into
