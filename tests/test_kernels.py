@@ -129,29 +129,47 @@ def test_program_rows_loops_only_where_the_grid_stays_wide():
     assert program_rows(200, LOOPED) == (64, 16)  # padded to whole programs
 
 
-@pytest.mark.parametrize("rows", [200, 256])
-@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
-def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows):
+def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
+    """compress, decode of 1 and 2 shards and requantize under `looped` agree with one
+    block per program (and decode within the codec's error of the input)."""
     x = _groups(rows, 128, jnp.bfloat16, seed=rows)
     kw = dict(fmt=fmt, scale_format=scale_format, transform=True)
-    payload, scales = kc.compress(x, interpret=True, **kw)
-    looped_payload, looped_scales = kc.compress(x, config=LOOPED, interpret=True, **kw)
-    # The interpreter reduces a 16-row block in another order than a 64-row one: ulps.
+    one_block = KernelConfig(block_rows=64)
+    payload, scales = kc.compress(x, config=one_block, interpret=interpret, **kw)
+    looped_payload, looped_scales = kc.compress(x, config=looped, interpret=interpret, **kw)
+    # Blocks of another height may reduce in another order: ulps in the scales.
     same_scale = _assert_scales_close(looped_scales, scales, scale_format)
     _assert_payload_close(looped_payload, payload, fmt, 0.002, same_scale)
     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
     for shards in (1, 2):
-        parts = (payload[None], multiplier) if shards == 1 else (payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1))
-        decoded = kd.decompress(*parts, transform=True, interpret=True)
-        looped = kd.decompress(*parts, transform=True, config=LOOPED, interpret=True)
-        np.testing.assert_allclose(ref.as_float64(looped), ref.as_float64(decoded), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(decoded))))
-        assert float(jnp.linalg.norm(decoded[: rows // shards] - x[: rows // shards].astype(jnp.float32) * shards)) > 0
-    requantized = kd.decompress(payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1), transform=True,
-                                requantize=(fmt, scale_format), config=LOOPED, interpret=True)
-    want = kd.decompress_reference(payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1), transform=True,
-                                   requantize=(fmt, scale_format))
+        parts = (payload.reshape(shards, rows // shards, 128), multiplier.reshape(shards, -1))
+        decoded = kd.decompress(*parts, transform=True, config=one_block, interpret=interpret)
+        looped_decoded = kd.decompress(*parts, transform=True, config=looped, interpret=interpret)
+        np.testing.assert_allclose(ref.as_float64(looped_decoded), ref.as_float64(decoded), rtol=1e-6,
+                                   atol=1e-6 * float(jnp.max(jnp.abs(decoded))))
+        exact = ref.as_float64(x).reshape(shards, rows // shards, 128).sum(axis=0)
+        error = np.linalg.norm(ref.as_float64(looped_decoded) - exact) / np.linalg.norm(exact)
+        assert 1e-4 < error < 0.07
+    halves = (payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1))
+    requantized = kd.decompress(*halves, transform=True, requantize=(fmt, scale_format), config=looped,
+                                interpret=interpret)
+    want = kd.decompress_reference(*halves, transform=True, requantize=(fmt, scale_format))
     same_scale = _assert_scales_close(requantized[1], want[1], scale_format)
     _assert_payload_close(requantized[0], want[0], fmt, 0.01, same_scale)
+
+
+@pytest.mark.parametrize("rows", [200, 256])
+@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
+def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows):
+    _check_looped_launch(fmt, scale_format, rows, LOOPED, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8200, 16384])
+@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
+def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows):
+    looped = KernelConfig(block_rows=64, blocks_per_program=4, num_stages=3, min_programs=1)
+    _check_looped_launch(fmt, scale_format, rows, looped, interpret=False)
 
 
 def test_kernels_propagate_nan_to_the_group():
