@@ -28,7 +28,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 import taco_jax as tj
 from benchmarks import corpora
-from benchmarks.quality import VAL_FRACTION
 from taco_jax import calibration
 from taco_jax.training import trainer
 from taco_jax.training.config import TrainConfig
@@ -61,8 +60,8 @@ def capture(args: argparse.Namespace, model: str) -> tj.calibration.Collector:
     """Train `model` uncompressed on the corpus (unless its run exists), then observe it
     compressing."""
     run_dir = args.runs / f"{args.corpus}_{model}_off"
-    data = corpora.build(args.corpus, args.runs / "corpora", VAL_FRACTION)
-    common = dict(model=model, data=str(data), val_fraction=VAL_FRACTION, mesh=(1, 1, args.tensor),
+    data = corpora.build(args.corpus, args.runs / "corpora")
+    common = dict(model=model, data=str(data), val_fraction=corpora.VAL_FRACTION, mesh=(1, 1, args.tensor),
                   simulate_mesh=args.simulate, taco_min_bytes=0,
                   steps=args.steps, seed=0, batch_size=16, seq_len=256, lr=1e-3, warmup_steps=args.steps // 10,
                   eval_every=args.steps, checkpoint_every=args.steps, keep_checkpoints=1, compute_dtype="bfloat16",

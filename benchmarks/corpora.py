@@ -8,15 +8,15 @@ different in kind from each other:
                 tokenizer of 4096 tokens trained here (the `tokenizers` library) on the
                 text before the validation tail
 
-Each is written once as a 1-D token array (.npy) that the trainer reads as `data=`, with
-the tokenizer beside the BPE one. The standard library is the running interpreter's, so
-the corpora are fixed per Python version (recorded in `describe`).
+Each is written once as a 1-D token array (.npy) that the trainer reads as `data=` with
+`val_fraction=VAL_FRACTION`, with the tokenizer beside the BPE one. The standard library
+is the running interpreter's, so the corpora are fixed per Python version (recorded in
+`describe`).
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import sys
 import sysconfig
 from pathlib import Path
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 CORPORA = ("shakespeare", "python-docs", "python-code")
+VAL_FRACTION = 0.05  # the tail held out for validation (the tokenizer never sees it)
 BPE_VOCAB = 4096
 # Not library code: the test suites repeat themselves, the others are vendored or tools.
 SKIPPED_FOLDERS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__", "turtledemo"}
@@ -74,7 +75,7 @@ def train_bpe(text: str, vocab_size: int):
     return tokenizer
 
 
-def build(name: str, cache: Path, val_fraction: float) -> Path:
+def build(name: str, cache: Path) -> Path:
     """The token file of corpus `name` (written under `cache` on first use).
 
     Raises:
@@ -96,11 +97,10 @@ def build(name: str, cache: Path, val_fraction: float) -> Path:
         text = python_code()
         # The tokenizer sees only text before the validation tail (with a margin, since
         # the split is made on tokens, not characters).
-        tokenizer = train_bpe(text[: int(len(text) * (1 - 2 * val_fraction))], BPE_VOCAB)
+        tokenizer = train_bpe(text[: int(len(text) * (1 - 2 * VAL_FRACTION))], BPE_VOCAB)
         tokenizer.save(str(cache / f"{name}.tokenizer.json"))
         tokens = np.asarray(tokenizer.encode(text).ids, np.uint16)
     np.save(path, tokens)
-    (cache / f"{name}.json").write_text(json.dumps(describe(name, tokens)))
     return path
 
 

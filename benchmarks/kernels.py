@@ -155,6 +155,26 @@ SWEEP_OPS = {  # op name: (preset, k shards, requantize)
 }
 
 
+def _as_shards(compressed: list, scale_format: str, shards: int) -> tuple[list, list]:
+    """Payloads and multipliers of compressed (N, G) tensors as k shards of N / k rows each:
+    what a reduce-scatter receives (k = 1: one all-gathered shard)."""
+    return ([p.reshape(shards, -1, GROUP) for p, _ in compressed],
+            [group_codec.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed])
+
+
+def _compress_bytes(rows: int, scale_format: str) -> int:
+    """bf16 in, 8-bit payload and scales out."""
+    return 3 * rows * GROUP + _scales_bytes(rows, scale_format)
+
+
+def _decode_bytes(rows: int, shards: int, scale_format: str, requantize: bool) -> int:
+    """k shards of rows / k payload rows and their multipliers in; their sum out, in bf16
+    or requantized."""
+    out_rows = rows // shards
+    out = out_rows * GROUP + _scales_bytes(out_rows, scale_format) if requantize else 2 * out_rows * GROUP
+    return rows * GROUP + 4 * rows + out
+
+
 def _sweep_op(name: str, xs: list, config: KernelConfig):
     """(jitted fn, its inputs, bytes moved) for one swept op under `config`."""
     preset, shards, requantize = SWEEP_OPS[name]
@@ -163,20 +183,12 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
     rows_n = xs[0].shape[0]
     if not shards:
         fn = jax.jit(lambda vs: [kc.compress(v, config=config, **kw) for v in vs])
-        return fn, (xs,), 3 * xs[0].size + _scales_bytes(rows_n, scale_format)
-    compressed = [kc.compress(v, **kw) for v in xs]
-    payloads = [p.reshape(shards, rows_n // shards, GROUP) for p, _ in compressed]
-    multipliers = [group_codec.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed]
-    out_rows = rows_n // shards
-    if requantize:
-        fn = jax.jit(lambda ps, ms: [kd.decompress(p, m, transform=transform, requantize=(fmt, scale_format), config=config)
-                                     for p, m in zip(ps, ms)])
-        out_bytes = out_rows * GROUP + _scales_bytes(out_rows, scale_format)
-    else:
-        fn = jax.jit(lambda ps, ms: [kd.decompress(p, m, transform=transform, out_dtype=jnp.bfloat16, config=config)
-                                     for p, m in zip(ps, ms)])
-        out_bytes = 2 * out_rows * GROUP
-    return fn, (payloads, multipliers), xs[0].size + 4 * rows_n + out_bytes
+        return fn, (xs,), _compress_bytes(rows_n, scale_format)
+    payloads, multipliers = _as_shards([kc.compress(v, **kw) for v in xs], scale_format, shards)
+    decode = dict(requantize=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
+    fn = jax.jit(lambda ps, ms: [kd.decompress(p, m, transform=transform, config=config, **decode)
+                                 for p, m in zip(ps, ms)])
+    return fn, (payloads, multipliers), _decode_bytes(rows_n, shards, scale_format, requantize)
 
 
 def sweep_configs(key, tokens: int, channels: int, budget_s: float) -> list[dict]:
@@ -217,28 +229,19 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
                             bytes=4 * elements, tb_per_s=copy_bw))
     for preset, (fmt, scale_format, transform) in PRESETS.items():
         kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
-        scale_bytes = _scales_bytes(rows_n, scale_format)
-        add("compress", preset, "pallas", time_ms(_over_list(lambda v: kc.compress(v, **kw)), (xs,)), 3 * elements + scale_bytes)
-        add("compress", preset, "jnp", time_ms(_over_list(lambda v: kc.compress_reference(v, **kw)), (xs,)), 3 * elements + scale_bytes)
+        compress_bytes = _compress_bytes(rows_n, scale_format)
+        add("compress", preset, "pallas", time_ms(_over_list(lambda v: kc.compress(v, **kw)), (xs,)), compress_bytes)
+        add("compress", preset, "jnp", time_ms(_over_list(lambda v: kc.compress_reference(v, **kw)), (xs,)), compress_bytes)
         compressed = [kc.compress(v, **kw) for v in xs]
-        payloads = [p[None] for p, _ in compressed]
-        multipliers = [group_codec.dequantize_scale(s, scale_format).reshape(1, -1) for _, s in compressed]
         decode = dict(transform=transform, out_dtype=jnp.bfloat16)
+        one_shard, k_shards = _as_shards(compressed, scale_format, 1), _as_shards(compressed, scale_format, SHARDS)
         for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
             run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, **decode) for p, m in zip(ps, ms)])
-            add("decompress", preset, impl, time_ms(run, (payloads, multipliers)), 3 * elements + 4 * rows_n)
-        # k shards of the reduced block, as a reduce-scatter receives them: same total payload.
-        shard_rows = rows_n // SHARDS
-        stacked = [p[0].reshape(SHARDS, shard_rows, GROUP) for p in payloads]
-        stacked_m = [m.reshape(SHARDS, shard_rows) for m in multipliers]
-        out_bytes = 2 * shard_rows * GROUP
-        for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
-            run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, **decode) for p, m in zip(ps, ms)])
-            add("decompress_sum", preset, impl, time_ms(run, (stacked, stacked_m)), elements + 4 * rows_n + out_bytes)
+            add("decompress", preset, impl, time_ms(run, one_shard), _decode_bytes(rows_n, 1, scale_format, False))
+            add("decompress_sum", preset, impl, time_ms(run, k_shards), _decode_bytes(rows_n, SHARDS, scale_format, False))
             run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, requantize=(fmt, scale_format))
                                                   for p, m in zip(ps, ms)])
-            add("requantize_sum", preset, impl, time_ms(run, (stacked, stacked_m)),
-                elements + 4 * rows_n + shard_rows * GROUP + _scales_bytes(shard_rows, scale_format))
+            add("requantize_sum", preset, impl, time_ms(run, k_shards), _decode_bytes(rows_n, SHARDS, scale_format, True))
     for r in results:
         print(f"  {tokens}x{channels} {r['op']:15s} {r['preset']:6s} {r['impl']:6s} {r['ms']:8.3f} ms "
               f"{r['tb_per_s']:5.2f} TB/s", file=sys.stderr, flush=True)

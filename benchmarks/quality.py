@@ -57,7 +57,6 @@ import numpy as np
 from benchmarks import corpora
 
 ROOT = Path(__file__).resolve().parent.parent
-VAL_FRACTION = 0.05
 
 VARIANTS: dict[str, dict] = {
     "off": {"taco": "off"},
@@ -86,8 +85,8 @@ def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, s
     from taco_jax.training.trainer import train
 
     out = args.runs / f"{corpus}_{model}_{variant}_seed{seed}"
-    data = corpora.build(corpus, args.runs / "corpora", VAL_FRACTION)
-    settings = dict(model=model, data=str(data), val_fraction=VAL_FRACTION, mesh=args.mesh,
+    data = corpora.build(corpus, args.runs / "corpora")
+    settings = dict(model=model, data=str(data), val_fraction=corpora.VAL_FRACTION, mesh=args.mesh,
                     microbatches=args.microbatches, simulate_mesh=args.simulate, taco_min_bytes=0,
                     steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
                     lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
@@ -113,8 +112,8 @@ def _check_budget(args: argparse.Namespace, corpus: str) -> dict:
     Raises:
       ValueError: a run would see more than one epoch.
     """
-    tokens = np.load(corpora.build(corpus, args.runs / "corpora", VAL_FRACTION), mmap_mode="r")
-    train_tokens = int(len(tokens) * (1 - VAL_FRACTION))
+    tokens = np.load(corpora.build(corpus, args.runs / "corpora"), mmap_mode="r")
+    train_tokens = int(len(tokens) * (1 - corpora.VAL_FRACTION))
     epochs = args.steps * args.batch_size * args.seq_len / train_tokens
     if epochs > 1:
         raise ValueError(f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens are {epochs:.2f} epochs of "
