@@ -118,7 +118,7 @@ def _check_budget(args: argparse.Namespace, corpus: str) -> dict:
     if epochs > 1:
         raise ValueError(f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens are {epochs:.2f} epochs of "
                          f"{corpus} ({train_tokens} train tokens): take fewer steps")
-    return corpora.describe(corpus, tokens) | {"epochs_per_run": round(epochs, 3)}
+    return corpora.describe(corpus, tokens) | {"steps": args.steps, "epochs_per_run": round(epochs, 3)}
 
 
 def _spawn(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int) -> dict:
@@ -260,7 +260,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"quality_{args.tag}" if args.tag else "quality"
     path = args.out / f"{name}.json"
-    results = json.loads(path.read_text())["runs"] if path.exists() else []
+    earlier = json.loads(path.read_text()) if path.exists() else {"settings": {}, "runs": []}
+    results = earlier["runs"]
     done = {(_corpus(r), r["model"], r["variant"], r["seed"]) for r in results}
     todo = [(c, m, v, s) for c in names for s in range(args.seeds) for m in models for v in variants
             if (c, m, v, s) not in done]
@@ -269,6 +270,8 @@ def main() -> None:
             described = {c: _check_budget(args, c) for c in names}
         except ValueError as error:
             parser.error(str(error))
+        # Corpora measured by earlier invocations keep their own description (steps, epochs).
+        described = earlier["settings"].get("corpora", {}) | described
         settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")} | {"corpora": described}
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(_spawn, args, *key) for key in todo]
