@@ -61,7 +61,7 @@ def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_f
             scaled = hadamard_dot(normalized, hadamard, splits) * row_factor
         else:
             scaled = groups * prescale
-        payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format)
+        payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format, in_kernel=True)
         # A message buffer is uint8: the codes go in as their bytes.
         if payload_ref.dtype != payload.dtype:
             payload = jax.lax.bitcast_convert_type(payload, payload_ref.dtype)

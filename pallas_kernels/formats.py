@@ -93,20 +93,35 @@ ROUNDING_BIAS_BITS = 0x4B400000
 
 def round_to_int(values: jnp.ndarray) -> jnp.ndarray:
     """int32 round(v), ties to even, for float32 |v| < 2**22: one add and one integer
-    subtract (Triton has no round primitive, and a floor-based rounding costs ten ops a
-    value in kernels that are limited by arithmetic)."""
+    subtract. For the Pallas kernels only (Triton has no round primitive, and they are
+    limited by arithmetic): XLA on GPU does not keep the sum's bits (jitted int8 payloads
+    came out wrong on an H200), so the jnp path uses `round_half_even`."""
     return jax.lax.bitcast_convert_type(values + ROUNDING_BIAS, jnp.int32) - ROUNDING_BIAS_BITS
 
 
-def cast_to_wire(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+def round_half_even(values: jnp.ndarray) -> jnp.ndarray:
+    """Round float32 values with |v| < 2**23 to the nearest integer, ties to even.
+
+    Built from floor and exact subtractions, which XLA keeps as written (it folds the
+    usual add-and-subtract 1.5 * 2**23 trick away).
+    """
+    floor = jnp.floor(values)
+    fraction = values - floor
+    odd = (floor - 2.0 * jnp.floor(floor * 0.5)) == 1.0
+    return jnp.where((fraction > 0.5) | ((fraction == 0.5) & odd), floor + 1.0, floor)
+
+
+def cast_to_wire(values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False) -> jnp.ndarray:
     """Round float32 values (already divided by their scale) onto the 8-bit grid.
 
     Round to nearest, ties to even, after clipping to +-max_value. NaN stays NaN in the
     float formats; int8 has no NaN, so callers carry NaN through the group's scale.
+    `in_kernel` picks the integer rounding that suits a Pallas kernel (`round_to_int`);
+    both round the same.
     """
     clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
     if fmt.is_integer:
-        return round_to_int(clipped).astype(fmt.dtype)
+        return round_to_int(clipped).astype(fmt.dtype) if in_kernel else round_half_even(clipped).astype(fmt.dtype)
     return clipped.astype(fmt.dtype)
 
 

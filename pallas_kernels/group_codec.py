@@ -67,7 +67,8 @@ def normalize_groups(groups: jax.Array, fmt_max: float) -> tuple[jax.Array, jax.
     return normalized, shift, jnp.where(jnp.isfinite(absmax), prescale, np.float32(np.nan))
 
 
-def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
+def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,
+                    in_kernel: bool = False) -> tuple[jax.Array, tuple]:
     """Quantize pre-scaled (and transformed) groups `scaled` = y.
 
     Args:
@@ -75,6 +76,7 @@ def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_form
       prescale: float32 (..., 1), the groups' pre-scale a.
       fmt: wire format name.
       scale_format: scale encoding.
+      in_kernel: traced inside a Pallas kernel (`formats.cast_to_wire`).
 
     Returns:
       (payload, scale_entries): payload (..., G) in the format's dtype; scale_entries a
@@ -95,7 +97,7 @@ def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_form
         code = formats.encode_e8m0(scale / prescale)
         divisor, entries = prescale * formats.decode_e8m0(code), (code,)
     # One division per group, then a multiply per element.
-    return formats.cast_to_wire(scaled * (np.float32(1.0) / divisor), wire), entries
+    return formats.cast_to_wire(scaled * (np.float32(1.0) / divisor), wire, in_kernel), entries
 
 
 def pack_scale_entries(entries: tuple, scale_format: str) -> jax.Array:
