@@ -85,7 +85,7 @@ class TrainConfig:
 
     model: str = "gpt2-tiny"
     mesh: tuple[int, int, int] = (2, 1, 4)
-    taco: str = "taco"
+    taco: str = "taco+"
     taco_min_bytes: int = 0
     taco_policy: str = "auto"
     taco_forward: str = ""
