@@ -113,17 +113,20 @@ def test_integer_rounding_is_numpy_round_half_even(rounding):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [16, 64, 512, 8200])
-@pytest.mark.parametrize("fmt", ["int8", "int4", "e4m3"])
-def test_jitted_jnp_path_round_trips_on_the_gpu(fmt, rows):
+@pytest.mark.parametrize("fmt,scales", [("int8", "bf16"), ("int4", "bf16"), ("e4m3", "bf16"), ("e4m3", "dual"),
+                                        ("int8", "e8m0"), ("e5m2", "single")])
+def test_jitted_jnp_path_round_trips_on_the_gpu(fmt, scales, rows):
     """XLA's GPU compilation of the jnp codec (what runs where no kernel applies) within
     codec error of the input, against the same computation on the host."""
-    spec = tj.QuantSpec(fmt=fmt, group_size=128, hadamard=True, scales="bf16")
+    spec = tj.QuantSpec(fmt=fmt, group_size=128, hadamard=True, scales=scales)
     x = _random((rows, 128), seed=rows)
     round_trip = jax.jit(lambda v: tj.decompress(tj.compress(v, spec, kernels="jnp"), kernels="jnp"))
     on_gpu = np.asarray(round_trip(x))
     on_host = np.asarray(round_trip(jax.device_put(x, jax.devices("cpu")[0])))
     error = np.linalg.norm(on_gpu - np.asarray(x)) / np.linalg.norm(np.asarray(x))
-    assert 1e-4 < error < (0.15 if fmt == "int4" else 0.03)  # int4: 11-12% on captured tensors
+    # Round-trip errors of these Gaussian rows on the host: int8 0.5-0.8%, e4m3 2.6-2.7%,
+    # e5m2 5.2%, int4 9.5-10.7%.
+    assert 1e-4 < error < {"int8": 0.015, "e4m3": 0.035, "e5m2": 0.06, "int4": 0.15}[fmt]
     # A code that rounds the other way after a different summation order is allowed.
     assert np.linalg.norm(on_gpu - on_host) < 0.2 * error * np.linalg.norm(np.asarray(x))
 
