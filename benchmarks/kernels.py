@@ -1,7 +1,8 @@
 """Fused Pallas compress / decompress kernels against the jnp path and a device copy.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
-warps, pipelining stages; `--sweep-only` writes them alone to kernels_sweep.json), checks
+warps, pipelining stages, the transform as a tensor-core matmul or a butterfly;
+`--sweep-only` writes them alone to kernels_sweep.json), checks
 the kernels against the jnp reference, then times
 (median of trials, launches queued with one sync per trial, each timed call covering
 several distinct inputs so launch gaps and L2 hits stay out of the numbers):
@@ -15,7 +16,7 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
 Effective bandwidth counts the bytes each op must read and write once.
 
-Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--out DIR]
+Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import group_codec
 from taco_jax.kernels.formats import SCALE_FORMATS
-from taco_jax.kernels.launch import KernelConfig
+from taco_jax.kernels.launch import HADAMARD_METHODS, KernelConfig
 
 PRESETS = {  # name: (fmt, scale_format, transform)
     "taco": ("e4m3", "dual", True),
@@ -191,23 +192,39 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
     return fn, (payloads, multipliers), _decode_bytes(rows_n, shards, scale_format, requantize)
 
 
-def sweep_configs(key, tokens: int, channels: int, budget_s: float) -> list[dict]:
+def _sweep_launches(methods: list[str]) -> list[KernelConfig]:
+    """The launch configurations swept for each transform method. The butterfly needs no
+    tensor-core tile, so it also tries blocks below wgmma's 64 rows."""
+    configs = []
+    if "matmul" in methods:
+        configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
+                    for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
+    if "butterfly" in methods:
+        configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard="butterfly")
+                    for r in (16, 32, 64, 128) for w in (4, 8) for b, st in ((1, 1), (4, 3))]
+    return configs
+
+
+def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: list[str]) -> list[dict]:
     """Time every op over launch configurations: block rows, blocks per program (the
-    kernel's loop), warps and pipelining stages."""
+    kernel's loop), warps, pipelining stages and the transform method (`methods`;
+    "butterfly" only for the ops that apply the transform)."""
     rows_n = tokens * channels // GROUP
     xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
     start, results = time.perf_counter(), []
-    configs = [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
-               for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
-    for name in SWEEP_OPS:
-        for config in configs:
+    for name, (preset, _, requantize) in SWEEP_OPS.items():
+        transformed = PRESETS[preset][2] and not requantize
+        for config in _sweep_launches(methods):
+            if config.hadamard != "matmul" and not transformed:
+                continue
             if time.perf_counter() - start > budget_s:
                 return results
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             ms = time_ms(fn, inputs, trials=5, calls=3)
             results.append(dict(op=name, **dataclasses.asdict(config), ms=ms, tb_per_s=nbytes / ms / 1e9))
-            print(f"  {name:22s} {config.block_rows:4d} x{config.blocks_per_program:<3d} w{config.num_warps} "
-                  f"s{config.num_stages} {ms:7.3f} ms {nbytes / ms / 1e9:5.2f} TB/s", file=sys.stderr, flush=True)
+            print(f"  {name:22s} {config.hadamard:9s} {config.block_rows:4d} x{config.blocks_per_program:<3d} "
+                  f"w{config.num_warps} s{config.num_stages} {ms:7.3f} ms {nbytes / ms / 1e9:5.2f} TB/s",
+                  file=sys.stderr, flush=True)
     return results
 
 
@@ -254,14 +271,20 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
+    parser.add_argument("--sweep-hadamard", default="matmul,butterfly",
+                        help="transform methods the sweep tries (KernelConfig.hadamard), comma-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    methods = args.sweep_hadamard.split(",")
+    unknown = sorted(set(methods) - set(HADAMARD_METHODS))
+    if unknown:
+        parser.error(f"unknown --sweep-hadamard {unknown}; choose from {list(HADAMARD_METHODS)}")
     if jax.default_backend() != "gpu":
         sys.exit("benchmarks/kernels.py times the Pallas GPU kernels: run it on a GPU")
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
-    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget)
+    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget, methods)
     if args.sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kernels_sweep.json").write_text(json.dumps({"device": device, "sweep": sweep}, indent=1))

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
 from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
-from taco_jax.kernels.hadamard import hadamard_matrix
+from taco_jax.kernels.hadamard import hadamard_butterfly, hadamard_matrix
 
 
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
@@ -49,16 +49,29 @@ def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax
     return result
 
 
-def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block):
+def load_hadamard(hadamard_ref, config: KernelConfig) -> jax.Array | None:
+    """The +-1 tile for a "matmul" transform (loaded once per program, for every block);
+    None for a "butterfly" one, which needs no tile."""
+    return hadamard_ref[...] if config.hadamard == "matmul" else None
+
+
+def apply_hadamard(values: jax.Array, hadamard: jax.Array | None, splits: int) -> jax.Array:
+    """values @ H in float32: against the loaded tile (`hadamard_dot`), or as a butterfly
+    where no tile was loaded."""
+    return hadamard_butterfly(values) if hadamard is None else hadamard_dot(values, hadamard, splits)
+
+
+def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block,
+                     config):
     group_size = x_ref.shape[-1]
-    hadamard = hadamard_ref[...] if transform else None  # once per program, for every block
+    hadamard = load_hadamard(hadamard_ref, config) if transform else None
 
     def compress_block(rows):
         groups = x_ref[rows, :].astype(jnp.float32)
         normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
         if transform:
             row_factor = formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
-            scaled = hadamard_dot(normalized, hadamard, splits) * row_factor
+            scaled = apply_hadamard(normalized, hadamard, splits) * row_factor
         else:
             scaled = groups * prescale
         payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format, in_kernel=True)
@@ -90,7 +103,7 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
     entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
     kernel = functools.partial(
         _compress_kernel, fmt=fmt, scale_format=scale_format, transform=transform,
-        splits=BF16_SPLITS[jnp.dtype(x.dtype)], block=block,
+        splits=BF16_SPLITS[jnp.dtype(x.dtype)], block=block, config=config,
     )
     tile = pl.BlockSpec((None, per_program, group_size), lambda b, i: (b, i, 0))
     payload, *entries = pl.pallas_call(

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
-from taco_jax.kernels.compress import hadamard_dot
+from taco_jax.kernels.compress import apply_hadamard, load_hadamard
 from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
@@ -46,12 +46,12 @@ def _codes(payload_ref, shard: int, rows, fmt: str | None) -> jax.Array:
     return codes
 
 
-def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt, block):
+def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt, block,
+                       config):
     shards, _, group_size = payload_ref.shape
     inv_sqrt = np.float32(1.0 / np.sqrt(group_size))
     single = shards == 1 and transform and requantize is None
-    # Loaded once per program, for every block.
-    hadamard = hadamard_ref[...] if transform and requantize is None else None
+    hadamard = load_hadamard(hadamard_ref, config) if transform and requantize is None else None
 
     def dequantized(shard, rows):
         return _codes(payload_ref, shard, rows, message_fmt).astype(jnp.float32) * multiplier_ref[shard, rows][:, None]
@@ -59,8 +59,8 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
     def decode_block(rows):
         if single:
             # One 8-bit shard is exact in bf16: a single matmul, then the group's scale.
-            payload = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32).astype(jnp.bfloat16)
-            values = jnp.dot(payload, hadamard, preferred_element_type=jnp.float32)
+            codes = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32)
+            values = apply_hadamard(codes, hadamard, splits=1)
             out_refs[0][rows, :] = (values * (multiplier_ref[0, rows] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
             return
         summed = dequantized(0, rows)
@@ -78,7 +78,7 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
         if transform:
             # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
             splits = 3 if out_refs[0].dtype == jnp.float32 else 2
-            summed = hadamard_dot(summed, hadamard, splits) * inv_sqrt
+            summed = apply_hadamard(summed, hadamard, splits) * inv_sqrt
         out_refs[0][rows, :] = summed.astype(out_refs[0].dtype)
 
     row_loop(payload_ref.shape[1], block, decode_block)
@@ -122,7 +122,7 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         ]
     outs = pl.pallas_call(
         functools.partial(_decompress_kernel, transform=transform, requantize=requantize, message_fmt=message_fmt,
-                          block=block),
+                          block=block, config=config),
         grid=(batch, blocks),
         in_specs=[
             pl.BlockSpec((shards, per_program, group_size), lambda b, i: (b, i, 0)),

@@ -49,3 +49,28 @@ def hadamard_transform(groups: jax.Array) -> jax.Array:
         "...g,gh->...h", groups, matrix, precision=jax.lax.Precision.HIGHEST
     )
     return transformed * np.float32(1.0 / np.sqrt(size))
+
+
+def hadamard_butterfly(groups: jax.Array) -> jax.Array:
+    """groups @ H (unnormalized, Sylvester order) over the last axis, as log2(G) stages of
+    sums and differences: each stage pairs the first half of the axis with the second and
+    interleaves the sums with the differences (the constant-geometry fast transform).
+
+    Only reshape, split and stack, which the Pallas Triton lowering supports, so inside a
+    kernel the transform needs neither the G x G tile nor the tensor cores; every stage is
+    exact up to float32 rounding of the sums.
+
+    Args:
+      groups: float32 array (..., G), G a power of two.
+
+    Returns:
+      float32 array of the same shape.
+    """
+    *lead, size = groups.shape
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    half = size // 2
+    for _ in range(size.bit_length() - 1):
+        low, high = (part.reshape(*lead, half) for part in jnp.split(groups.reshape(*lead, 2, half), 2, axis=-2))
+        groups = jnp.stack([low + high, low - high], axis=-1).reshape(*lead, size)
+    return groups

@@ -11,6 +11,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 
+HADAMARD_METHODS = ("matmul", "butterfly")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters of a codec kernel.
@@ -26,6 +29,9 @@ class KernelConfig:
       min_programs: fewer blocks per program where the grid would otherwise have fewer
         programs than this, so that small messages still spread over every
         multiprocessor (132 on an H200) several times.
+      hadamard: how a kernel applies the Walsh-Hadamard transform: "matmul" (tensor-core
+        matmuls against the +-1 tile, loaded into shared memory) or "butterfly" (log2 G
+        add/subtract stages in registers, `hadamard.hadamard_butterfly`).
     """
 
     block_rows: int = 64
@@ -33,6 +39,11 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 1
     min_programs: int = 1024
+    hadamard: str = "matmul"
+
+    def __post_init__(self):
+        if self.hadamard not in HADAMARD_METHODS:
+            raise ValueError(f"KernelConfig.hadamard must be one of {HADAMARD_METHODS}, got {self.hadamard!r}")
 
 
 def block_rows_for(rows: int, preferred: int) -> int:

@@ -17,6 +17,7 @@ import taco_jax as tj
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import group_codec
+from taco_jax.kernels.hadamard import hadamard_butterfly
 from taco_jax.kernels.launch import KernelConfig, program_rows
 from tests import reference as ref
 
@@ -118,6 +119,20 @@ def test_decompress_kernel_requantizes(fmt, scale_format):
 
 
 LOOPED = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1)
+BUTTERFLY = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="butterfly")
+
+
+@pytest.mark.parametrize("size", [1, 2, 16, 128, 512])
+def test_hadamard_butterfly_is_the_sylvester_matrix_product(size):
+    x = np.random.default_rng(size).standard_normal((3, 5, size)).astype(np.float32)
+    want = x.astype(np.float64) @ ref.hadamard(size) * np.sqrt(size)  # unnormalized
+    got = np.asarray(jax.jit(hadamard_butterfly)(jnp.asarray(x)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_kernel_config_names_an_unknown_transform_method():
+    with pytest.raises(ValueError, match="hadamard"):
+        KernelConfig(hadamard="fft")
 
 
 def test_program_rows_loops_only_where_the_grid_stays_wide():
@@ -158,17 +173,21 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
     _assert_payload_close(requantized[0], want[0], fmt, 0.01, same_scale)
 
 
+@pytest.mark.parametrize("config", [LOOPED, BUTTERFLY], ids=["matmul", "butterfly"])
 @pytest.mark.parametrize("rows", [200, 256])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
-def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows):
-    _check_looped_launch(fmt, scale_format, rows, LOOPED, interpret=True)
+def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, config):
+    """Several blocks per program, with either transform method, against one block per
+    program with the matmul."""
+    _check_looped_launch(fmt, scale_format, rows, config, interpret=True)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hadamard", ["matmul", "butterfly"])
 @pytest.mark.parametrize("rows", [8200, 16384])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
-def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows):
-    looped = KernelConfig(block_rows=64, blocks_per_program=4, num_stages=3, min_programs=1)
+def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, hadamard):
+    looped = KernelConfig(block_rows=64, blocks_per_program=4, num_stages=3, min_programs=1, hadamard=hadamard)
     _check_looped_launch(fmt, scale_format, rows, looped, interpret=False)
 
 
