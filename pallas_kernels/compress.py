@@ -5,7 +5,9 @@ groups in turn (the Hadamard matrix loaded once for them); for each it computes 
 group statistics, transforms the tile with one tensor-core matmul against the +-1
 Hadamard matrix (exact in bf16, FP32 accumulation; 1/sqrt(G) folded into the scale),
 and stores the 8-bit payload and the per-group scales. float32 inputs are split into
-three bf16 parts (three matmuls) so the transform keeps float32 accuracy.
+three bf16 parts (three matmuls) so the transform keeps float32 accuracy. With
+`KernelConfig(hadamard="butterfly")` the transform is instead log2 G add/subtract
+stages in float32 registers, and no tile is loaded.
 
 `compress_reference` beside the kernel is the plain-jnp definition it is tested against.
 """

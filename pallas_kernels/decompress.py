@@ -58,7 +58,7 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
 
     def decode_block(rows):
         if single:
-            # One 8-bit shard is exact in bf16: a single matmul, then the group's scale.
+            # One 8-bit shard's codes are exact in bf16: one matmul (or the butterfly), then the group's scale.
             codes = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32)
             values = apply_hadamard(codes, hadamard, splits=1)
             out_refs[0][rows, :] = (values * (multiplier_ref[0, rows] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
