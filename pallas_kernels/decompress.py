@@ -69,7 +69,8 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
         if requantize is not None:
             fmt, scale_format = requantize
             _, _, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
-            payload, entries = group_codec.quantize_scaled(summed * prescale, prescale, fmt, scale_format, in_kernel=True)
+            payload, entries = group_codec.quantize_scaled(summed * prescale, prescale, fmt, scale_format,
+                                                           in_kernel=True)
             out = out_refs[0]
             out[rows, :] = payload if out.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, out.dtype)
             for ref, entry in zip(out_refs[1:], entries):
