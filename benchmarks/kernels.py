@@ -1,7 +1,7 @@
 """Fused Pallas compress / decompress kernels against the jnp path and a device copy.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
-warps, pipelining stages, the transform as a tensor-core matmul or a butterfly;
+warps, pipelining stages, the transform method (tensor-core matmul, butterfly, chunks);
 `--sweep-only` writes them alone to kernels_sweep.json), checks
 the kernels against the jnp reference, then times
 (median of trials, launches queued with one sync per trial, each timed call covering
@@ -16,7 +16,7 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
 Effective bandwidth counts the bytes each op must read and write once.
 
-Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly] [--out DIR]
+Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly,chunks] [--out DIR]
 """
 
 from __future__ import annotations
@@ -193,8 +193,8 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
 
 
 def _sweep_launches(methods: list[str]) -> list[KernelConfig]:
-    """The launch configurations swept for each transform method. The butterfly needs no
-    tensor-core tile, so it also tries blocks below wgmma's 64 rows."""
+    """The launch configurations swept for each transform method. The other methods need
+    no tensor-core tile, so they also try blocks below wgmma's 64 rows."""
     configs = []
     if "matmul" in methods:
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
@@ -202,13 +202,16 @@ def _sweep_launches(methods: list[str]) -> list[KernelConfig]:
     if "butterfly" in methods:
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard="butterfly")
                     for r in (16, 32, 64, 128) for w in (4, 8) for b, st in ((1, 1), (4, 3))]
+    if "chunks" in methods:  # up to one row per thread: 128 rows on 4 warps
+        configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard="chunks")
+                    for r in (32, 64, 128) for w in (2, 4) for b, st in ((1, 1), (4, 3))]
     return configs
 
 
 def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: list[str]) -> list[dict]:
     """Time every op over launch configurations: block rows, blocks per program (the
     kernel's loop), warps, pipelining stages and the transform method (`methods`;
-    "butterfly" only for the ops that apply the transform)."""
+    methods other than "matmul" only for the ops that apply the transform)."""
     rows_n = tokens * channels // GROUP
     xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
     start, results = time.perf_counter(), []
@@ -271,7 +274,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
-    parser.add_argument("--sweep-hadamard", default="matmul,butterfly",
+    parser.add_argument("--sweep-hadamard", default=",".join(HADAMARD_METHODS),
                         help="transform methods the sweep tries (KernelConfig.hadamard), comma-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()

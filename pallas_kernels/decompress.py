@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
-from taco_jax.kernels.compress import apply_hadamard, load_hadamard
+from taco_jax.kernels.compress import apply_hadamard, as_stored, chunk_columns, hadamard_chunks, load_hadamard
 from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
@@ -38,9 +38,9 @@ def default_config(group_size: int, transform: bool) -> KernelConfig:
     return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
-def _codes(payload_ref, shard: int, rows, fmt: str | None) -> jax.Array:
+def _codes(payload_ref, shard: int, rows, fmt: str | None, columns=slice(None)) -> jax.Array:
     """One shard's codes in their 8-bit type; a uint8 message buffer holds their bytes."""
-    codes = payload_ref[shard, rows, :]
+    codes = payload_ref[shard, rows, columns]
     if fmt is not None:
         codes = jax.lax.bitcast_convert_type(codes, formats.wire_format(fmt).dtype)
     return codes
@@ -53,12 +53,29 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
     single = shards == 1 and transform and requantize is None
     hadamard = load_hadamard(hadamard_ref, config) if transform and requantize is None else None
 
-    def dequantized(shard, rows):
-        return _codes(payload_ref, shard, rows, message_fmt).astype(jnp.float32) * multiplier_ref[shard, rows][:, None]
+    def dequantized(shard, rows, columns=slice(None)):
+        codes = _codes(payload_ref, shard, rows, message_fmt, columns).astype(jnp.float32)
+        return codes * multiplier_ref[shard, rows][:, None]
+
+    def decode_chunks(rows):
+        """Decode through the transform CHUNK columns at a time (the "chunks" method)."""
+        columns = chunk_columns(group_size)
+        if single:  # the group's scale after the transform, as below
+            chunks = [_codes(payload_ref, 0, rows, message_fmt, column).astype(jnp.float32) for column in columns]
+            factor = (multiplier_ref[0, rows] * inv_sqrt)[:, None]
+        else:
+            chunks = [functools.reduce(jnp.add, [dequantized(shard, rows, column) for shard in range(shards)])
+                      for column in columns]
+            factor = inv_sqrt
+        for column, values in zip(columns, hadamard_chunks(chunks)):
+            out_refs[0][rows, column] = (values * factor).astype(out_refs[0].dtype)
 
     def decode_block(rows):
+        if transform and requantize is None and config.hadamard == "chunks":
+            decode_chunks(rows)
+            return
         if single:
-            # One 8-bit shard's codes are exact in bf16: one matmul (or the butterfly), then the group's scale.
+            # One shard's 8-bit codes are exact in bf16: one matmul (or the butterfly), then the scale.
             codes = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32)
             values = apply_hadamard(codes, hadamard, splits=1)
             out_refs[0][rows, :] = (values * (multiplier_ref[0, rows] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
@@ -71,8 +88,7 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
             _, _, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
             payload, entries = group_codec.quantize_scaled(summed * prescale, prescale, fmt, scale_format,
                                                            in_kernel=True)
-            out = out_refs[0]
-            out[rows, :] = payload if out.dtype == payload.dtype else jax.lax.bitcast_convert_type(payload, out.dtype)
+            out_refs[0][rows, :] = as_stored(payload, out_refs[0].dtype)
             for ref, entry in zip(out_refs[1:], entries):
                 ref[rows] = entry.reshape(entry.shape[0])
             return

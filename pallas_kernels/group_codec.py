@@ -60,11 +60,23 @@ def normalize_groups(groups: jax.Array, fmt_max: float) -> tuple[jax.Array, jax.
       a group holding NaN or Inf.
     """
     absmax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
-    shift = jnp.minimum(formats.binade_exponent(absmax), 126)
+    shift = binade_shift(absmax)
     normalized = groups * formats.pow2(-shift)
-    normalized_rms = jnp.sqrt(jnp.mean(normalized * normalized, axis=-1, keepdims=True))
-    prescale = jnp.clip(formats.times_pow2(np.float32(fmt_max) / normalized_rms, -shift), PRESCALE_MIN, PRESCALE_MAX)
-    return normalized, shift, jnp.where(jnp.isfinite(absmax), prescale, np.float32(np.nan))
+    mean_square = jnp.mean(normalized * normalized, axis=-1, keepdims=True)
+    return normalized, shift, prescale_of(absmax, shift, mean_square, fmt_max)
+
+
+def binade_shift(absmax: jax.Array) -> jax.Array:
+    """int32 e with absmax * 2**-e in [0.5, 1), stopped at 126 (`normalize_groups`)."""
+    return jnp.minimum(formats.binade_exponent(absmax), 126)
+
+
+def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt_max: float) -> jax.Array:
+    """The pre-scale a = fmt_max / rms(g) from a group's absmax, its `binade_shift` and the
+    mean square of the normalized group g * 2**-shift; NaN where absmax is NaN or Inf."""
+    prescale = jnp.clip(formats.times_pow2(np.float32(fmt_max) / jnp.sqrt(mean_square), -shift),
+                        PRESCALE_MIN, PRESCALE_MAX)
+    return jnp.where(jnp.isfinite(absmax), prescale, np.float32(np.nan))
 
 
 def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,
@@ -84,20 +96,25 @@ def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_form
       for "bf16", (uint8 code,) for "e8m0".
     """
     wire = formats.wire_format(fmt)
-    scale = jnp.maximum(jnp.max(jnp.abs(scaled), axis=-1, keepdims=True) / np.float32(wire.max_value), SCALE_MIN)
-    if scale_format == "dual":
-        divisor, entries = scale, (prescale, scale)
-    elif scale_format == "single":
-        divisor, entries = scale, (scale / prescale,)
-    elif scale_format == "bf16":
-        rounded = formats.round_up_to_bf16(scale / prescale)
-        divisor, entries = prescale * rounded.astype(jnp.float32), (rounded,)
-    else:
-        check_scale_format(scale_format)
-        code = formats.encode_e8m0(scale / prescale)
-        divisor, entries = prescale * formats.decode_e8m0(code), (code,)
+    divisor, entries = scale_entries(jnp.max(jnp.abs(scaled), axis=-1, keepdims=True), prescale, fmt, scale_format)
     # One division per group, then a multiply per element.
     return formats.cast_to_wire(scaled * (np.float32(1.0) / divisor), wire, in_kernel), entries
+
+
+def scale_entries(absmax: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
+    """(divisor, entries) of groups whose pre-scaled values have absmax `absmax`: the
+    payload is cast from y / divisor; entries as `quantize_scaled` returns them."""
+    scale = jnp.maximum(absmax / np.float32(formats.wire_format(fmt).max_value), SCALE_MIN)
+    if scale_format == "dual":
+        return scale, (prescale, scale)
+    if scale_format == "single":
+        return scale, (scale / prescale,)
+    if scale_format == "bf16":
+        rounded = formats.round_up_to_bf16(scale / prescale)
+        return prescale * rounded.astype(jnp.float32), (rounded,)
+    check_scale_format(scale_format)
+    code = formats.encode_e8m0(scale / prescale)
+    return prescale * formats.decode_e8m0(code), (code,)
 
 
 def pack_scale_entries(entries: tuple, scale_format: str) -> jax.Array:

@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 
-HADAMARD_METHODS = ("matmul", "butterfly")
+HADAMARD_METHODS = ("matmul", "butterfly", "chunks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +30,10 @@ class KernelConfig:
         programs than this, so that small messages still spread over every
         multiprocessor (132 on an H200) several times.
       hadamard: how a kernel applies the Walsh-Hadamard transform: "matmul" (tensor-core
-        matmuls against the +-1 tile, loaded into shared memory) or "butterfly" (log2 G
-        add/subtract stages in registers, `hadamard.hadamard_butterfly`).
+        matmuls against the +-1 tile, loaded into shared memory), "butterfly" (log2 G
+        add/subtract stages on the whole tile, `hadamard.hadamard_butterfly`) or
+        "chunks" (the tile in column chunks of 8, one 16-byte load per row each: sums
+        and differences across chunks, element-wise, then a butterfly within each).
     """
 
     block_rows: int = 64

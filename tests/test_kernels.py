@@ -57,9 +57,9 @@ def _assert_scales_close(got, want, scale_format):
     return None
 
 
-def _compress_case(x, fmt, scale_format, transform, interpret):
+def _compress_case(x, fmt, scale_format, transform, interpret, config=None):
     kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
-    payload, scales = kc.compress(x, interpret=interpret, **kw)
+    payload, scales = kc.compress(x, interpret=interpret, config=config, **kw)
     ref_payload, ref_scales = kc.compress_reference(x, **kw)
     assert payload.shape == ref_payload.shape and payload.dtype == ref_payload.dtype
     assert scales.shape == ref_scales.shape and scales.dtype == ref_scales.dtype
@@ -120,6 +120,27 @@ def test_decompress_kernel_requantizes(fmt, scale_format):
 
 LOOPED = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1)
 BUTTERFLY = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="butterfly")
+CHUNKS = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="chunks")
+
+
+@pytest.mark.parametrize("method, group_size", [("butterfly", 16), ("butterfly", 512), ("chunks", 16), ("chunks", 32)])
+def test_transform_methods_match_the_reference(method, group_size):
+    """Compress and decode (1 and 3 shards, f32 and bf16 out) with the transform computed
+    without the tile, against the jnp references; 45 rows (padded)."""
+    config = KernelConfig(block_rows=16, hadamard=method)
+    x = _groups(45, group_size, jnp.float32, seed=group_size)
+    payload, scales = _compress_case(x, "int8", "bf16", True, interpret=True, config=config)
+    multiplier = group_codec.dequantize_scale(scales, "bf16").reshape(1, -1)
+    parts = [(payload[None], multiplier),
+             (jnp.stack([payload] * 3), jnp.concatenate([multiplier, 2 * multiplier, -multiplier]))]
+    for shard_payload, shard_multiplier in parts:
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            kw = dict(transform=True, out_dtype=out_dtype)
+            got = kd.decompress(shard_payload, shard_multiplier, config=config, interpret=True, **kw)
+            want = kd.decompress_reference(shard_payload, shard_multiplier, **kw)
+            tolerance = 1e-6 if out_dtype == jnp.float32 else 2.0**-8
+            np.testing.assert_allclose(ref.as_float64(got), ref.as_float64(want), rtol=tolerance,
+                                       atol=tolerance * float(jnp.abs(want.astype(jnp.float32)).max()))
 
 
 @pytest.mark.parametrize("size", [1, 2, 16, 128, 512])
@@ -173,9 +194,10 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
     _assert_payload_close(requantized[0], want[0], fmt, 0.01, same_scale)
 
 
-@pytest.mark.parametrize("config", [LOOPED, BUTTERFLY], ids=["matmul", "butterfly"])
-@pytest.mark.parametrize("rows", [200, 256])
-@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
+@pytest.mark.parametrize("fmt, scale_format, rows, config", [
+    *[(fmt, scales, rows, LOOPED) for fmt, scales in [("e4m3", "dual"), ("int8", "bf16")] for rows in (200, 256)],
+    ("int8", "bf16", 200, BUTTERFLY), ("int8", "bf16", 200, CHUNKS)],
+    ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-butterfly", "int8-200-chunks"])
 def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, config):
     """Several blocks per program, with either transform method, against one block per
     program with the matmul."""
@@ -183,7 +205,7 @@ def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, con
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hadamard", ["matmul", "butterfly"])
+@pytest.mark.parametrize("hadamard", ["matmul", "butterfly", "chunks"])
 @pytest.mark.parametrize("rows", [8200, 16384])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
 def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, hadamard):
