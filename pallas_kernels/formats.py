@@ -169,7 +169,8 @@ def round_up_to_bf16(scale: jnp.ndarray) -> jnp.ndarray:
     Rounding up keeps every value of the group inside the element format's range. Scales
     under the smallest normal number (all-zero groups) become it, so no divisor is 0.
     """
-    scale = jnp.maximum(scale, np.float32(2.0**-126))
+    # A comparison, not max(): inside a Triton kernel max() would turn NaN into the floor.
+    scale = jnp.where(scale < np.float32(2.0**-126), np.float32(2.0**-126), scale)
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
     # Adding 0xFFFF carries into the kept bits unless the dropped ones are all zero.
     ceil_bits = (bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)

@@ -73,10 +73,15 @@ def binade_shift(absmax: jax.Array) -> jax.Array:
 
 def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt_max: float) -> jax.Array:
     """The pre-scale a = fmt_max / rms(g) from a group's absmax, its `binade_shift` and the
-    mean square of the normalized group g * 2**-shift; NaN where absmax is NaN or Inf."""
+    mean square of the normalized group g * 2**-shift; NaN for a group holding NaN or Inf.
+
+    The mean square decides that too: inside a Triton kernel max() ignores NaN (maxnumf),
+    so the absmax of a group holding NaN is finite, while the sum of squares of the
+    normalized values (each below 8 in magnitude, so it cannot overflow) is NaN or Inf.
+    """
     prescale = jnp.clip(formats.times_pow2(np.float32(fmt_max) / jnp.sqrt(mean_square), -shift),
                         PRESCALE_MIN, PRESCALE_MAX)
-    return jnp.where(jnp.isfinite(absmax), prescale, np.float32(np.nan))
+    return jnp.where(jnp.isfinite(absmax) & jnp.isfinite(mean_square), prescale, np.float32(np.nan))
 
 
 def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,

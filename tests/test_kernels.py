@@ -8,6 +8,8 @@ land exactly on a coarser grid's midpoints). Both are then valid round-to-neares
 results of float32 arithmetic.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import taco_jax as tj
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import group_codec
+from taco_jax.kernels import formats, group_codec
 from taco_jax.kernels.hadamard import hadamard_butterfly
 from taco_jax.kernels.launch import KernelConfig, program_rows
 from tests import reference as ref
@@ -213,15 +215,55 @@ def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, 
     _check_looped_launch(fmt, scale_format, rows, looped, interpret=False)
 
 
-def test_kernels_propagate_nan_to_the_group():
+def _check_nan_propagates_to_the_group(fmt, scale_format, config, interpret):
+    """A NaN or an Inf in the input makes its whole group decode to NaN, through
+    compress, decode and the requantized sum; every other group stays finite."""
     x = np.array(_groups(40, 128, jnp.float32))
     x[7, 3] = np.nan
     x[20, 0] = np.inf
-    payload, scales = kc.compress(jnp.asarray(x), fmt="int8", scale_format="bf16", transform=True, interpret=True)
-    multiplier = group_codec.dequantize_scale(scales, "bf16").reshape(1, -1)
-    out = np.asarray(kd.decompress(payload[None], multiplier, transform=True, interpret=True))
+    kw = dict(config=config, interpret=interpret)
+    payload, scales = kc.compress(jnp.asarray(x), fmt=fmt, scale_format=scale_format, transform=True, **kw)
+    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+    bad = np.isin(np.arange(40), [7, 20])
+    out = np.asarray(kd.decompress(payload[None], multiplier, transform=True, **kw))
+    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+    summed, summed_scales = kd.decompress(jnp.stack([payload, payload]), jnp.concatenate([multiplier, multiplier]),
+                                          transform=True, requantize=(fmt, scale_format), **kw)
+    summed_multiplier = group_codec.dequantize_scale(summed_scales, scale_format).reshape(1, -1)
+    out = np.asarray(kd.decompress(summed[None], summed_multiplier, transform=True, **kw))
+    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+
+
+def test_kernels_propagate_nan_to_the_group():
+    _check_nan_propagates_to_the_group("int8", "bf16", None, interpret=True)
+
+
+@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "single"), ("int8", "e8m0")])
+def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
+    """The group math as Triton compiles it, whose max() and min() ignore NaN (maxnumf):
+    a NaN or Inf still makes its group decode to NaN."""
+    nan_ignoring = types.SimpleNamespace(**{name: getattr(jnp, name) for name in dir(jnp) if not name.startswith("__")})
+    nan_ignoring.max = lambda a, axis=None, keepdims=False: jnp.nanmax(a, axis=axis, keepdims=keepdims)
+    nan_ignoring.maximum, nan_ignoring.minimum = jnp.fmax, jnp.fmin
+    nan_ignoring.clip = lambda x, low, high: jnp.fmin(jnp.fmax(x, low), high)
+    for module in (group_codec, formats):
+        monkeypatch.setattr(module, "jnp", nan_ignoring)
+    x = np.array(_groups(40, 128, jnp.float32))
+    x[7, 3], x[20, 0] = np.nan, np.inf
+    payload, scales = group_codec.quantize_groups(jnp.asarray(x), fmt=fmt, group_size=128, scale_format=scale_format,
+                                                  transform=True)
+    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+    out = np.asarray(kd.decompress_reference(payload[None], multiplier, transform=True, out_dtype=jnp.float32))
     bad = np.isin(np.arange(40), [7, 20])
     assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hadamard", ["matmul", "butterfly", "chunks"])
+@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "e8m0")])
+def test_compiled_kernels_propagate_nan_to_the_group(fmt, scale_format, hadamard):
+    """Compiled, where Triton's max() ignores NaN."""
+    _check_nan_propagates_to_the_group(fmt, scale_format, KernelConfig(hadamard=hadamard), interpret=False)
 
 
 def test_codec_dispatch_to_kernels_agrees_with_jnp():
