@@ -66,6 +66,12 @@ def apply_hadamard(values: jax.Array, hadamard: jax.Array | None, splits: int) -
     return hadamard_butterfly(values) if hadamard is None else hadamard_dot(values, hadamard, splits)
 
 
+def transform_factor(prescale: jax.Array, shift: jax.Array, group_size: int) -> jax.Array:
+    """What the unnormalized transform of the normalized group is multiplied by: the
+    pre-scale, the binade shift undone, and 1/sqrt(G)."""
+    return formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
+
+
 def chunk_columns(group_size: int) -> list:
     """The column slices a "chunks" transform loads and stores: G / CHUNK of them."""
     return [pl.ds(start, CHUNK) for start in range(0, group_size, CHUNK)]
@@ -109,7 +115,7 @@ def _compress_chunks(x_ref, payload_ref, rows, fmt: str, scale_format: str) -> t
     sum_of_squares = functools.reduce(jnp.add, [jnp.sum(n * n, axis=-1, keepdims=True) for n in normalized])
     mean_square = sum_of_squares * np.float32(1.0 / group_size)
     prescale = group_codec.prescale_of(absmax, shift, mean_square, wire.max_value)
-    row_factor = formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
+    row_factor = transform_factor(prescale, shift, group_size)
     scaled = [y * row_factor for y in hadamard_chunks(normalized)]
     divisor, entries = group_codec.scale_entries(rows_absmax(scaled), prescale, fmt, scale_format)
     inverse = np.float32(1.0) / divisor
@@ -128,8 +134,7 @@ def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_f
         groups = x_ref[rows, :].astype(jnp.float32)
         normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
         if transform:
-            row_factor = formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
-            scaled = apply_hadamard(normalized, hadamard, splits) * row_factor
+            scaled = apply_hadamard(normalized, hadamard, splits) * transform_factor(prescale, shift, group_size)
         else:
             scaled = groups * prescale
         payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format, in_kernel=True)

@@ -3,8 +3,9 @@ Walsh-Hadamard transform to the output dtype or requantize the sum.
 
 One pass over memory: each program takes `blocks_per_program` (k, block_rows, G) payload
 tiles in turn with their per-group multipliers, sums the dequantized shards in the transformed domain, and
-  - decode: transforms once (tensor-core matmul with the +-1 Hadamard matrix; a single
-    8-bit shard is exact in bf16, a float32 sum is split in two or three bf16 parts) and writes
+  - decode: transforms once (tensor-core matmul with the +-1 Hadamard matrix, or the
+    tile-free method `KernelConfig.hadamard` names; a single 8-bit shard is exact in
+    bf16, a float32 sum is split in two or three bf16 parts) and writes
     the output dtype — the receiving end of an all-gather (k=1 per shard),
     reduce-scatter or one-shot all-reduce;
   - requantize: quantizes the sum again without a transform (it is already in the

@@ -201,7 +201,7 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
     ("int8", "bf16", 200, BUTTERFLY), ("int8", "bf16", 200, CHUNKS)],
     ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-butterfly", "int8-200-chunks"])
 def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, config):
-    """Several blocks per program, with either transform method, against one block per
+    """Several blocks per program, with each transform method, against one block per
     program with the matmul."""
     _check_looped_launch(fmt, scale_format, rows, config, interpret=True)
 
@@ -215,23 +215,33 @@ def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, 
     _check_looped_launch(fmt, scale_format, rows, looped, interpret=False)
 
 
+POISONED_GROUPS = [7, 20]
+
+
+def _poisoned_groups():
+    """40 groups of 128, a NaN in group 7 and an Inf in group 20."""
+    x = np.array(_groups(40, 128, jnp.float32))
+    x[7, 3], x[20, 0] = np.nan, np.inf
+    return jnp.asarray(x)
+
+
+def _assert_only_poisoned_groups_nan(out):
+    bad = np.isin(np.arange(40), POISONED_GROUPS)
+    out = np.asarray(out)
+    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+
+
 def _check_nan_propagates_to_the_group(fmt, scale_format, config, interpret):
     """A NaN or an Inf in the input makes its whole group decode to NaN, through
     compress, decode and the requantized sum; every other group stays finite."""
-    x = np.array(_groups(40, 128, jnp.float32))
-    x[7, 3] = np.nan
-    x[20, 0] = np.inf
     kw = dict(config=config, interpret=interpret)
-    payload, scales = kc.compress(jnp.asarray(x), fmt=fmt, scale_format=scale_format, transform=True, **kw)
+    payload, scales = kc.compress(_poisoned_groups(), fmt=fmt, scale_format=scale_format, transform=True, **kw)
     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
-    bad = np.isin(np.arange(40), [7, 20])
-    out = np.asarray(kd.decompress(payload[None], multiplier, transform=True, **kw))
-    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+    _assert_only_poisoned_groups_nan(kd.decompress(payload[None], multiplier, transform=True, **kw))
     summed, summed_scales = kd.decompress(jnp.stack([payload, payload]), jnp.concatenate([multiplier, multiplier]),
                                           transform=True, requantize=(fmt, scale_format), **kw)
     summed_multiplier = group_codec.dequantize_scale(summed_scales, scale_format).reshape(1, -1)
-    out = np.asarray(kd.decompress(summed[None], summed_multiplier, transform=True, **kw))
-    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+    _assert_only_poisoned_groups_nan(kd.decompress(summed[None], summed_multiplier, transform=True, **kw))
 
 
 def test_kernels_propagate_nan_to_the_group():
@@ -248,14 +258,11 @@ def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
     nan_ignoring.clip = lambda x, low, high: jnp.fmin(jnp.fmax(x, low), high)
     for module in (group_codec, formats):
         monkeypatch.setattr(module, "jnp", nan_ignoring)
-    x = np.array(_groups(40, 128, jnp.float32))
-    x[7, 3], x[20, 0] = np.nan, np.inf
-    payload, scales = group_codec.quantize_groups(jnp.asarray(x), fmt=fmt, group_size=128, scale_format=scale_format,
-                                                  transform=True)
+    payload, scales = group_codec.quantize_groups(_poisoned_groups(), fmt=fmt, group_size=128,
+                                                  scale_format=scale_format, transform=True)
     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
-    out = np.asarray(kd.decompress_reference(payload[None], multiplier, transform=True, out_dtype=jnp.float32))
-    bad = np.isin(np.arange(40), [7, 20])
-    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+    _assert_only_poisoned_groups_nan(kd.decompress_reference(payload[None], multiplier, transform=True,
+                                                             out_dtype=jnp.float32))
 
 
 @pytest.mark.gpu
