@@ -16,7 +16,8 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
 Effective bandwidth counts the bytes each op must read and write once.
 
-Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly,chunks] [--out DIR]
+Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly,chunks]
+                                      [--sweep-ops compress/taco+,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -192,10 +193,11 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
     return fn, (payloads, multipliers), _decode_bytes(rows_n, shards, scale_format, requantize)
 
 
-def _sweep_launches(methods: list[str]) -> list[KernelConfig]:
-    """The launch configurations swept for each transform method. The other methods need
-    no tensor-core tile, so they also try blocks below wgmma's 64 rows."""
-    configs = []
+def _sweep_launches(methods: list[str], default: KernelConfig) -> list[KernelConfig]:
+    """The op's `default` configuration (the baseline, timed in the same run), then the
+    launch configurations swept for each transform method. The other methods need no
+    tensor-core tile, so they also try blocks below wgmma's 64 rows."""
+    configs = [default]
     if "matmul" in methods:
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
                     for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
@@ -205,26 +207,29 @@ def _sweep_launches(methods: list[str]) -> list[KernelConfig]:
     if "chunks" in methods:  # up to one row per thread: 128 rows on 4 warps
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard="chunks")
                     for r in (32, 64, 128) for w in (2, 4) for b, st in ((1, 1), (4, 3))]
-    return configs
+    return list(dict.fromkeys(configs))
 
 
-def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: list[str]) -> list[dict]:
-    """Time every op over launch configurations: block rows, blocks per program (the
+def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: list[str], ops: list[str]) -> list[dict]:
+    """Time each of `ops` over launch configurations: block rows, blocks per program (the
     kernel's loop), warps, pipelining stages and the transform method (`methods`;
     methods other than "matmul" only for the ops that apply the transform)."""
     rows_n = tokens * channels // GROUP
     xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
     start, results = time.perf_counter(), []
-    for name, (preset, _, requantize) in SWEEP_OPS.items():
+    for name in ops:
+        preset, shards, requantize = SWEEP_OPS[name]
         transformed = PRESETS[preset][2] and not requantize
-        for config in _sweep_launches(methods):
+        default = (kd.default_config(GROUP, transformed) if shards else kc.default_config(GROUP, transformed))
+        for config in _sweep_launches(methods, default):
             if config.hadamard != "matmul" and not transformed:
                 continue
             if time.perf_counter() - start > budget_s:
                 return results
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             ms = time_ms(fn, inputs, trials=5, calls=3)
-            results.append(dict(op=name, **dataclasses.asdict(config), ms=ms, tb_per_s=nbytes / ms / 1e9))
+            results.append(dict(op=name, **dataclasses.asdict(config), default=config == default, ms=ms,
+                                tb_per_s=nbytes / ms / 1e9))
             print(f"  {name:22s} {config.hadamard:9s} {config.block_rows:4d} x{config.blocks_per_program:<3d} "
                   f"w{config.num_warps} s{config.num_stages} {ms:7.3f} ms {nbytes / ms / 1e9:5.2f} TB/s",
                   file=sys.stderr, flush=True)
@@ -276,18 +281,20 @@ def main() -> None:
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
     parser.add_argument("--sweep-hadamard", default=",".join(HADAMARD_METHODS),
                         help="transform methods the sweep tries (KernelConfig.hadamard), comma-separated")
+    parser.add_argument("--sweep-ops", default=",".join(SWEEP_OPS), help="ops the sweep times, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    methods = args.sweep_hadamard.split(",")
-    unknown = sorted(set(methods) - set(HADAMARD_METHODS))
-    if unknown:
-        parser.error(f"unknown --sweep-hadamard {unknown}; choose from {list(HADAMARD_METHODS)}")
+    methods, ops = args.sweep_hadamard.split(","), args.sweep_ops.split(",")
+    for flag, given, known in (("--sweep-hadamard", methods, HADAMARD_METHODS), ("--sweep-ops", ops, SWEEP_OPS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            parser.error(f"unknown {flag} {unknown}; choose from {list(known)}")
     if jax.default_backend() != "gpu":
         sys.exit("benchmarks/kernels.py times the Pallas GPU kernels: run it on a GPU")
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
-    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget, methods)
+    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget, methods, ops)
     if args.sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kernels_sweep.json").write_text(json.dumps({"device": device, "sweep": sweep}, indent=1))
