@@ -1,7 +1,7 @@
 """Fused Pallas compress / decompress kernels against the jnp path and a device copy.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
-warps, pipelining stages, the transform method (tensor-core matmul, butterfly, chunks);
+warps, pipelining stages, the transform method (`KernelConfig.hadamard`);
 `--sweep-only` writes them alone to kernels_sweep.json), checks
 the kernels against the jnp reference, then times
 (median of trials, launches queued with one sync per trial, each timed call covering
@@ -16,7 +16,7 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
 Effective bandwidth counts the bytes each op must read and write once.
 
-Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly,chunks]
+Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly,lanes]
                                       [--sweep-ops compress/taco+,...] [--out DIR]
 """
 
@@ -201,12 +201,11 @@ def _sweep_launches(methods: list[str], default: KernelConfig) -> list[KernelCon
     if "matmul" in methods:
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
                     for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
-    if "butterfly" in methods:
-        configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard="butterfly")
-                    for r in (16, 32, 64, 128) for w in (4, 8) for b, st in ((1, 1), (4, 3))]
-    if "chunks" in methods:  # up to one row per thread: 128 rows on 4 warps
-        configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard="chunks")
-                    for r in (32, 64, 128) for w in (2, 4) for b, st in ((1, 1), (4, 3))]
+    for method in ("butterfly", "lanes", "pairs"):
+        if method in methods:
+            configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard=method)
+                        for r, b, w, st in ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1), (128, 1, 8, 1),
+                                            (64, 4, 4, 3))]
     return list(dict.fromkeys(configs))
 
 

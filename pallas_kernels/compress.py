@@ -6,10 +6,8 @@ group statistics, transforms the tile with one tensor-core matmul against the +-
 Hadamard matrix (exact in bf16, FP32 accumulation; 1/sqrt(G) folded into the scale),
 and stores the 8-bit payload and the per-group scales. float32 inputs are split into
 three bf16 parts (three matmuls) so the transform keeps float32 accuracy. With
-`KernelConfig(hadamard="butterfly")` the transform is instead log2 G add/subtract
-stages in float32 registers, and no tile is loaded; with "chunks" the tile is read in
-column chunks of 8 and transformed as H_{G/8} across chunks (element-wise) times H_8
-within each.
+another `KernelConfig.hadamard` the transform is instead log2 G add/subtract stages in
+float32 registers (`TILE_FREE_TRANSFORMS`), and no tile is loaded.
 
 `compress_reference` beside the kernel is the plain-jnp definition it is tested against.
 """
@@ -26,11 +24,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
 from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
-from taco_jax.kernels.hadamard import hadamard_butterfly, hadamard_matrix
+from taco_jax.kernels.hadamard import hadamard_butterfly, hadamard_lanes, hadamard_matrix, hadamard_pairs
 
 
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
-CHUNK = 8  # columns of a "chunks" transform: one 16-byte bf16 vector per row
+TILE_FREE_TRANSFORMS = {"butterfly": hadamard_butterfly, "lanes": hadamard_lanes, "pairs": hadamard_pairs}
 
 
 def default_config(group_size: int, transform: bool = True) -> KernelConfig:
@@ -60,10 +58,12 @@ def load_hadamard(hadamard_ref, config: KernelConfig) -> jax.Array | None:
     return hadamard_ref[...] if config.hadamard == "matmul" else None
 
 
-def apply_hadamard(values: jax.Array, hadamard: jax.Array | None, splits: int) -> jax.Array:
-    """values @ H in float32: against the loaded tile (`hadamard_dot`), or as a butterfly
-    where no tile was loaded."""
-    return hadamard_butterfly(values) if hadamard is None else hadamard_dot(values, hadamard, splits)
+def apply_hadamard(values: jax.Array, hadamard: jax.Array | None, splits: int, method: str) -> jax.Array:
+    """values @ H in float32 by `method` (`KernelConfig.hadamard`): against the loaded
+    tile (`hadamard_dot`), or with one of the `TILE_FREE_TRANSFORMS`."""
+    if method == "matmul":
+        return hadamard_dot(values, hadamard, splits)
+    return TILE_FREE_TRANSFORMS[method](values)
 
 
 def transform_factor(prescale: jax.Array, shift: jax.Array, group_size: int) -> jax.Array:
@@ -72,57 +72,9 @@ def transform_factor(prescale: jax.Array, shift: jax.Array, group_size: int) -> 
     return formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
 
 
-def chunk_columns(group_size: int) -> list:
-    """The column slices a "chunks" transform loads and stores: G / CHUNK of them."""
-    return [pl.ds(start, CHUNK) for start in range(0, group_size, CHUNK)]
-
-
-def hadamard_chunks(chunks: list) -> list:
-    """The chunks' concatenation times H, chunk by chunk (Sylvester H_G = H_{G/C} x H_C, a
-    Kronecker product): sums and differences across chunks, element-wise, then
-    `hadamard_butterfly` within each chunk of C columns."""
-    chunks, stride = list(chunks), 1
-    while stride < len(chunks):
-        for start in range(0, len(chunks), 2 * stride):
-            for i in range(start, start + stride):
-                low, high = chunks[i], chunks[i + stride]
-                chunks[i], chunks[i + stride] = low + high, low - high
-        stride *= 2
-    return [hadamard_butterfly(chunk) for chunk in chunks]
-
-
-def rows_absmax(chunks: list) -> jax.Array:
-    """(rows, 1) absmax of each row over all the chunks."""
-    return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(chunk), axis=-1, keepdims=True) for chunk in chunks])
-
-
 def as_stored(payload: jax.Array, dtype) -> jax.Array:
     """Codes as the output buffer holds them: a message buffer is uint8, holding their bytes."""
     return payload if payload.dtype == dtype else jax.lax.bitcast_convert_type(payload, dtype)
-
-
-def _compress_chunks(x_ref, payload_ref, rows, fmt: str, scale_format: str) -> tuple:
-    """Compress with the transform a block of rows, CHUNK columns at a time (the "chunks"
-    method: no tile, every load a 16-byte vector per row); the same math as
-    `group_codec.normalize_groups` and `quantize_scaled` on the whole group. Returns the
-    scale entries."""
-    group_size, wire = x_ref.shape[-1], formats.wire_format(fmt)
-    columns = chunk_columns(group_size)
-    chunks = [x_ref[rows, column].astype(jnp.float32) for column in columns]
-    absmax = rows_absmax(chunks)
-    shift = group_codec.binade_shift(absmax)
-    normalized = [chunk * formats.pow2(-shift) for chunk in chunks]
-    sum_of_squares = functools.reduce(jnp.add, [jnp.sum(n * n, axis=-1, keepdims=True) for n in normalized])
-    mean_square = sum_of_squares * np.float32(1.0 / group_size)
-    prescale = group_codec.prescale_of(absmax, shift, mean_square, wire.max_value)
-    row_factor = transform_factor(prescale, shift, group_size)
-    scaled = [y * row_factor for y in hadamard_chunks(normalized)]
-    divisor, entries = group_codec.scale_entries(rows_absmax(scaled), prescale, fmt, scale_format)
-    inverse = np.float32(1.0) / divisor
-    for column, values in zip(columns, scaled):
-        payload_ref[rows, column] = as_stored(formats.cast_to_wire(values * inverse, wire, in_kernel=True),
-                                              payload_ref.dtype)
-    return entries
 
 
 def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block,
@@ -130,22 +82,16 @@ def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_f
     group_size = x_ref.shape[-1]
     hadamard = load_hadamard(hadamard_ref, config) if transform else None
 
-    def compress_tile(rows):
+    def compress_block(rows):
         groups = x_ref[rows, :].astype(jnp.float32)
         normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
         if transform:
-            scaled = apply_hadamard(normalized, hadamard, splits) * transform_factor(prescale, shift, group_size)
+            scaled = (apply_hadamard(normalized, hadamard, splits, config.hadamard)
+                      * transform_factor(prescale, shift, group_size))
         else:
             scaled = groups * prescale
         payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format, in_kernel=True)
         payload_ref[rows, :] = as_stored(payload, payload_ref.dtype)
-        return entries
-
-    def compress_block(rows):
-        if transform and config.hadamard == "chunks":
-            entries = _compress_chunks(x_ref, payload_ref, rows, fmt, scale_format)
-        else:
-            entries = compress_tile(rows)
         for ref, entry in zip(scale_refs, entries):
             ref[rows] = entry.reshape(entry.shape[0])
 

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
-from taco_jax.kernels.compress import apply_hadamard, as_stored, chunk_columns, hadamard_chunks, load_hadamard
+from taco_jax.kernels.compress import apply_hadamard, as_stored, load_hadamard
 from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
@@ -58,27 +58,11 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
         codes = _codes(payload_ref, shard, rows, message_fmt, columns).astype(jnp.float32)
         return codes * multiplier_ref[shard, rows][:, None]
 
-    def decode_chunks(rows):
-        """Decode through the transform CHUNK columns at a time (the "chunks" method)."""
-        columns = chunk_columns(group_size)
-        if single:  # the group's scale after the transform, as below
-            chunks = [_codes(payload_ref, 0, rows, message_fmt, column).astype(jnp.float32) for column in columns]
-            factor = (multiplier_ref[0, rows] * inv_sqrt)[:, None]
-        else:
-            chunks = [functools.reduce(jnp.add, [dequantized(shard, rows, column) for shard in range(shards)])
-                      for column in columns]
-            factor = inv_sqrt
-        for column, values in zip(columns, hadamard_chunks(chunks)):
-            out_refs[0][rows, column] = (values * factor).astype(out_refs[0].dtype)
-
     def decode_block(rows):
-        if transform and requantize is None and config.hadamard == "chunks":
-            decode_chunks(rows)
-            return
         if single:
             # One shard's 8-bit codes are exact in bf16: one matmul (or the butterfly), then the scale.
             codes = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32)
-            values = apply_hadamard(codes, hadamard, splits=1)
+            values = apply_hadamard(codes, hadamard, 1, config.hadamard)
             out_refs[0][rows, :] = (values * (multiplier_ref[0, rows] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
             return
         summed = dequantized(0, rows)
@@ -96,7 +80,7 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
         if transform:
             # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
             splits = 3 if out_refs[0].dtype == jnp.float32 else 2
-            summed = apply_hadamard(summed, hadamard, splits) * inv_sqrt
+            summed = apply_hadamard(summed, hadamard, splits, config.hadamard) * inv_sqrt
         out_refs[0][rows, :] = summed.astype(out_refs[0].dtype)
 
     row_loop(payload_ref.shape[1], block, decode_block)

@@ -8,6 +8,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+VECTOR = 8  # bf16 values in one 16-byte load: what one GPU thread reads of a row at a time
+
+
+def _check_power_of_two(size: int) -> None:
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {size}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,8 +32,7 @@ def hadamard_matrix(size: int) -> np.ndarray:
     Raises:
       ValueError: size is not a power of two.
     """
-    if size < 1 or size & (size - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    _check_power_of_two(size)
     matrix = np.ones((1, 1), np.float32)
     while matrix.shape[0] < size:
         matrix = np.block([[matrix, matrix], [matrix, -matrix]])
@@ -67,10 +74,62 @@ def hadamard_butterfly(groups: jax.Array) -> jax.Array:
       float32 array of the same shape.
     """
     *lead, size = groups.shape
-    if size < 1 or size & (size - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    _check_power_of_two(size)
     half = size // 2
     for _ in range(size.bit_length() - 1):
         low, high = (part.reshape(*lead, half) for part in jnp.split(groups.reshape(*lead, 2, half), 2, axis=-2))
         groups = jnp.stack([low + high, low - high], axis=-1).reshape(*lead, size)
     return groups
+
+
+def _pair_stages(values: jax.Array, axes: range) -> jax.Array:
+    """Sylvester stages along size-2 `axes`: (low, high) -> (low + high, low - high).
+
+    Each element gets its partner from a sum over the pair of the float32 bits as int32
+    (exact, wrapping): on a GPU, an axis spread over a warp's lanes is one warp shuffle,
+    with no trip through shared memory. Then partner + sign * value, sign = +1 for low
+    and -1 for high: exactly low + high and low - high."""
+    for axis in axes:
+        bits = lax.bitcast_convert_type(values, jnp.int32)
+        partner = lax.bitcast_convert_type(jnp.sum(bits, axis=axis, keepdims=True) - bits, jnp.float32)
+        sign = (1 - 2 * lax.broadcasted_iota(jnp.int32, values.shape, axis)).astype(jnp.float32)
+        values = values * sign + partner
+    return values
+
+
+def hadamard_lanes(groups: jax.Array) -> jax.Array:
+    """groups @ H (unnormalized, Sylvester order) over the last axis, laid out for a GPU
+    thread holding one 16-byte vector (`VECTOR` values) of a row and consecutive threads
+    the next ones: `hadamard_butterfly` within each vector, then one `_pair_stages` stage
+    per remaining bit of the column index (H_G = H_{G/8} x H_8, a Kronecker product).
+
+    Args:
+      groups: float32 array (..., G), G a power of two.
+
+    Returns:
+      float32 array of the same shape.
+    """
+    *lead, size = groups.shape
+    _check_power_of_two(size)
+    inner = min(size, VECTOR)
+    pairs = (size // inner).bit_length() - 1
+    within = hadamard_butterfly(groups.reshape(*lead, size // inner, inner))
+    stacked = within.reshape(*lead, *(2,) * pairs, inner)
+    return _pair_stages(stacked, range(len(lead), len(lead) + pairs)).reshape(*lead, size)
+
+
+def hadamard_pairs(groups: jax.Array) -> jax.Array:
+    """groups @ H (unnormalized, Sylvester order) over the last axis: the axis seen as
+    log2 G axes of size 2, one `_pair_stages` stage each (no reshape between stages).
+
+    Args:
+      groups: float32 array (..., G), G a power of two.
+
+    Returns:
+      float32 array of the same shape.
+    """
+    *lead, size = groups.shape
+    _check_power_of_two(size)
+    bits = size.bit_length() - 1
+    stacked = groups.reshape(*lead, *(2,) * bits)
+    return _pair_stages(stacked, range(len(lead), len(lead) + bits)).reshape(*lead, size)

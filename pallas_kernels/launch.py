@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 
-HADAMARD_METHODS = ("matmul", "butterfly", "chunks")
+HADAMARD_METHODS = ("matmul", "butterfly", "lanes", "pairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +30,12 @@ class KernelConfig:
         programs than this, so that small messages still spread over every
         multiprocessor (132 on an H200) several times.
       hadamard: how a kernel applies the Walsh-Hadamard transform: "matmul" (tensor-core
-        matmuls against the +-1 tile, loaded into shared memory), "butterfly" (log2 G
-        add/subtract stages on the whole tile, `hadamard.hadamard_butterfly`) or
-        "chunks" (the tile in column chunks of 8, one 16-byte load per row each: sums
-        and differences across chunks, element-wise, then a butterfly within each).
+        matmuls against the +-1 tile, loaded into shared memory), or log2 G add/subtract
+        stages without the tile: "butterfly" (`hadamard.hadamard_butterfly`, the
+        constant-geometry stages on the whole tile), "lanes" (`hadamard.hadamard_lanes`:
+        the butterfly within each 16-byte vector, then one exact pair exchange per
+        further column bit, a warp shuffle where the pair spans lanes) or "pairs"
+        (`hadamard.hadamard_pairs`: the pair exchange for every column bit).
     """
 
     block_rows: int = 64

@@ -19,7 +19,7 @@ import taco_jax as tj
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import formats, group_codec
-from taco_jax.kernels.hadamard import hadamard_butterfly
+from taco_jax.kernels.hadamard import hadamard_butterfly, hadamard_lanes, hadamard_pairs
 from taco_jax.kernels.launch import KernelConfig, program_rows
 from tests import reference as ref
 
@@ -122,10 +122,13 @@ def test_decompress_kernel_requantizes(fmt, scale_format):
 
 LOOPED = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1)
 BUTTERFLY = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="butterfly")
-CHUNKS = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="chunks")
+LANES = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="lanes")
+PAIRS = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="pairs")
+TILE_FREE = ["butterfly", "lanes", "pairs"]
 
 
-@pytest.mark.parametrize("method, group_size", [("butterfly", 16), ("butterfly", 512), ("chunks", 16), ("chunks", 32)])
+@pytest.mark.parametrize("method, group_size", [("butterfly", 16), ("butterfly", 512), ("lanes", 16), ("lanes", 512),
+                                                ("pairs", 32)])
 def test_transform_methods_match_the_reference(method, group_size):
     """Compress and decode (1 and 3 shards, f32 and bf16 out) with the transform computed
     without the tile, against the jnp references; 45 rows (padded)."""
@@ -145,12 +148,25 @@ def test_transform_methods_match_the_reference(method, group_size):
                                        atol=tolerance * float(jnp.abs(want.astype(jnp.float32)).max()))
 
 
+@pytest.mark.parametrize("transform", [hadamard_butterfly, hadamard_lanes, hadamard_pairs])
 @pytest.mark.parametrize("size", [1, 2, 16, 128, 512])
-def test_hadamard_butterfly_is_the_sylvester_matrix_product(size):
+def test_tile_free_transforms_are_the_sylvester_matrix_product(transform, size):
     x = np.random.default_rng(size).standard_normal((3, 5, size)).astype(np.float32)
     want = x.astype(np.float64) @ ref.hadamard(size) * np.sqrt(size)  # unnormalized
-    got = np.asarray(jax.jit(hadamard_butterfly)(jnp.asarray(x)), np.float64)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    got = np.asarray(jax.jit(transform)(jnp.asarray(x)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    assert not np.array_equal(got, x.astype(np.float64)) or size == 1
+
+
+@pytest.mark.parametrize("transform", [hadamard_lanes, hadamard_pairs])
+def test_pair_exchange_keeps_inf_and_nan(transform):
+    """The partner comes from integer sums of the float bits: an Inf stays an Inf of the
+    right sign in every output, a NaN makes every output NaN."""
+    x = np.ones((2, 16), np.float32)
+    x[0, 3], x[1, 5] = np.nan, np.inf
+    got = np.asarray(transform(jnp.asarray(x)))
+    assert np.isnan(got[0]).all()
+    np.testing.assert_array_equal(got[1], np.inf * ref.hadamard(16)[5] * 4)
 
 
 def test_kernel_config_names_an_unknown_transform_method():
@@ -198,8 +214,8 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
 
 @pytest.mark.parametrize("fmt, scale_format, rows, config", [
     *[(fmt, scales, rows, LOOPED) for fmt, scales in [("e4m3", "dual"), ("int8", "bf16")] for rows in (200, 256)],
-    ("int8", "bf16", 200, BUTTERFLY), ("int8", "bf16", 200, CHUNKS)],
-    ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-butterfly", "int8-200-chunks"])
+    ("int8", "bf16", 200, BUTTERFLY), ("int8", "bf16", 200, LANES), ("e4m3", "dual", 200, PAIRS)],
+    ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-butterfly", "int8-200-lanes", "e4m3-200-pairs"])
 def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, config):
     """Several blocks per program, with each transform method, against one block per
     program with the matmul."""
@@ -207,7 +223,7 @@ def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, con
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hadamard", ["matmul", "butterfly", "chunks"])
+@pytest.mark.parametrize("hadamard", ["matmul", *TILE_FREE])
 @pytest.mark.parametrize("rows", [8200, 16384])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
 def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, hadamard):
@@ -266,7 +282,7 @@ def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hadamard", ["matmul", "butterfly", "chunks"])
+@pytest.mark.parametrize("hadamard", ["matmul", *TILE_FREE])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "e8m0")])
 def test_compiled_kernels_propagate_nan_to_the_group(fmt, scale_format, hadamard):
     """Compiled, where Triton's max() ignores NaN."""
