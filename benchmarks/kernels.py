@@ -16,7 +16,7 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 
 Effective bandwidth counts the bytes each op must read and write once.
 
-Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard butterfly,lanes]
+Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard matmul,lanes]
                                       [--sweep-ops compress/taco+,...] [--out DIR]
 """
 
@@ -201,7 +201,7 @@ def _sweep_launches(methods: list[str], default: KernelConfig) -> list[KernelCon
     if "matmul" in methods:
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
                     for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
-    for method in ("butterfly", "lanes", "pairs"):
+    for method in ("lanes", "pairs"):
         if method in methods:
             configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard=method)
                         for r, b, w, st in ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1), (128, 1, 8, 1),
@@ -219,7 +219,7 @@ def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: lis
     for name in ops:
         preset, shards, requantize = SWEEP_OPS[name]
         transformed = PRESETS[preset][2] and not requantize
-        default = (kd.default_config(GROUP, transformed) if shards else kc.default_config(GROUP, transformed))
+        default = (kd.default_config(GROUP, transformed, shards) if shards else kc.default_config(GROUP, transformed))
         for config in _sweep_launches(methods, default):
             if config.hadamard != "matmul" and not transformed:
                 continue
@@ -311,7 +311,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
             "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
-            "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True))}
+            "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),
+            "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS))}
     (args.out / "kernels.json").write_text(json.dumps(
         {"meta": meta, "correctness": correctness, "rounding": rounding, "block_sweep": sweep, "timings": timings}, indent=1))
     copy = {}

@@ -1,13 +1,12 @@
 """Fused compress kernel: pre-scale -> Walsh-Hadamard -> scale -> clip -> 8-bit cast.
 
 One pass over memory: each program takes `blocks_per_program` tiles of (block_rows, G)
-groups in turn (the Hadamard matrix loaded once for them); for each it computes the
-group statistics, transforms the tile with one tensor-core matmul against the +-1
-Hadamard matrix (exact in bf16, FP32 accumulation; 1/sqrt(G) folded into the scale),
-and stores the 8-bit payload and the per-group scales. float32 inputs are split into
-three bf16 parts (three matmuls) so the transform keeps float32 accuracy. With
-another `KernelConfig.hadamard` the transform is instead log2 G add/subtract stages in
-float32 registers (`TILE_FREE_TRANSFORMS`), and no tile is loaded.
+groups in turn; for each it computes the group statistics, transforms the tile, and
+stores the 8-bit payload and the per-group scales (1/sqrt(G) folded into the scale).
+The transform is `KernelConfig.hadamard`: by default log2 G exact add/subtract stages in
+float32 registers (`TILE_FREE_TRANSFORMS`, a warp shuffle where a pair spans lanes), or
+a tensor-core matmul against the +-1 Hadamard matrix loaded once per program (exact in
+bf16, FP32 accumulation; float32 inputs split into three bf16 parts).
 
 `compress_reference` beside the kernel is the plain-jnp definition it is tested against.
 """
@@ -24,17 +23,19 @@ from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
 from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
-from taco_jax.kernels.hadamard import hadamard_butterfly, hadamard_lanes, hadamard_matrix, hadamard_pairs
+from taco_jax.kernels.hadamard import hadamard_lanes, hadamard_matrix, hadamard_pairs
 
 
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
-TILE_FREE_TRANSFORMS = {"butterfly": hadamard_butterfly, "lanes": hadamard_lanes, "pairs": hadamard_pairs}
+TILE_FREE_TRANSFORMS = {"lanes": hadamard_lanes, "pairs": hadamard_pairs}
 
 
 def default_config(group_size: int, transform: bool = True) -> KernelConfig:
-    """About 8K elements per block; with the transform, four blocks per program (the
-    Hadamard tile loaded once for them). Set from the H200 sweep of benchmarks/kernels.py."""
-    return KernelConfig(block_rows=max(16, 8192 // group_size), blocks_per_program=4 if transform else 1, num_warps=4)
+    """About 8K elements per block, one block per program; the transform as "lanes"
+    (`hadamard.hadamard_lanes`, no tile). Set from the H200 sweep of benchmarks/kernels.py
+    (compress taco+ at 16384 x 8192: 0.188 ms against 0.218 ms with the matmul)."""
+    return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4,
+                        hadamard="lanes" if transform else "matmul")
 
 
 def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax.Array:

@@ -3,8 +3,8 @@ Walsh-Hadamard transform to the output dtype or requantize the sum.
 
 One pass over memory: each program takes `blocks_per_program` (k, block_rows, G) payload
 tiles in turn with their per-group multipliers, sums the dequantized shards in the transformed domain, and
-  - decode: transforms once (tensor-core matmul with the +-1 Hadamard matrix, or the
-    tile-free method `KernelConfig.hadamard` names; a single 8-bit shard is exact in
+  - decode: transforms once (the tile-free method `KernelConfig.hadamard` names, or a
+    tensor-core matmul with the +-1 Hadamard matrix: a single 8-bit shard is exact in
     bf16, a float32 sum is split in two or three bf16 parts) and writes
     the output dtype — the receiving end of an all-gather (k=1 per shard),
     reduce-scatter or one-shot all-reduce;
@@ -30,18 +30,20 @@ from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, r
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 
-def default_config(group_size: int, transform: bool) -> KernelConfig:
-    """About 8K elements per block; decoding through the transform loops over four
-    blocks per program (the Hadamard tile loaded once for them) with loads three stages
-    ahead. Set from the H200 sweep of benchmarks/kernels.py."""
+def default_config(group_size: int, transform: bool, shards: int = 1) -> KernelConfig:
+    """Decoding through the transform: about 4K codes read per block over all `shards`
+    (at least 16 rows), the transform as "pairs" (`hadamard.hadamard_pairs`, no tile);
+    otherwise about 8K elements per block. Set from the H200 sweep of benchmarks/kernels.py
+    (at 16384 x 8192, taco+: one shard 0.135 ms, four 0.070 ms, against 0.148 and
+    0.128 ms with the matmul)."""
     if transform:
-        return KernelConfig(block_rows=max(16, 8192 // group_size), blocks_per_program=4, num_warps=4, num_stages=3)
+        return KernelConfig(block_rows=max(16, 4096 // (group_size * shards)), num_warps=4, hadamard="pairs")
     return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
-def _codes(payload_ref, shard: int, rows, fmt: str | None, columns=slice(None)) -> jax.Array:
+def _codes(payload_ref, shard: int, rows, fmt: str | None) -> jax.Array:
     """One shard's codes in their 8-bit type; a uint8 message buffer holds their bytes."""
-    codes = payload_ref[shard, rows, columns]
+    codes = payload_ref[shard, rows, :]
     if fmt is not None:
         codes = jax.lax.bitcast_convert_type(codes, formats.wire_format(fmt).dtype)
     return codes
@@ -54,13 +56,13 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
     single = shards == 1 and transform and requantize is None
     hadamard = load_hadamard(hadamard_ref, config) if transform and requantize is None else None
 
-    def dequantized(shard, rows, columns=slice(None)):
-        codes = _codes(payload_ref, shard, rows, message_fmt, columns).astype(jnp.float32)
+    def dequantized(shard, rows):
+        codes = _codes(payload_ref, shard, rows, message_fmt).astype(jnp.float32)
         return codes * multiplier_ref[shard, rows][:, None]
 
     def decode_block(rows):
         if single:
-            # One shard's 8-bit codes are exact in bf16: one matmul (or the butterfly), then the scale.
+            # One shard's 8-bit codes are exact in bf16: transform them, then scale.
             codes = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32)
             values = apply_hadamard(codes, hadamard, 1, config.hadamard)
             out_refs[0][rows, :] = (values * (multiplier_ref[0, rows] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
@@ -98,7 +100,7 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
       N rows hold the codes, scale entries as (N, 1, 1) arrays).
     """
     batch, shards, rows, group_size = payload.shape
-    config = config or default_config(group_size, transform and requantize is None)
+    config = config or default_config(group_size, transform and requantize is None, shards)
     per_program, block = program_rows(groups, config, batch)
     padded = groups + (-groups % per_program)
     if padded > rows:  # odd sizes only: pad so every block reads inside the buffer

@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 
-HADAMARD_METHODS = ("matmul", "butterfly", "lanes", "pairs")
+HADAMARD_METHODS = ("matmul", "lanes", "pairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +31,11 @@ class KernelConfig:
         multiprocessor (132 on an H200) several times.
       hadamard: how a kernel applies the Walsh-Hadamard transform: "matmul" (tensor-core
         matmuls against the +-1 tile, loaded into shared memory), or log2 G add/subtract
-        stages without the tile: "butterfly" (`hadamard.hadamard_butterfly`, the
-        constant-geometry stages on the whole tile), "lanes" (`hadamard.hadamard_lanes`:
-        the butterfly within each 16-byte vector, then one exact pair exchange per
-        further column bit, a warp shuffle where the pair spans lanes) or "pairs"
-        (`hadamard.hadamard_pairs`: the pair exchange for every column bit).
+        stages without the tile: "lanes" (`hadamard.hadamard_lanes`: a butterfly within
+        each 16-byte vector, then one exact pair exchange per further column bit, a warp
+        shuffle where the pair spans lanes) or "pairs" (`hadamard.hadamard_pairs`: the
+        pair exchange for every column bit). `compress.default_config` and
+        `decompress.default_config` choose the fastest measured.
     """
 
     block_rows: int = 64
