@@ -87,11 +87,11 @@ def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_f
         groups = x_ref[rows, :].astype(jnp.float32)
         normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
         if transform:
-            scaled = (apply_hadamard(normalized, hadamard, splits, config.hadamard)
-                      * transform_factor(prescale, shift, group_size))
+            values = apply_hadamard(normalized, hadamard, splits, config.hadamard)
+            factor = transform_factor(prescale, shift, group_size)
         else:
-            scaled = groups * prescale
-        payload, entries = group_codec.quantize_scaled(scaled, prescale, fmt, scale_format, in_kernel=True)
+            values, factor = normalized, formats.times_pow2(prescale, shift)
+        payload, entries = group_codec.quantize_scaled(values, factor, prescale, fmt, scale_format, in_kernel=True)
         payload_ref[rows, :] = as_stored(payload, payload_ref.dtype)
         for ref, entry in zip(scale_refs, entries):
             ref[rows] = entry.reshape(entry.shape[0])

@@ -116,12 +116,16 @@ def cast_to_wire(values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False) 
 
     Round to nearest, ties to even, after clipping to +-max_value. NaN stays NaN in the
     float formats; int8 has no NaN, so callers carry NaN through the group's scale.
-    `in_kernel` picks the integer rounding that suits a Pallas kernel (`round_to_int`);
-    both round the same.
+    `in_kernel` picks what suits a Pallas kernel, which is limited by arithmetic: the
+    integer rounding `round_to_int` (both round the same), and no clip, since the
+    kernels' values come from `group_codec.quantize_scaled`, whose divisor bounds them by
+    max_value to within a few float32 ulps, and those round onto the grid.
     """
+    if in_kernel:
+        return round_to_int(values).astype(fmt.dtype) if fmt.is_integer else values.astype(fmt.dtype)
     clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
     if fmt.is_integer:
-        return round_to_int(clipped).astype(fmt.dtype) if in_kernel else round_half_even(clipped).astype(fmt.dtype)
+        return round_half_even(clipped).astype(fmt.dtype)
     return clipped.astype(fmt.dtype)
 
 

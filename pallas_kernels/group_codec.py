@@ -84,12 +84,19 @@ def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt
     return jnp.where(jnp.isfinite(absmax) & jnp.isfinite(mean_square), prescale, np.float32(np.nan))
 
 
-def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,
+def quantize_scaled(values: jax.Array, factor: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,
                     in_kernel: bool = False) -> tuple[jax.Array, tuple]:
-    """Quantize pre-scaled (and transformed) groups `scaled` = y.
+    """Quantize pre-scaled (and transformed) groups y = values * factor.
+
+    max|y| is max|values| * factor (exact: rounding is monotonic and factor > 0), and
+    the payload is values * (factor / divisor): one multiply per element. `values` are
+    binade-normalized groups (`normalize_groups`), or their transform, so that product
+    stays near fmt_max / max|values| and finite for every input.
 
     Args:
-      scaled: float32 (..., G), the group values times their pre-scale (transformed).
+      values: float32 (..., G), the normalized (and transformed) group values.
+      factor: float32 (..., 1) > 0 (or NaN), what takes them to y: the pre-scale with
+        the binade shift undone (and the transform's normalization).
       prescale: float32 (..., 1), the groups' pre-scale a.
       fmt: wire format name.
       scale_format: scale encoding.
@@ -101,9 +108,10 @@ def quantize_scaled(scaled: jax.Array, prescale: jax.Array, fmt: str, scale_form
       for "bf16", (uint8 code,) for "e8m0".
     """
     wire = formats.wire_format(fmt)
-    divisor, entries = scale_entries(jnp.max(jnp.abs(scaled), axis=-1, keepdims=True), prescale, fmt, scale_format)
+    absmax = jnp.max(jnp.abs(values), axis=-1, keepdims=True) * factor
+    divisor, entries = scale_entries(absmax, prescale, fmt, scale_format)
     # One division per group, then a multiply per element.
-    return formats.cast_to_wire(scaled * (np.float32(1.0) / divisor), wire, in_kernel), entries
+    return formats.cast_to_wire(values * (factor / divisor), wire, in_kernel), entries
 
 
 def scale_entries(absmax: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
@@ -166,11 +174,8 @@ def quantize_groups(
     wire = formats.wire_format(fmt)
     groups = _as_groups(values.astype(jnp.float32), group_size)
     normalized, shift, prescale = normalize_groups(groups, wire.max_value)
-    if transform:
-        scaled = hadamard_transform(normalized) * formats.times_pow2(prescale, shift)
-    else:
-        scaled = groups * prescale
-    payload, entries = quantize_scaled(scaled, prescale, fmt, scale_format)
+    transformed = hadamard_transform(normalized) if transform else normalized
+    payload, entries = quantize_scaled(transformed, formats.times_pow2(prescale, shift), prescale, fmt, scale_format)
     # XLA:GPU removes an f32 -> f8 -> f32 convert pair (excess precision) when the
     # payload is decoded in the same program; the barrier keeps the rounding.
     payload = jax.lax.optimization_barrier(payload)
