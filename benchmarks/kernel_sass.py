@@ -1,0 +1,130 @@
+"""What the codec kernels compile to, without a GPU: registers, spills, shared memory and
+SASS instructions per element, from Triton's own compiler and ptxas.
+
+The kernels are limited by arithmetic once their transform needs no shared memory
+(Nsight Compute on an H200: SM throughput 81%, DRAM 50% for compress), so the number of
+instructions per element predicts their speed, and this loop runs in seconds on any
+machine. Each op is lowered with its default launch (`kernels.SWEEP_OPS`) for CUDA,
+its Triton IR compiled for sm_90 by the `triton` package (Triton 3.6; it brings ptxas
+and cuobjdump), and the SASS counted. XLA builds its kernels with its own Triton, so
+registers and counts there differ a little (80 registers against 64 for compress).
+
+Usage:  pip install triton==3.6.0
+        python -m benchmarks.kernel_sass [--ops compress/taco+,decompress_sum/taco+] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import lowering
+
+from benchmarks.kernels import GROUP, PRESETS, SHARDS, SWEEP_OPS
+from taco_jax.kernels import compress as kc
+from taco_jax.kernels import decompress as kd
+from taco_jax.kernels import formats
+
+ROWS = 1 << 20  # (ROWS, G) groups; the kernels' code does not depend on it
+SASS_LINE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def triton_ir(fn, *args) -> str:
+    """The Triton IR of the one Pallas kernel `fn` launches, lowered for CUDA here."""
+    captured = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        result = original(*a, **kw)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    return captured[-1]
+
+
+def op_kernel(name: str):
+    """(fn, abstract args, rows x G of a block, launch config) of one `SWEEP_OPS` op
+    under its default launch."""
+    preset, shards, requantize = SWEEP_OPS[name]
+    fmt, scale_format, transform = PRESETS[preset]
+    if not shards:
+        config = kc.default_config(GROUP, transform)
+        x = jax.ShapeDtypeStruct((ROWS, GROUP), jnp.bfloat16)
+        return (lambda v: kc.compress(v, fmt=fmt, scale_format=scale_format, transform=transform, config=config),
+                (x,), config.block_rows * GROUP, config)
+    config = kd.default_config(GROUP, transform and not requantize, shards)
+    codes = jax.ShapeDtypeStruct((shards, ROWS // shards, GROUP), formats.wire_format(fmt).dtype)
+    multipliers = jax.ShapeDtypeStruct((shards, ROWS // shards), jnp.float32)
+    decode = dict(requantize=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
+    return (lambda p, m: kd.decompress(p, m, transform=transform, config=config, **decode),
+            (codes, multipliers), config.block_rows * GROUP, config)
+
+
+def compile_sass(ir: str, num_warps: int, num_stages: int) -> dict:
+    """Registers, spill bytes, shared memory and SASS opcode counts of Triton IR for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ttir"
+        source.write_text(ir)
+        kernel = triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        (Path(tmp) / "kernel.ptx").write_text(kernel.asm["ptx"])
+        ptxas = subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", "-v", f"{tmp}/kernel.ptx", "-o",
+                                f"{tmp}/kernel.cubin"], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{tmp}/kernel.cubin"], capture_output=True,
+                              text=True, check=True).stdout
+    opcodes = collections.Counter(m.group(1) for m in map(SASS_LINE.match, sass.splitlines()) if m)
+    return dict(registers=int(re.search(r"Used (\d+) registers", ptxas).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", ptxas).group(1)),
+                shared_bytes=kernel.metadata.shared, sass=sum(opcodes.values()), opcodes=dict(opcodes.most_common()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", default=",".join(SWEEP_OPS), help="ops to compile, comma-separated")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_sass.json"))
+    args = parser.parse_args()
+    ops = args.ops.split(",")
+    unknown = sorted(set(ops) - set(SWEEP_OPS))
+    if unknown:
+        parser.error(f"unknown --ops {unknown}; choose from {list(SWEEP_OPS)}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("benchmarks/kernel_sass.py compiles with the triton package: pip install triton==3.6.0")
+    rows = []
+    print("| op | transform | block | warps | registers | shared B | SASS | per element read | top opcodes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in ops:
+        fn, inputs, elements, config = op_kernel(name)
+        preset, shards, requantize = SWEEP_OPS[name]
+        transform = config.hadamard if PRESETS[preset][2] and not requantize else "none"
+        row = dict(op=name, hadamard=transform, block_rows=config.block_rows, num_warps=config.num_warps,
+                   **compile_sass(triton_ir(fn, *inputs), config.num_warps, config.num_stages))
+        row["per_element"] = row["sass"] * 32 * config.num_warps / elements / max(1, shards)
+        rows.append(row)
+        top = ", ".join(f"{op} {n}" for op, n in list(row["opcodes"].items())[:6])
+        print(f"| {name} | {row['hadamard']} | {row['block_rows']} | {row['num_warps']} | {row['registers']} | "
+              f"{row['shared_bytes']} | {row['sass']} | {row['per_element']:.1f} | {top} |", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"jax": jax.__version__, "shards": SHARDS, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
