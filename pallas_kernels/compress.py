@@ -1,4 +1,4 @@
-"""Fused compress kernel: pre-scale -> Walsh-Hadamard -> scale -> clip -> 8-bit cast.
+"""Fused compress kernel: pre-scale -> Walsh-Hadamard -> scale -> 8-bit cast.
 
 One pass over memory: each program takes `blocks_per_program` tiles of (block_rows, G)
 groups in turn; for each it computes the group statistics, transforms the tile, and

@@ -1,5 +1,7 @@
 """Walsh-Hadamard transform over groups of the last axis: the jnp path (used off GPU and
-wherever the kernels are not chosen) and the ±1 matrix the fused kernels multiply by."""
+wherever the kernels are not chosen), the ±1 matrix of the kernels' "matmul" method, and
+the kernels' tile-free transforms ("lanes", "pairs"), written in jnp ops that the Pallas
+Triton lowering turns into register and warp-shuffle code."""
 
 from __future__ import annotations
 
@@ -63,9 +65,10 @@ def hadamard_butterfly(groups: jax.Array) -> jax.Array:
     sums and differences: each stage pairs the first half of the axis with the second and
     interleaves the sums with the differences (the constant-geometry fast transform).
 
-    Only reshape, split and stack, which the Pallas Triton lowering supports, so inside a
-    kernel the transform needs neither the G x G tile nor the tensor cores; every stage is
-    exact up to float32 rounding of the sums.
+    Only reshape, split and stack, which the Pallas Triton lowering supports; every stage
+    is exact up to float32 rounding of the sums. On a whole tile each stage is a layout
+    conversion through shared memory, so the kernels use it only within a thread's
+    vector (`hadamard_lanes`).
 
     Args:
       groups: float32 array (..., G), G a power of two.
