@@ -84,6 +84,33 @@ def test_compress_kernel_group_sizes_and_odd_rows(group_size, rows):
     _compress_case(_groups(rows, group_size, jnp.float32, seed=rows), "e4m3", "dual", True, interpret=True)
 
 
+def _extreme_groups() -> jax.Array:
+    """Groups of 128 at the edges of float32: near its maximum, tiny, subnormal, zero,
+    one spike among tiny values, and ordinary."""
+    rng = np.random.default_rng(11)
+    signs = np.sign(rng.standard_normal((2, 128)))
+    rows = [3.4e38 * rng.uniform(0.99, 1.0, 128) * signs[0], 3e38 * rng.uniform(0.0, 1.0, 128) * signs[1],
+            1e-35 * rng.standard_normal(128),
+            1e-40 * rng.standard_normal(128), np.zeros(128), np.r_[1e30, 1e-30 * rng.standard_normal(127)],
+            rng.standard_normal(128)]
+    return jnp.asarray(np.stack(rows), jnp.float32)
+
+
+@pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("scale_format", ["dual", "bf16", "e8m0"])
+def test_kernels_stay_on_the_grid_without_a_clip(scale_format, fmt, transform):
+    """The kernels cast without clipping to the format's range: at the edges of float32
+    their codes stay finite, inside +-max_value and as the clipping reference's, and the
+    groups near the float32 maximum use the top of the grid."""
+    x = _extreme_groups()
+    payload, _ = _compress_case(x, fmt, scale_format, transform, interpret=True)
+    codes = ref.as_float64(payload)
+    max_value = formats.wire_format(fmt).max_value
+    assert np.isfinite(codes).all() and np.abs(codes).max() <= max_value
+    assert np.abs(codes[:2]).max(axis=1).min() >= max_value / 2  # e8m0 scales round up by up to 2x
+
+
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
 @pytest.mark.parametrize("group_size", [64, 256])
 @pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
