@@ -67,12 +67,6 @@ def apply_hadamard(values: jax.Array, hadamard: jax.Array | None, splits: int, m
     return TILE_FREE_TRANSFORMS[method](values)
 
 
-def transform_factor(prescale: jax.Array, shift: jax.Array, group_size: int) -> jax.Array:
-    """What the unnormalized transform of the normalized group is multiplied by: the
-    pre-scale, the binade shift undone, and 1/sqrt(G)."""
-    return formats.times_pow2(prescale, shift) * np.float32(1.0 / np.sqrt(group_size))
-
-
 def as_stored(payload: jax.Array, dtype) -> jax.Array:
     """Codes as the output buffer holds them: a message buffer is uint8, holding their bytes."""
     return payload if payload.dtype == dtype else jax.lax.bitcast_convert_type(payload, dtype)
@@ -80,17 +74,15 @@ def as_stored(payload: jax.Array, dtype) -> jax.Array:
 
 def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block,
                      config):
-    group_size = x_ref.shape[-1]
+    inv_sqrt = np.float32(1.0 / np.sqrt(x_ref.shape[-1]))
     hadamard = load_hadamard(hadamard_ref, config) if transform else None
 
     def compress_block(rows):
         groups = x_ref[rows, :].astype(jnp.float32)
-        normalized, shift, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
-        if transform:
-            values = apply_hadamard(normalized, hadamard, splits, config.hadamard)
-            factor = transform_factor(prescale, shift, group_size)
-        else:
-            values, factor = normalized, formats.times_pow2(prescale, shift)
+        normalized, factor, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
+        values = normalized
+        if transform:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values, factor = apply_hadamard(normalized, hadamard, splits, config.hadamard), factor * inv_sqrt
         payload, entries = group_codec.quantize_scaled(values, factor, prescale, fmt, scale_format, in_kernel=True)
         payload_ref[rows, :] = as_stored(payload, payload_ref.dtype)
         for ref, entry in zip(scale_refs, entries):

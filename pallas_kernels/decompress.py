@@ -72,9 +72,9 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
             summed = summed + dequantized(shard, rows)
         if requantize is not None:
             fmt, scale_format = requantize
-            normalized, shift, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
-            payload, entries = group_codec.quantize_scaled(normalized, formats.times_pow2(prescale, shift), prescale,
-                                                           fmt, scale_format, in_kernel=True)
+            normalized, factor, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
+            payload, entries = group_codec.quantize_scaled(normalized, factor, prescale, fmt, scale_format,
+                                                           in_kernel=True)
             out_refs[0][rows, :] = as_stored(payload, out_refs[0].dtype)
             for ref, entry in zip(out_refs[1:], entries):
                 ref[rows] = entry.reshape(entry.shape[0])

@@ -54,16 +54,18 @@ def normalize_groups(groups: jax.Array, fmt_max: float) -> tuple[jax.Array, jax.
       fmt_max: the element format's largest value.
 
     Returns:
-      (normalized, shift, prescale): normalized = groups * 2**-shift, whose absmax is in
-      [0.5, 1) (up to 8 for groups beyond 2**126, where shift stops so that 2**-shift
-      stays a normal float32); shift int32 (..., 1); prescale float32 (..., 1), NaN for
-      a group holding NaN or Inf.
+      (normalized, factor, prescale): normalized = groups * 2**-shift, whose absmax is
+      in [0.5, 1) (up to 8 for groups beyond 2**126, where shift stops so that 2**-shift
+      stays a normal float32); factor float32 (..., 1) = prescale * 2**shift, what
+      takes the normalized values to the pre-scaled groups (`quantize_scaled`); prescale
+      float32 (..., 1), NaN (and so factor) for a group holding NaN or Inf.
     """
     absmax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
     shift = binade_shift(absmax)
     normalized = groups * formats.pow2(-shift)
     mean_square = jnp.mean(normalized * normalized, axis=-1, keepdims=True)
-    return normalized, shift, prescale_of(absmax, shift, mean_square, fmt_max)
+    prescale = prescale_of(absmax, shift, mean_square, fmt_max)
+    return normalized, formats.times_pow2(prescale, shift), prescale
 
 
 def binade_shift(absmax: jax.Array) -> jax.Array:
@@ -173,9 +175,9 @@ def quantize_groups(
     check_scale_format(scale_format)
     wire = formats.wire_format(fmt)
     groups = _as_groups(values.astype(jnp.float32), group_size)
-    normalized, shift, prescale = normalize_groups(groups, wire.max_value)
+    normalized, factor, prescale = normalize_groups(groups, wire.max_value)
     transformed = hadamard_transform(normalized) if transform else normalized
-    payload, entries = quantize_scaled(transformed, formats.times_pow2(prescale, shift), prescale, fmt, scale_format)
+    payload, entries = quantize_scaled(transformed, factor, prescale, fmt, scale_format)
     # XLA:GPU removes an f32 -> f8 -> f32 convert pair (excess precision) when the
     # payload is decoded in the same program; the barrier keeps the rounding.
     payload = jax.lax.optimization_barrier(payload)
