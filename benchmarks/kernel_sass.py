@@ -5,8 +5,9 @@ The kernels are limited by arithmetic once their transform needs no shared memor
 (Nsight Compute on an H200: SM throughput 81%, DRAM 50% for compress), so the number of
 instructions per element predicts their speed, and this loop runs in seconds on any
 machine. Each op is lowered with its default launch (`kernels.SWEEP_OPS`) for CUDA,
-its Triton IR compiled for sm_90 by the `triton` package (Triton 3.6; it brings ptxas
-and cuobjdump), and the SASS counted. XLA builds its kernels with its own Triton, so
+its Triton IR (taken from jax's Pallas Triton lowering, a private function, so the
+tool follows jax's versions) compiled for sm_90 by the `triton` package (Triton 3.6; it
+brings ptxas and cuobjdump), and the SASS counted. XLA builds its kernels with its own Triton, so
 registers and counts there differ a little (80 registers against 64 for compress).
 
 Usage:  pip install triton==3.6.0
