@@ -1,7 +1,8 @@
 """Fused Pallas compress / decompress kernels against the jnp path and a device copy.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
-warps, pipelining stages, the transform method (`KernelConfig.hadamard`);
+warps, pipelining stages, the transform method (`KernelConfig.hadamard`), the pieces a
+group is loaded in (`KernelConfig.pieces`);
 `--sweep-only` writes them alone to kernels_sweep.json), checks
 the kernels against the jnp reference, then times
 (median of trials, launches queued with one sync per trial, each timed call covering
@@ -17,7 +18,7 @@ several distinct inputs so launch gaps and L2 hits stay out of the numbers):
 Effective bandwidth counts the bytes each op must read and write once.
 
 Usage:  python -m benchmarks.kernels [--quick | --no-sweep | --sweep-only] [--sweep-hadamard matmul,lanes]
-                                      [--sweep-ops compress/taco+,...] [--out DIR]
+                                      [--sweep-pieces 1,4] [--sweep-ops compress/taco+,...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -193,26 +194,36 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
     return fn, (payloads, multipliers), _decode_bytes(rows_n, shards, scale_format, requantize)
 
 
-def _sweep_launches(methods: list[str], default: KernelConfig) -> list[KernelConfig]:
+# (block rows, blocks per program, warps, stages) swept for the methods other than "matmul",
+# whole groups and groups loaded in pieces
+TILE_FREE_LAUNCHES = ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1), (128, 1, 8, 1), (64, 4, 4, 3))
+PIECES_LAUNCHES = ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1))
+
+
+def _sweep_launches(methods: list[str], pieces: list[int], default: KernelConfig, transformed: bool) -> list[KernelConfig]:
     """The op's `default` configuration (the baseline, timed in the same run), then the
-    launch configurations swept for each transform method. The other methods need no
-    tensor-core tile, so they also try blocks below wgmma's 64 rows."""
+    launch configurations swept for each transform method. The methods other than
+    "matmul" need no tensor-core tile, so they also try blocks below wgmma's 64 rows, and
+    groups loaded in `pieces`; an op without the transform tries those launches once."""
     configs = [default]
     if "matmul" in methods:
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
                     for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
-    for method in ("lanes", "pairs"):
-        if method in methods:
-            configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard=method)
-                        for r, b, w, st in ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1), (128, 1, 8, 1),
-                                            (64, 4, 4, 3))]
+    tile_free = [m for m in ("lanes", "pairs") if m in methods] if transformed else ["matmul"]
+    for method in tile_free:
+        for count in pieces:
+            configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard=method,
+                                     pieces=count)
+                        for r, b, w, st in (TILE_FREE_LAUNCHES if count == 1 else PIECES_LAUNCHES)]
     return list(dict.fromkeys(configs))
 
 
-def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: list[str], ops: list[str]) -> list[dict]:
+def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: list[str], pieces: list[int],
+                  ops: list[str]) -> list[dict]:
     """Time each of `ops` over launch configurations: block rows, blocks per program (the
-    kernel's loop), warps, pipelining stages and the transform method (`methods`;
-    methods other than "matmul" only for the ops that apply the transform)."""
+    kernel's loop), warps, pipelining stages, the transform method (`methods`;
+    methods other than "matmul" only for the ops that apply the transform) and the
+    pieces a group is loaded in (`pieces`)."""
     rows_n = tokens * channels // GROUP
     xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
     start, results = time.perf_counter(), []
@@ -220,16 +231,14 @@ def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: lis
         preset, shards, requantize = SWEEP_OPS[name]
         transformed = PRESETS[preset][2] and not requantize
         default = (kd.default_config(GROUP, transformed, shards) if shards else kc.default_config(GROUP, transformed))
-        for config in _sweep_launches(methods, default):
-            if config.hadamard != "matmul" and not transformed:
-                continue
+        for config in _sweep_launches(methods, pieces, default, transformed):
             if time.perf_counter() - start > budget_s:
                 return results
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             ms = time_ms(fn, inputs, trials=5, calls=3)
             results.append(dict(op=name, **dataclasses.asdict(config), default=config == default, ms=ms,
                                 tb_per_s=nbytes / ms / 1e9))
-            print(f"  {name:22s} {config.hadamard:9s} {config.block_rows:4d} x{config.blocks_per_program:<3d} "
+            print(f"  {name:22s} {config.hadamard:9s} p{config.pieces} {config.block_rows:4d} x{config.blocks_per_program:<3d} "
                   f"w{config.num_warps} s{config.num_stages} {ms:7.3f} ms {nbytes / ms / 1e9:5.2f} TB/s",
                   file=sys.stderr, flush=True)
     return results
@@ -280,10 +289,13 @@ def main() -> None:
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
     parser.add_argument("--sweep-hadamard", default=",".join(HADAMARD_METHODS),
                         help="transform methods the sweep tries (KernelConfig.hadamard), comma-separated")
+    parser.add_argument("--sweep-pieces", default="1,2,4,8",
+                        help="pieces a group is loaded in (KernelConfig.pieces) for the sweep, comma-separated")
     parser.add_argument("--sweep-ops", default=",".join(SWEEP_OPS), help="ops the sweep times, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     methods, ops = args.sweep_hadamard.split(","), args.sweep_ops.split(",")
+    pieces = [int(count) for count in args.sweep_pieces.split(",")]
     for flag, given, known in (("--sweep-hadamard", methods, HADAMARD_METHODS), ("--sweep-ops", ops, SWEEP_OPS)):
         unknown = sorted(set(given) - set(known))
         if unknown:
@@ -293,7 +305,7 @@ def main() -> None:
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
-    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget, methods, ops)
+    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget, methods, pieces, ops)
     if args.sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kernels_sweep.json").write_text(json.dumps({"device": device, "sweep": sweep}, indent=1))

@@ -22,8 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
-from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
-from taco_jax.kernels.hadamard import hadamard_lanes, hadamard_matrix, hadamard_pairs
+from taco_jax.kernels.hadamard import hadamard_across, hadamard_lanes, hadamard_matrix, hadamard_pairs
+from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups
 
 
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
@@ -59,12 +59,28 @@ def load_hadamard(hadamard_ref, config: KernelConfig) -> jax.Array | None:
     return hadamard_ref[...] if config.hadamard == "matmul" else None
 
 
-def apply_hadamard(values: jax.Array, hadamard: jax.Array | None, splits: int, method: str) -> jax.Array:
-    """values @ H in float32 by `method` (`KernelConfig.hadamard`): against the loaded
-    tile (`hadamard_dot`), or with one of the `TILE_FREE_TRANSFORMS`."""
+def apply_hadamard(pieces: group_codec.Pieces, hadamard: jax.Array | None, splits: int,
+                   method: str) -> group_codec.Pieces:
+    """The groups' pieces times H in float32: each piece by `method` (`KernelConfig.hadamard`),
+    against the loaded tile (`hadamard_dot`) or with one of the `TILE_FREE_TRANSFORMS`,
+    then across the pieces (`hadamard.hadamard_across`)."""
     if method == "matmul":
-        return hadamard_dot(values, hadamard, splits)
-    return TILE_FREE_TRANSFORMS[method](values)
+        within = [hadamard_dot(piece, hadamard, splits) for piece in pieces]
+    else:
+        within = [TILE_FREE_TRANSFORMS[method](piece) for piece in pieces]
+    return tuple(hadamard_across(within))
+
+
+def load_pieces(ref, *index) -> group_codec.Pieces:
+    """A block of groups from a (..., rows, p, G / p) ref at `index` (leading indices, then
+    the rows): one load per piece (`KernelConfig.pieces`)."""
+    return tuple(ref[(*index, piece, slice(None))] for piece in range(ref.shape[-2]))
+
+
+def store_pieces(ref, rows, pieces: group_codec.Pieces) -> None:
+    """Store a block of groups' pieces into a (rows, p, G / p) ref, as its dtype holds them."""
+    for index, piece in enumerate(pieces):
+        ref[rows, index, :] = as_stored(piece, ref.dtype)
 
 
 def as_stored(payload: jax.Array, dtype) -> jax.Array:
@@ -74,17 +90,17 @@ def as_stored(payload: jax.Array, dtype) -> jax.Array:
 
 def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block,
                      config):
-    inv_sqrt = np.float32(1.0 / np.sqrt(x_ref.shape[-1]))
+    inv_sqrt = np.float32(1.0 / np.sqrt(x_ref.shape[-2] * x_ref.shape[-1]))
     hadamard = load_hadamard(hadamard_ref, config) if transform else None
 
     def compress_block(rows):
-        groups = x_ref[rows, :].astype(jnp.float32)
+        groups = tuple(piece.astype(jnp.float32) for piece in load_pieces(x_ref, rows))
         normalized, factor, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
         values = normalized
         if transform:  # the unnormalized transform: 1/sqrt(G) goes into the factor
             values, factor = apply_hadamard(normalized, hadamard, splits, config.hadamard), factor * inv_sqrt
         payload, entries = group_codec.quantize_scaled(values, factor, prescale, fmt, scale_format, in_kernel=True)
-        payload_ref[rows, :] = as_stored(payload, payload_ref.dtype)
+        store_pieces(payload_ref, rows, payload)
         for ref, entry in zip(scale_refs, entries):
             ref[rows] = entry.reshape(entry.shape[0])
 
@@ -111,19 +127,20 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
         _compress_kernel, fmt=fmt, scale_format=scale_format, transform=transform,
         splits=BF16_SPLITS[jnp.dtype(x.dtype)], block=block, config=config,
     )
-    tile = pl.BlockSpec((None, per_program, group_size), lambda b, i: (b, i, 0))
+    width = group_size // config.pieces
+    tile = pl.BlockSpec((None, per_program, config.pieces, width), lambda b, i: (b, i, 0, 0))
     payload, *entries = pl.pallas_call(
         kernel,
         grid=(batch, padded // per_program),
-        in_specs=[tile, pl.BlockSpec((group_size, group_size), lambda b, i: (0, 0))],
+        in_specs=[tile, pl.BlockSpec((width, width), lambda b, i: (0, 0))],
         out_specs=[tile] + [pl.BlockSpec((None, per_program), lambda b, i: (b, i))] * len(entry_dtypes),
-        out_shape=[output_struct((batch, max(padded, payload_rows), group_size), payload_dtype, x)]
+        out_shape=[output_struct((batch, max(padded, payload_rows), config.pieces, width), payload_dtype, x)]
         + [output_struct((batch, padded), dtype, x) for dtype in entry_dtypes],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="taco_compress",
-    )(x, jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
-    return payload, [e[:, :rows, None, None] for e in entries]  # (B, N, groups=1, 1)
+    )(split_groups(x, config.pieces), jnp.asarray(hadamard_matrix(width), jnp.bfloat16))
+    return payload.reshape(*payload.shape[:2], group_size), [e[:, :rows, None, None] for e in entries]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
-from taco_jax.kernels.compress import apply_hadamard, as_stored, load_hadamard
-from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop
+from taco_jax.kernels.compress import apply_hadamard, load_hadamard, load_pieces, store_pieces
+from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 
@@ -41,49 +41,52 @@ def default_config(group_size: int, transform: bool, shards: int = 1) -> KernelC
     return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
-def _codes(payload_ref, shard: int, rows, fmt: str | None) -> jax.Array:
-    """One shard's codes in their 8-bit type; a uint8 message buffer holds their bytes."""
-    codes = payload_ref[shard, rows, :]
+def _codes(payload_ref, shard: int, rows, fmt: str | None) -> group_codec.Pieces:
+    """One shard's codes as float32 pieces; a uint8 message buffer holds their bytes."""
+    pieces = load_pieces(payload_ref, shard, rows)
     if fmt is not None:
-        codes = jax.lax.bitcast_convert_type(codes, formats.wire_format(fmt).dtype)
-    return codes
+        pieces = (jax.lax.bitcast_convert_type(piece, formats.wire_format(fmt).dtype) for piece in pieces)
+    return tuple(piece.astype(jnp.float32) for piece in pieces)
+
+
+def _scaled(pieces: group_codec.Pieces, multiplier: jax.Array) -> group_codec.Pieces:
+    return tuple(piece * multiplier[:, None] for piece in pieces)
 
 
 def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt, block,
                        config):
-    shards, _, group_size = payload_ref.shape
-    inv_sqrt = np.float32(1.0 / np.sqrt(group_size))
+    shards, _, pieces, width = payload_ref.shape
+    inv_sqrt = np.float32(1.0 / np.sqrt(pieces * width))
     single = shards == 1 and transform and requantize is None
     hadamard = load_hadamard(hadamard_ref, config) if transform and requantize is None else None
 
     def dequantized(shard, rows):
-        codes = _codes(payload_ref, shard, rows, message_fmt).astype(jnp.float32)
-        return codes * multiplier_ref[shard, rows][:, None]
+        return _scaled(_codes(payload_ref, shard, rows, message_fmt), multiplier_ref[shard, rows])
 
     def decode_block(rows):
         if single:
             # One shard's 8-bit codes are exact in bf16: transform them, then scale.
-            codes = _codes(payload_ref, 0, rows, message_fmt).astype(jnp.float32)
-            values = apply_hadamard(codes, hadamard, 1, config.hadamard)
-            out_refs[0][rows, :] = (values * (multiplier_ref[0, rows] * inv_sqrt)[:, None]).astype(out_refs[0].dtype)
+            values = apply_hadamard(_codes(payload_ref, 0, rows, message_fmt), hadamard, 1, config.hadamard)
+            decoded = _scaled(values, multiplier_ref[0, rows] * inv_sqrt)
+            store_pieces(out_refs[0], rows, tuple(piece.astype(out_refs[0].dtype) for piece in decoded))
             return
         summed = dequantized(0, rows)
         for shard in range(1, shards):
-            summed = summed + dequantized(shard, rows)
+            summed = tuple(map(jnp.add, summed, dequantized(shard, rows)))
         if requantize is not None:
             fmt, scale_format = requantize
             normalized, factor, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
             payload, entries = group_codec.quantize_scaled(normalized, factor, prescale, fmt, scale_format,
                                                            in_kernel=True)
-            out_refs[0][rows, :] = as_stored(payload, out_refs[0].dtype)
+            store_pieces(out_refs[0], rows, payload)
             for ref, entry in zip(out_refs[1:], entries):
                 ref[rows] = entry.reshape(entry.shape[0])
             return
         if transform:
             # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
             splits = 3 if out_refs[0].dtype == jnp.float32 else 2
-            summed = apply_hadamard(summed, hadamard, splits, config.hadamard) * inv_sqrt
-        out_refs[0][rows, :] = summed.astype(out_refs[0].dtype)
+            summed = tuple(piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.hadamard))
+        store_pieces(out_refs[0], rows, tuple(piece.astype(out_refs[0].dtype) for piece in summed))
 
     row_loop(payload_ref.shape[1], block, decode_block)
 
@@ -107,12 +110,13 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         payload = jnp.pad(payload, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     multiplier = jnp.pad(multiplier.astype(jnp.float32), ((0, 0), (0, 0), (0, padded - groups)))
     blocks = padded // per_program
-    payload = payload.reshape(batch * shards, -1, group_size)
+    width = group_size // config.pieces
+    payload = split_groups(payload.reshape(batch * shards, -1, group_size), config.pieces)
     multiplier = multiplier.reshape(batch * shards, padded)
-    tile = pl.BlockSpec((per_program, group_size), lambda b, i: (b * blocks + i, 0))
+    tile = pl.BlockSpec((per_program, config.pieces, width), lambda b, i: (b * blocks + i, 0, 0))
     out_rows = batch * padded
     if requantize is None:
-        out_specs, out_shape = [tile], [output_struct((out_rows, group_size), out_dtype, payload)]
+        out_specs, out_shape = [tile], [output_struct((out_rows, config.pieces, width), out_dtype, payload)]
     else:
         fmt, scale_format = requantize
         group_codec.check_scale_format(scale_format)
@@ -121,7 +125,8 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         out_specs = [tile] + [pl.BlockSpec((per_program,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
         if batch != 1:
             raise ValueError(f"requantizing sums one batch of shards, got {batch}")
-        out_shape = [output_struct((max(out_rows, groups + extra_rows), group_size), payload_dtype, payload)] + [
+        out_shape = [output_struct((max(out_rows, groups + extra_rows), config.pieces, width), payload_dtype,
+                                   payload)] + [
             output_struct((out_rows,), dtype, payload) for dtype in entry_dtypes
         ]
     outs = pl.pallas_call(
@@ -129,19 +134,19 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
                           block=block, config=config),
         grid=(batch, blocks),
         in_specs=[
-            pl.BlockSpec((shards, per_program, group_size), lambda b, i: (b, i, 0)),
+            pl.BlockSpec((shards, per_program, config.pieces, width), lambda b, i: (b, i, 0, 0)),
             pl.BlockSpec((shards, per_program), lambda b, i: (b, i)),
-            pl.BlockSpec((group_size, group_size), lambda b, i: (0, 0)),
+            pl.BlockSpec((width, width), lambda b, i: (0, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="taco_decompress",
-    )(payload, multiplier, jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
+    )(payload, multiplier, jnp.asarray(hadamard_matrix(width), jnp.bfloat16))
     if requantize is None:
         return outs[0].reshape(batch, padded, group_size)[:, :groups]
-    return outs[0], [e[:groups, None, None] for e in outs[1:]]
+    return outs[0].reshape(-1, group_size), [e[:groups, None, None] for e in outs[1:]]
 
 
 @functools.partial(

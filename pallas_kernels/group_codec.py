@@ -22,11 +22,13 @@ Scale encodings (see `formats.SCALE_FORMATS`): "dual" sends (a, s); "single" sen
 "bf16" sends s / a rounded up to bfloat16 and "e8m0" rounded up to a power of two; for
 those two the payload is computed against the rounded scale.
 
-The per-step functions below work on any (..., G) block, so the Pallas kernels call them
-on their tiles and only replace the transform by a tensor-core matmul.
+The per-step functions below work on any (..., G) block, whole or split into pieces, so
+the Pallas kernels call them on their tiles and replace only the transform.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,11 @@ PRESCALE_MIN = np.float32(2.0**-100)
 PRESCALE_MAX = np.float32(2.0**100)
 SCALE_MIN = np.float32(2.0**-126)
 
+# A block of groups, split along the last axis into pieces of equal width: the kernels
+# load a group's pieces separately so that each GPU thread holds more of one group
+# (`launch.KernelConfig.pieces`); the plain definition passes one piece, the groups.
+Pieces = tuple[jax.Array, ...]
+
 
 def check_scale_format(scale_format: str) -> None:
     """Raise ValueError for an unknown scale format name."""
@@ -46,26 +53,44 @@ def check_scale_format(scale_format: str) -> None:
         raise ValueError(f"unknown scale format {scale_format!r}; expected one of {sorted(formats.SCALE_FORMATS)}")
 
 
-def normalize_groups(groups: jax.Array, fmt_max: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def normalize_groups(pieces: Pieces, fmt_max: float) -> tuple[Pieces, jax.Array, jax.Array]:
     """Binade-normalize each group and compute its pre-scale.
 
     Args:
-      groups: float32 (..., G).
+      pieces: the groups as float32 (..., G) arrays, or split along the last axis into
+        pieces (..., G / p) whose concatenation is the groups (`row_max_abs`).
       fmt_max: the element format's largest value.
 
     Returns:
-      (normalized, factor, prescale): normalized = groups * 2**-shift, whose absmax is
-      in [0.5, 1) (up to 8 for groups beyond 2**126, where shift stops so that 2**-shift
-      stays a normal float32); factor float32 (..., 1) = prescale * 2**shift, what
-      takes the normalized values to the pre-scaled groups (`quantize_scaled`); prescale
-      float32 (..., 1), NaN (and so factor) for a group holding NaN or Inf.
+      (normalized, factor, prescale): normalized = the pieces * 2**-shift, whose absmax
+      is in [0.5, 1) (up to 8 for groups beyond 2**126, where shift stops so that
+      2**-shift stays a normal float32); factor float32 (..., 1) = prescale * 2**shift,
+      what takes the normalized values to the pre-scaled groups (`quantize_scaled`);
+      prescale float32 (..., 1), NaN (and so factor) for a group holding NaN or Inf.
     """
-    absmax = jnp.max(jnp.abs(groups), axis=-1, keepdims=True)
+    absmax = row_max_abs(pieces)
     shift = binade_shift(absmax)
-    normalized = groups * formats.pow2(-shift)
-    mean_square = jnp.mean(normalized * normalized, axis=-1, keepdims=True)
+    inverse = formats.pow2(-shift)
+    normalized = tuple(piece * inverse for piece in pieces)
+    mean_square = row_sum(tuple(piece * piece for piece in normalized)) * np.float32(1 / group_width(pieces))
     prescale = prescale_of(absmax, shift, mean_square, fmt_max)
     return normalized, formats.times_pow2(prescale, shift), prescale
+
+
+def group_width(pieces: Pieces) -> int:
+    """G: the elements of a group over its pieces."""
+    return sum(piece.shape[-1] for piece in pieces)
+
+
+def row_max_abs(pieces: Pieces) -> jax.Array:
+    """Each group's absmax (..., 1) over its pieces: elementwise over the pieces first, so a
+    GPU thread holding one element of each reduces them in registers, then along the row."""
+    return jnp.max(functools.reduce(jnp.maximum, [jnp.abs(piece) for piece in pieces]), axis=-1, keepdims=True)
+
+
+def row_sum(pieces: Pieces) -> jax.Array:
+    """Each group's sum (..., 1) over its pieces, reduced as `row_max_abs`."""
+    return jnp.sum(functools.reduce(jnp.add, pieces), axis=-1, keepdims=True)
 
 
 def binade_shift(absmax: jax.Array) -> jax.Array:
@@ -86,8 +111,8 @@ def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt
     return jnp.where(jnp.isfinite(absmax) & jnp.isfinite(mean_square), prescale, np.float32(np.nan))
 
 
-def quantize_scaled(values: jax.Array, factor: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,
-                    in_kernel: bool = False) -> tuple[jax.Array, tuple]:
+def quantize_scaled(values: Pieces, factor: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,
+                    in_kernel: bool = False) -> tuple[Pieces, tuple]:
     """Quantize pre-scaled (and transformed) groups y = values * factor.
 
     max|y| is max|values| * factor (exact: rounding is monotonic and factor > 0), and
@@ -96,7 +121,8 @@ def quantize_scaled(values: jax.Array, factor: jax.Array, prescale: jax.Array, f
     stays near fmt_max / max|values| and finite for every input.
 
     Args:
-      values: float32 (..., G), the normalized (and transformed) group values.
+      values: the normalized (and transformed) group values, float32 pieces as
+        `normalize_groups` takes them.
       factor: float32 (..., 1) > 0 (or NaN), what takes them to y: the pre-scale with
         the binade shift undone (and the transform's normalization).
       prescale: float32 (..., 1), the groups' pre-scale a.
@@ -105,15 +131,15 @@ def quantize_scaled(values: jax.Array, factor: jax.Array, prescale: jax.Array, f
       in_kernel: traced inside a Pallas kernel (`formats.cast_to_wire`).
 
     Returns:
-      (payload, scale_entries): payload (..., G) in the format's dtype; scale_entries a
+      (payload, scale_entries): payload pieces in the format's dtype; scale_entries a
       tuple of (..., 1) arrays: (a, s) for "dual", (s / a,) for "single", (bf16 s / a,)
       for "bf16", (uint8 code,) for "e8m0".
     """
     wire = formats.wire_format(fmt)
-    absmax = jnp.max(jnp.abs(values), axis=-1, keepdims=True) * factor
+    absmax = row_max_abs(values) * factor
     divisor, entries = scale_entries(absmax, prescale, fmt, scale_format)
-    # One division per group, then a multiply per element.
-    return formats.cast_to_wire(values * (factor / divisor), wire, in_kernel), entries
+    multiplier = factor / divisor  # one division per group, then a multiply per element
+    return tuple(formats.cast_to_wire(piece * multiplier, wire, in_kernel) for piece in values), entries
 
 
 def scale_entries(absmax: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
@@ -175,9 +201,9 @@ def quantize_groups(
     check_scale_format(scale_format)
     wire = formats.wire_format(fmt)
     groups = _as_groups(values.astype(jnp.float32), group_size)
-    normalized, factor, prescale = normalize_groups(groups, wire.max_value)
+    (normalized,), factor, prescale = normalize_groups((groups,), wire.max_value)
     transformed = hadamard_transform(normalized) if transform else normalized
-    payload, entries = quantize_scaled(transformed, factor, prescale, fmt, scale_format)
+    (payload,), entries = quantize_scaled((transformed,), factor, prescale, fmt, scale_format)
     # XLA:GPU removes an f32 -> f8 -> f32 convert pair (excess precision) when the
     # payload is decoded in the same program; the barrier keeps the rounding.
     payload = jax.lax.optimization_barrier(payload)

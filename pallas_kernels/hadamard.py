@@ -136,3 +136,23 @@ def hadamard_pairs(groups: jax.Array) -> jax.Array:
     bits = size.bit_length() - 1
     stacked = groups.reshape(*lead, *(2,) * bits)
     return _pair_stages(stacked, range(len(lead), len(lead) + bits)).reshape(*lead, size)
+
+
+def hadamard_across(pieces: list[jax.Array]) -> list[jax.Array]:
+    """The Sylvester stages over the high bits of the column index, for groups split along
+    the last axis into p pieces each already transformed over its own columns (H_G =
+    H_p x H_{G/p}): sums and differences of whole pieces, in a GPU thread's registers.
+
+    Args:
+      pieces: p float32 arrays of one shape, p a power of two.
+
+    Returns:
+      The p pieces of the transformed groups.
+    """
+    _check_power_of_two(len(pieces))
+    pieces, stride = list(pieces), 1
+    while stride < len(pieces):
+        for low in (i for i in range(len(pieces)) if not i & stride):
+            pieces[low], pieces[low + stride] = pieces[low] + pieces[low + stride], pieces[low] - pieces[low + stride]
+        stride *= 2
+    return pieces

@@ -36,6 +36,11 @@ class KernelConfig:
         shuffle where the pair spans lanes) or "pairs" (`hadamard.hadamard_pairs`: the
         pair exchange for every column bit). `compress.default_config` and
         `decompress.default_config` choose the fastest measured.
+      pieces: p, how many slices of G / p contiguous columns a kernel loads each group
+        in, one load each. A GPU thread holds the same columns of every slice, so p > 1
+        puts more of a group in each thread: the per-group math is repeated by fewer
+        lanes, and log2 p stages of the transform and of each reduction are register
+        adds instead of warp shuffles (`group_codec.Pieces`).
     """
 
     block_rows: int = 64
@@ -44,10 +49,13 @@ class KernelConfig:
     num_stages: int = 1
     min_programs: int = 1024
     hadamard: str = "matmul"
+    pieces: int = 1
 
     def __post_init__(self):
         if self.hadamard not in HADAMARD_METHODS:
             raise ValueError(f"KernelConfig.hadamard must be one of {HADAMARD_METHODS}, got {self.hadamard!r}")
+        if self.pieces < 1 or self.pieces & (self.pieces - 1):
+            raise ValueError(f"KernelConfig.pieces must be a power of two, got {self.pieces}")
 
 
 def block_rows_for(rows: int, preferred: int) -> int:
@@ -88,3 +96,11 @@ def output_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDt
     """A kernel output's shape and dtype, varying over the manual mesh axes `like` varies
     over (a pallas_call inside `shard_map(check_vma=True)` must state its outputs' type)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def split_groups(array: jax.Array, pieces: int) -> jax.Array:
+    """(..., G) as (..., p, G / p), a free reshape: the view a kernel with `KernelConfig.pieces`
+    reads and writes."""
+    if array.shape[-1] % pieces:
+        raise ValueError(f"KernelConfig.pieces={pieces} must divide the group size {array.shape[-1]}")
+    return array.reshape(*array.shape[:-1], pieces, array.shape[-1] // pieces)

@@ -150,14 +150,20 @@ def test_decompress_kernel_requantizes(fmt, scale_format):
 LOOPED = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1)
 LANES = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="lanes")
 PAIRS = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="pairs")
-TILE_FREE = ["lanes", "pairs"]
+IN_PIECES = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="lanes", pieces=4)
+# The compiled kernels' transform methods, whole groups and groups loaded in pieces.
+COMPILED_TRANSFORMS = {"matmul": dict(hadamard="matmul"), "lanes": dict(hadamard="lanes"),
+                       "pairs": dict(hadamard="pairs"), "lanes-4": dict(hadamard="lanes", pieces=4),
+                       "pairs-8": dict(hadamard="pairs", pieces=8)}
 
 
-@pytest.mark.parametrize("method, group_size", [("lanes", 16), ("lanes", 512), ("pairs", 32)])
-def test_transform_methods_match_the_reference(method, group_size):
+@pytest.mark.parametrize("method, group_size, pieces", [
+    ("lanes", 16, 1), ("lanes", 512, 1), ("pairs", 32, 1), ("lanes", 128, 8), ("pairs", 64, 4), ("matmul", 64, 2)])
+def test_transform_methods_match_the_reference(method, group_size, pieces):
     """Compress and decode (1 and 3 shards, f32 and bf16 out) with the transform computed
-    without the tile, against the jnp references; 45 rows (padded)."""
-    config = KernelConfig(block_rows=16, hadamard=method)
+    without the tile or on groups loaded in pieces, against the jnp references; 45 rows
+    (padded)."""
+    config = KernelConfig(block_rows=16, hadamard=method, pieces=pieces)
     x = _groups(45, group_size, jnp.float32, seed=group_size)
     payload, scales = _compress_case(x, "int8", "bf16", True, interpret=True, config=config)
     multiplier = group_codec.dequantize_scale(scales, "bf16").reshape(1, -1)
@@ -197,6 +203,14 @@ def test_pair_exchange_keeps_inf_and_nan(transform):
 def test_kernel_config_names_an_unknown_transform_method():
     with pytest.raises(ValueError, match="hadamard"):
         KernelConfig(hadamard="fft")
+
+
+def test_kernel_config_names_pieces_that_do_not_fit():
+    with pytest.raises(ValueError, match="pieces"):
+        KernelConfig(pieces=3)
+    with pytest.raises(ValueError, match="pieces=32 must divide the group size 16"):
+        kc.compress(jnp.ones((16, 16)), fmt="int8", scale_format="bf16", transform=True,
+                    config=KernelConfig(pieces=32), interpret=True)
 
 
 def test_program_rows_loops_only_where_the_grid_stays_wide():
@@ -239,20 +253,21 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
 
 @pytest.mark.parametrize("fmt, scale_format, rows, config", [
     *[(fmt, scales, rows, LOOPED) for fmt, scales in [("e4m3", "dual"), ("int8", "bf16")] for rows in (200, 256)],
-    ("int8", "bf16", 200, LANES), ("e4m3", "dual", 200, PAIRS)],
-    ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-lanes", "e4m3-200-pairs"])
+    ("int8", "bf16", 200, LANES), ("e4m3", "dual", 200, PAIRS), ("e4m3", "dual", 256, IN_PIECES)],
+    ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-lanes", "e4m3-200-pairs", "e4m3-256-pieces"])
 def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, config):
-    """Several blocks per program, with each transform method, against one block per
-    program with the matmul."""
+    """Several blocks per program, with each transform method and groups loaded in
+    pieces, against one block per program with the matmul."""
     _check_looped_launch(fmt, scale_format, rows, config, interpret=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hadamard", ["matmul", *TILE_FREE])
+@pytest.mark.parametrize("transform", COMPILED_TRANSFORMS)
 @pytest.mark.parametrize("rows", [8200, 16384])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
-def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, hadamard):
-    looped = KernelConfig(block_rows=64, blocks_per_program=4, num_stages=3, min_programs=1, hadamard=hadamard)
+def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, transform):
+    looped = KernelConfig(block_rows=64, blocks_per_program=4, num_stages=3, min_programs=1,
+                          **COMPILED_TRANSFORMS[transform])
     _check_looped_launch(fmt, scale_format, rows, looped, interpret=False)
 
 
@@ -307,11 +322,12 @@ def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hadamard", ["matmul", *TILE_FREE])
+@pytest.mark.parametrize("transform", COMPILED_TRANSFORMS)
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "e8m0")])
-def test_compiled_kernels_propagate_nan_to_the_group(fmt, scale_format, hadamard):
+def test_compiled_kernels_propagate_nan_to_the_group(fmt, scale_format, transform):
     """Compiled, where Triton's max() ignores NaN."""
-    _check_nan_propagates_to_the_group(fmt, scale_format, KernelConfig(hadamard=hadamard), interpret=False)
+    _check_nan_propagates_to_the_group(fmt, scale_format, KernelConfig(**COMPILED_TRANSFORMS[transform]),
+                                       interpret=False)
 
 
 def test_codec_dispatch_to_kernels_agrees_with_jnp():
