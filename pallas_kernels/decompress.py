@@ -32,12 +32,14 @@ from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 def default_config(group_size: int, transform: bool, shards: int = 1) -> KernelConfig:
     """Decoding through the transform: about 4K codes read per block over all `shards`
-    (at least 16 rows), the transform as "pairs" (`hadamard.hadamard_pairs`, no tile);
-    otherwise about 8K elements per block. Set from the H200 sweep of benchmarks/kernels.py
-    (at 16384 x 8192, taco+: one shard 0.135 ms, four 0.070 ms, against 0.148 and
-    0.128 ms with the matmul)."""
+    (at least 16 rows), each group loaded in two pieces, the transform as "pairs"
+    (`hadamard.hadamard_pairs`, no tile); otherwise about 8K elements per block. Set from
+    the H200 sweep of benchmarks/kernels.py (at 16384 x 8192, taco+: one shard 0.120 ms,
+    four 0.073 ms, against 0.139 and 0.085 ms in one piece and 0.148 and 0.128 ms with
+    the matmul)."""
     if transform:
-        return KernelConfig(block_rows=max(16, 4096 // (group_size * shards)), num_warps=4, hadamard="pairs")
+        return KernelConfig(block_rows=max(16, 4096 // (group_size * shards)), num_warps=4, hadamard="pairs",
+                            pieces=2)
     return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
