@@ -80,11 +80,25 @@ def transposing_whole_shard_map() -> bool:
     return False
 
 
+def gather_stacked(x: jax.Array, axis_name: str) -> jax.Array:
+    """`lax.all_gather(x, axis_name, axis=0, tiled=False)`; over one rank its own x, since
+    XLA:GPU runs a one-participant collective as a copy of the buffer."""
+    return x[None] if lax.axis_size(axis_name) == 1 else lax.all_gather(x, axis_name, axis=0, tiled=False)
+
+
 def gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
     """Stacked all-gather whose result is invariant over `axis_name` (every rank holds
-    the same), as the last step of an all-reduce must be under `check_vma=True`."""
-    gather = lax_parallel.all_gather_invariant if checks_vma(axis_name) else lax.all_gather
-    return gather(x, axis_name, axis=0, tiled=False)
+    the same), as the last step of an all-reduce must be under `check_vma=True` (there
+    only the collective makes x invariant, even over one rank)."""
+    if checks_vma(axis_name):
+        return lax_parallel.all_gather_invariant(x, axis_name, axis=0, tiled=False)
+    return gather_stacked(x, axis_name)
+
+
+def exchange_blocks(x: jax.Array, axis_name: str) -> jax.Array:
+    """`lax.all_to_all` of x's leading blocks (tiled): rank r receives block r of every
+    rank; over one rank x itself (no copy, as `gather_stacked`)."""
+    return x if lax.axis_size(axis_name) == 1 else lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -220,7 +234,7 @@ def gather_and_received(x, axis_name, config, direction, axis, tiled, site,
         gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
         return gathered, gathered
     rows = _to_rows(wire, spec.group_size, 0)
-    received = tuple(lax.all_gather(encode(rows[a:b], spec, config.kernels), axis_name, axis=0, tiled=False)
+    received = tuple(gather_stacked(encode(rows[a:b], spec, config.kernels), axis_name)
                      for a, b in chunk_bounds(rows.shape[0], route.chunks))
     record_collective(site, "all_gather", direction, x, axis_name, spec,
             (ranks - 1) * _message_bytes(rows.shape[0], spec, route.chunks), plain_sent)
@@ -276,7 +290,7 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, ca
 
 def _reduce_scatter_rows(rows, axis_name: str, spec: QuantSpec, dtype: jnp.dtype, kernels: str) -> jax.Array:
     """(ranks, n, G) rows, one block per destination -> this rank's (n, G) block of the sum."""
-    received = lax.all_to_all(encode(rows, spec, kernels), axis_name, 0, 0, tiled=True)
+    received = exchange_blocks(encode(rows, spec, kernels), axis_name)
     return decode(received[None], rows.shape[1], spec, dtype, kernels)[0]
 
 
@@ -321,7 +335,7 @@ def _two_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array,
     per_rank = blocks.shape[1]
     pieces = []
     for a, b in chunk_bounds(per_rank, chunks):
-        received = lax.all_to_all(encode(blocks[:, a:b], spec, kernels), axis_name, 0, 0, tiled=True)
+        received = exchange_blocks(encode(blocks[:, a:b], spec, kernels), axis_name)
         reduced = requantize(received, b - a, spec, kernels)
         gathered = gather_invariant(reduced, axis_name)
         pieces.append(decode(gathered[:, None], b - a, spec, dtype, kernels))

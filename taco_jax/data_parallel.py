@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.codec import decode, encode, message_layout, requantize
-from taco_jax.collectives import (check_arguments, gather_invariant, rank_blocks, record_collective,
+from taco_jax.collectives import (check_arguments, exchange_blocks, gather_invariant, rank_blocks, record_collective,
                                   record_plain_all_reduce, ring_all_reduce_bytes)
 from taco_jax.spec import TacoConfig
 
@@ -57,7 +57,7 @@ def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig)
     per_rank = blocks.shape[1]
     sent = encode(blocks, spec, kernels)
     message_error = blocks - decode(sent[:, None], per_rank, spec, jnp.float32, kernels)
-    received = lax.all_to_all(sent, axis_name, 0, 0, tiled=True)
+    received = exchange_blocks(sent, axis_name)
     block_sum = decode(received[None], per_rank, spec, jnp.float32, kernels)[0]
     gathered = gather_invariant(requantize(received, per_rank, spec, kernels), axis_name)
     total = decode(gathered[:, None], per_rank, spec, jnp.float32, kernels)
