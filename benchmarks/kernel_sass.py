@@ -110,18 +110,19 @@ def main() -> None:
     except ImportError:
         sys.exit("benchmarks/kernel_sass.py compiles with the triton package: pip install triton==3.6.0")
     rows = []
-    print("| op | transform | block | warps | registers | shared B | SASS | per element read | top opcodes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | transform | pieces | block | warps | registers | shared B | SASS | per element read | top opcodes |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ops:
         fn, inputs, elements, config = op_kernel(name)
         preset, shards, requantize = SWEEP_OPS[name]
         transform = config.hadamard if PRESETS[preset][2] and not requantize else "none"
-        row = dict(op=name, hadamard=transform, block_rows=config.block_rows, num_warps=config.num_warps,
+        row = dict(op=name, hadamard=transform, pieces=config.pieces, block_rows=config.block_rows,
+                   num_warps=config.num_warps,
                    **compile_sass(triton_ir(fn, *inputs), config.num_warps, config.num_stages))
         row["per_element"] = row["sass"] * 32 * config.num_warps / elements / max(1, shards)
         rows.append(row)
         top = ", ".join(f"{op} {n}" for op, n in list(row["opcodes"].items())[:6])
-        print(f"| {name} | {row['hadamard']} | {row['block_rows']} | {row['num_warps']} | {row['registers']} | "
+        print(f"| {name} | {row['hadamard']} | {row['pieces']} | {row['block_rows']} | {row['num_warps']} | {row['registers']} | "
               f"{row['shared_bytes']} | {row['sass']} | {row['per_element']:.1f} | {top} |", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"jax": jax.__version__, "shards": SHARDS, "rows": rows}, indent=1))
