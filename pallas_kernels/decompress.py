@@ -52,6 +52,7 @@ def _codes(payload_ref, shard: int, rows, fmt: str | None) -> group_codec.Pieces
 
 
 def _scaled(pieces: group_codec.Pieces, multiplier: jax.Array) -> group_codec.Pieces:
+    """Each piece times its rows' multipliers (R,)."""
     return tuple(piece * multiplier[:, None] for piece in pieces)
 
 

@@ -72,7 +72,7 @@ def normalize_groups(pieces: Pieces, fmt_max: float) -> tuple[Pieces, jax.Array,
     shift = binade_shift(absmax)
     inverse = formats.pow2(-shift)
     normalized = tuple(piece * inverse for piece in pieces)
-    mean_square = row_sum(tuple(piece * piece for piece in normalized)) * np.float32(1 / group_width(pieces))
+    mean_square = row_sum(tuple(piece * piece for piece in normalized)) / np.float32(group_width(pieces))
     prescale = prescale_of(absmax, shift, mean_square, fmt_max)
     return normalized, formats.times_pow2(prescale, shift), prescale
 
