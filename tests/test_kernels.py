@@ -78,9 +78,11 @@ def test_compress_kernel_interpret(fmt, scale_format, dtype, transform):
     _compress_case(_groups(37, 128, dtype), fmt, scale_format, transform, interpret=True)
 
 
-@pytest.mark.parametrize("group_size", [64, 128, 256])
+@pytest.mark.parametrize("group_size", [16, 64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 45, 130])
 def test_compress_kernel_group_sizes_and_odd_rows(group_size, rows):
+    """The default launch (groups in two pieces with the transform) down to G = 16,
+    pieces of 8 columns."""
     _compress_case(_groups(rows, group_size, jnp.float32, seed=rows), "e4m3", "dual", True, interpret=True)
 
 
@@ -112,7 +114,7 @@ def test_kernels_stay_on_the_grid_without_a_clip(scale_format, fmt, transform):
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
-@pytest.mark.parametrize("group_size", [64, 256])
+@pytest.mark.parametrize("group_size", [16, 64, 256])
 @pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
 def test_decompress_kernel_sums_shards(shards, group_size, transform):
     rows = 29
