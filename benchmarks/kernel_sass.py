@@ -7,8 +7,9 @@ instructions per element predicts their speed, and this loop runs in seconds on 
 machine. Each op is lowered with its default launch (`kernels.SWEEP_OPS`) for CUDA,
 its Triton IR (taken from jax's Pallas Triton lowering, a private function, so the
 tool follows jax's versions) compiled for sm_90 by the `triton` package (Triton 3.6; it
-brings ptxas and cuobjdump), and the SASS counted. XLA builds its kernels with its own Triton, so
-registers and counts there differ a little (80 registers against 64 for compress).
+brings ptxas and cuobjdump), and the SASS counted. XLA builds its kernels with its own
+Triton, so registers and counts there differ a little (80 registers against 64 for
+compress).
 
 Usage:  pip install triton==3.6.0
         python -m benchmarks.kernel_sass [--ops compress/taco+,decompress_sum/taco+] [--out FILE]
@@ -122,8 +123,9 @@ def main() -> None:
         row["per_element"] = row["sass"] * 32 * config.num_warps / elements / max(1, shards)
         rows.append(row)
         top = ", ".join(f"{op} {n}" for op, n in list(row["opcodes"].items())[:6])
-        print(f"| {name} | {row['hadamard']} | {row['pieces']} | {row['block_rows']} | {row['num_warps']} | {row['registers']} | "
-              f"{row['shared_bytes']} | {row['sass']} | {row['per_element']:.1f} | {top} |", flush=True)
+        print(f"| {name} | {row['hadamard']} | {row['pieces']} | {row['block_rows']} | {row['num_warps']} | "
+              f"{row['registers']} | {row['shared_bytes']} | {row['sass']} | {row['per_element']:.1f} | {top} |",
+              flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"jax": jax.__version__, "shards": SHARDS, "rows": rows}, indent=1))
 

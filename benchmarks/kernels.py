@@ -200,7 +200,8 @@ TILE_FREE_LAUNCHES = ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1)
 PIECES_LAUNCHES = ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1))
 
 
-def _sweep_launches(methods: list[str], pieces: list[int], default: KernelConfig, transformed: bool) -> list[KernelConfig]:
+def _sweep_launches(methods: list[str], pieces: list[int], default: KernelConfig,
+                    transformed: bool) -> list[KernelConfig]:
     """The op's `default` configuration (the baseline, timed in the same run), then the
     launch configurations swept for each transform method. The methods other than
     "matmul" need no tensor-core tile, so they also try blocks below wgmma's 64 rows, and
@@ -209,8 +210,9 @@ def _sweep_launches(methods: list[str], pieces: list[int], default: KernelConfig
     if "matmul" in methods:
         configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
                     for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
-    tile_free = [m for m in ("lanes", "pairs") if m in methods] if transformed else ["matmul"]
-    for method in tile_free:
+    # Without the transform the method field is unused: those launches are swept once.
+    swept = [m for m in ("lanes", "pairs") if m in methods] if transformed else [default.hadamard]
+    for method in swept:
         for count in pieces:
             configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard=method,
                                      pieces=count)
@@ -238,8 +240,9 @@ def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: lis
             ms = time_ms(fn, inputs, trials=5, calls=3)
             results.append(dict(op=name, **dataclasses.asdict(config), default=config == default, ms=ms,
                                 tb_per_s=nbytes / ms / 1e9))
-            print(f"  {name:22s} {config.hadamard:9s} p{config.pieces} {config.block_rows:4d} x{config.blocks_per_program:<3d} "
-                  f"w{config.num_warps} s{config.num_stages} {ms:7.3f} ms {nbytes / ms / 1e9:5.2f} TB/s",
+            print(f"  {name:22s} {config.hadamard:9s} p{config.pieces} {config.block_rows:4d} "
+                  f"x{config.blocks_per_program:<3d} w{config.num_warps} s{config.num_stages} {ms:7.3f} ms "
+                  f"{nbytes / ms / 1e9:5.2f} TB/s",
                   file=sys.stderr, flush=True)
     return results
 
@@ -305,7 +308,8 @@ def main() -> None:
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
-    sweep = [] if args.quick or args.no_sweep else sweep_configs(key, 16384, 8192, args.sweep_budget, methods, pieces, ops)
+    sweep = ([] if args.quick or args.no_sweep
+             else sweep_configs(key, 16384, 8192, args.sweep_budget, methods, pieces, ops))
     if args.sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kernels_sweep.json").write_text(json.dumps({"device": device, "sweep": sweep}, indent=1))
