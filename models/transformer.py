@@ -82,14 +82,11 @@ def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
     return tuple(o.reshape(*o.shape[:-1], *k.shape[1:]) for o, k in zip(outputs, kernels))
 
 
-def _leave(x, par: Parallelism, site: str, residual=None, bias=None):
-    """Sum of row-parallel partial outputs (Megatron g / SP reduce-scatter), plus the
-    layer's bias and the residual stream (added as the all-reduce decodes the sum)."""
+def _leave(x, par: Parallelism, site: str):
+    """Sum of row-parallel partial outputs (Megatron g / SP reduce-scatter)."""
     if par.sequence_parallel:
-        out = tj.tp.reduce_scatter_to_sp(x, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
-        return tj.collectives.plus_addends(out, residual, bias)
-    return tj.tp.reduce_from_tp(x, AXIS, par.taco, site=site, calibration=par.calibration, bias=bias,
-                                residual=residual)
+        return tj.tp.reduce_scatter_to_sp(x, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
+    return tj.tp.reduce_from_tp(x, AXIS, par.taco, site=site, calibration=par.calibration)
 
 
 def _norm(config: ModelConfig, x, layer: dict, name: str):
@@ -119,11 +116,15 @@ def _mlp_block(config: ModelConfig, layer: dict, x, par: Parallelism):
 
 
 def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions):
-    bias = lambda name: layer[name].astype(par.compute_dtype) if config.family == "gpt2" else None
-    attention = _attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par)
-    x = _leave(attention, par, "layers.attn.out", residual=x, bias=bias("out_bias"))
-    return _leave(_mlp_block(config, layer, _norm(config, x, layer, "norm2"), par), par, "layers.mlp.out", residual=x,
-                  bias=bias("proj_bias"))
+    dtype = par.compute_dtype
+    out = _leave(_attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par), par, "layers.attn.out")
+    if config.family == "gpt2":
+        out = out + layer["out_bias"].astype(dtype)
+    x = x + out
+    out = _leave(_mlp_block(config, layer, _norm(config, x, layer, "norm2"), par), par, "layers.mlp.out")
+    if config.family == "gpt2":
+        out = out + layer["proj_bias"].astype(dtype)
+    return x + out
 
 
 def _vocab_range(config: ModelConfig) -> tuple[jax.Array, int]:

@@ -56,37 +56,22 @@ def _scaled(pieces: group_codec.Pieces, multiplier: jax.Array) -> group_codec.Pi
     return tuple(piece * multiplier[:, None] for piece in pieces)
 
 
-def _with_addends(decoded: group_codec.Pieces, rows, residual_ref, bias_ref) -> group_codec.Pieces:
-    """The decoded block plus the bias rows (a tile the length of one block, the same for
-    every block) and the residual's block, in float32 (`decompress_message`)."""
-    for ref, index in ((bias_ref, slice(None)), (residual_ref, rows)):
-        if ref is not None:
-            decoded = tuple(map(jnp.add, decoded, (piece.astype(jnp.float32) for piece in load_pieces(ref, index))))
-    return decoded
-
-
-def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *refs, transform, requantize, message_fmt, block,
-                       config, has_residual, has_bias):
+def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt, block,
+                       config):
     shards, _, pieces, width = payload_ref.shape
     inv_sqrt = np.float32(1.0 / np.sqrt(pieces * width))
     single = shards == 1 and transform and requantize is None
     hadamard = load_hadamard(hadamard_ref, config) if transform and requantize is None else None
-    residual_ref = refs[0] if has_residual else None
-    bias_ref = refs[has_residual] if has_bias else None
-    out_refs = refs[has_residual + has_bias:]
 
     def dequantized(shard, rows):
         return _scaled(_codes(payload_ref, shard, rows, message_fmt), multiplier_ref[shard, rows])
-
-    def store_decoded(rows, decoded):
-        decoded = _with_addends(decoded, rows, residual_ref, bias_ref)
-        store_pieces(out_refs[0], rows, tuple(piece.astype(out_refs[0].dtype) for piece in decoded))
 
     def decode_block(rows):
         if single:
             # One shard's 8-bit codes are exact in bf16: transform them, then scale.
             values = apply_hadamard(_codes(payload_ref, 0, rows, message_fmt), hadamard, 1, config.hadamard)
-            store_decoded(rows, _scaled(values, multiplier_ref[0, rows] * inv_sqrt))
+            decoded = _scaled(values, multiplier_ref[0, rows] * inv_sqrt)
+            store_pieces(out_refs[0], rows, tuple(piece.astype(out_refs[0].dtype) for piece in decoded))
             return
         summed = dequantized(0, rows)
         for shard in range(1, shards):
@@ -104,24 +89,17 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *refs, transfo
             # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
             splits = 3 if out_refs[0].dtype == jnp.float32 else 2
             summed = tuple(piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.hadamard))
-        store_decoded(rows, summed)
+        store_pieces(out_refs[0], rows, tuple(piece.astype(out_refs[0].dtype) for piece in summed))
 
     row_loop(payload_ref.shape[1], block, decode_block)
 
 
-def _bias_tile(bias: jax.Array, block: int) -> jax.Array:
-    """Bias rows (P, G) repeated over a block of `block` rows, P dividing it: every block
-    starts at a multiple of P rows, so the one tile serves them all."""
-    return jnp.tile(bias, (block // bias.shape[0], 1))
-
-
 def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, config, interpret, message_fmt,
-            extra_rows=0, residual=None, bias=None):
+            extra_rows=0):
     """Run the kernel on B batches of k shards: payload (B, k, rows >= N, G) (codes, or
     uint8 message buffers with `message_fmt`), multiplier (B, k, N). Requantizing takes
     B = 1; its payload comes out uint8 for messages, in an array of at least N +
-    `extra_rows` rows (room for a message's scale rows). Decoding adds `residual` and
-    `bias` as `decompress_message` describes.
+    `extra_rows` rows (room for a message's scale rows).
 
     Returns:
       decoded (B, N, G) in `out_dtype`, or with `requantize` (payload array whose first
@@ -140,18 +118,6 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
     multiplier = multiplier.reshape(batch * shards, padded)
     tile = pl.BlockSpec((per_program, config.pieces, width), lambda b, i: (b * blocks + i, 0, 0))
     out_rows = batch * padded
-    if bias is not None and block % bias.shape[0]:  # no tile repeats per block: add it to the residual
-        residual = jnp.broadcast_to(bias.reshape(-1), (batch, groups * group_size // bias.size, bias.size)).reshape(
-            batch, groups, group_size) + (0 if residual is None else residual.astype(jnp.float32))
-        bias = None
-    addends, addend_specs = [], []
-    if residual is not None:
-        residual = jnp.pad(residual, ((0, 0), (0, padded - groups), (0, 0)))
-        addends.append(split_groups(residual.reshape(out_rows, group_size), config.pieces))
-        addend_specs.append(tile)
-    if bias is not None:
-        addends.append(split_groups(_bias_tile(bias, block), config.pieces))
-        addend_specs.append(pl.BlockSpec((block, config.pieces, width), lambda b, i: (0, 0, 0)))
     if requantize is None:
         out_specs, out_shape = [tile], [output_struct((out_rows, config.pieces, width), out_dtype, payload)]
     else:
@@ -168,20 +134,19 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         ]
     outs = pl.pallas_call(
         functools.partial(_decompress_kernel, transform=transform, requantize=requantize, message_fmt=message_fmt,
-                          block=block, config=config, has_residual=residual is not None, has_bias=bias is not None),
+                          block=block, config=config),
         grid=(batch, blocks),
         in_specs=[
             pl.BlockSpec((shards, per_program, config.pieces, width), lambda b, i: (b, i, 0, 0)),
             pl.BlockSpec((shards, per_program), lambda b, i: (b, i)),
             pl.BlockSpec((width, width), lambda b, i: (0, 0)),
-            *addend_specs,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="taco_decompress",
-    )(payload, multiplier, jnp.asarray(hadamard_matrix(width), jnp.bfloat16), *addends)
+    )(payload, multiplier, jnp.asarray(hadamard_matrix(width), jnp.bfloat16))
     if requantize is None:
         return outs[0].reshape(batch, padded, group_size)[:, :groups]
     return outs[0].reshape(-1, group_size), [e[:groups, None, None] for e in outs[1:]]
@@ -221,7 +186,7 @@ def decompress(payload: jax.Array, multiplier: jax.Array, *, transform: bool, ou
 )
 def decompress_message(messages: jax.Array, layout: wire.MessageLayout, *, transform: bool,
                        out_dtype: jnp.dtype = jnp.float32, requantize: bool = False, config: KernelConfig | None = None,
-                       interpret: bool = False, residual: jax.Array | None = None, bias: jax.Array | None = None):
+                       interpret: bool = False):
     """Decode wire messages straight from their buffers: for each of B batches, the sum
     of its k messages (k a power of two), decoded or requantized into a new message.
 
@@ -235,54 +200,19 @@ def decompress_message(messages: jax.Array, layout: wire.MessageLayout, *, trans
         (B = 1), staying in the transformed domain (the two-shot all-reduce).
       config: launch parameters; `default_config` if None.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
-      residual: optional (B, N, G) array added to the decoded sum (decode only).
-      bias: optional (P, G) rows added to the decoded sum, row r of each batch getting
-        bias row r % P (P divides N: the channels of a token are P groups). With
-        `residual`, what the decode stores is round(sum + bias + residual), added in
-        float32 as the block is stored: a row-parallel layer's output, its bias and the
-        residual stream in one pass, where an add after the decode would read and write
-        the output again. The bias rides as one block-long tile when P divides the
-        kernel's block of rows, else it is added to the residual first.
 
     Returns:
       decoded (B, N, G) in `out_dtype`, or with `requantize` a uint8 (rows, W) message.
-
-    Raises:
-      ValueError: addends with `requantize`, or of the wrong shape.
     """
-    _check_addends(messages.shape[0], layout, requantize, residual, bias)
     multiplier = wire.multiplier(messages, layout)
     spec = (layout.fmt, layout.scale_format) if requantize else None
     out = _launch(messages, multiplier, layout.groups, transform=transform, out_dtype=out_dtype, requantize=spec,
-                  config=config, interpret=interpret, message_fmt=layout.fmt, extra_rows=layout.scale_rows,
-                  residual=residual, bias=bias)
+                  config=config, interpret=interpret, message_fmt=layout.fmt, extra_rows=layout.scale_rows)
     if not requantize:
         return out
     codes, entries = out
     buffer = codes[: layout.shape[0]]  # a copy only when padding made the kernel write past the message
     return wire.place_scales(buffer, group_codec.pack_scale_entries(tuple(entries), layout.scale_format), layout)
-
-
-def _check_addends(batch: int, layout: wire.MessageLayout, requantize: bool, residual, bias) -> None:
-    if requantize and (residual is not None or bias is not None):
-        raise ValueError("a requantized sum stays in the transformed domain: residual and bias add to a decode only")
-    expected = (batch, layout.groups, layout.group_size)
-    if residual is not None and residual.shape != expected:
-        raise ValueError(f"residual of shape {residual.shape} does not match the decoded sum's {expected}")
-    if bias is not None and (bias.ndim != 2 or bias.shape[1] != layout.group_size or layout.groups % bias.shape[0]):
-        raise ValueError(f"bias of shape {bias.shape} is not (P, {layout.group_size}) rows with P dividing the "
-                         f"message's {layout.groups} groups")
-
-
-def with_addends_reference(decoded: jax.Array, residual: jax.Array | None, bias: jax.Array | None,
-                           out_dtype: jnp.dtype) -> jax.Array:
-    """`decompress_message`'s addends in plain jnp: decoded (B, N, G) float32 plus the
-    bias rows (P, G) repeated down each batch, plus the residual, rounded once."""
-    if bias is not None:
-        decoded = decoded + jnp.tile(bias.astype(jnp.float32), (decoded.shape[1] // bias.shape[0], 1))
-    if residual is not None:
-        decoded = decoded + residual.astype(jnp.float32)
-    return decoded.astype(out_dtype)
 
 
 def decompress_reference(payload: jax.Array, multiplier: jax.Array, *, transform: bool,

@@ -162,8 +162,7 @@ def encode(rows: jax.Array, spec: QuantSpec, kernels: str = "auto") -> jax.Array
     return wire.pack(payload, scales, message_layout(groups, spec))
 
 
-def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, kernels: str = "auto",
-           residual: jax.Array | None = None, bias: jax.Array | None = None) -> jax.Array:
+def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, kernels: str = "auto") -> jax.Array:
     """Decode messages: for each of B batches the sum of its k messages, in float32 in
     the transformed domain, transformed back once.
 
@@ -173,9 +172,6 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
       spec: the `QuantSpec` they were compressed with.
       dtype: output dtype.
       kernels: kernel mode (`KERNEL_MODES`).
-      residual: optional (B, N, G) array added to the sum.
-      bias: optional (P, G) rows added to the sum, row r getting row r % P; with either,
-        the result is rounded to `dtype` once (`decompress.decompress_message`).
 
     Returns:
       (B, N, G) in `dtype`.
@@ -184,13 +180,13 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
     use_kernel, interpret = _kernel_choice(spec, dtype, kernels, messages.shape[1])
     if use_kernel:
         return decompress_kernel.decompress_message(messages, layout, transform=spec.hadamard, out_dtype=dtype,
-                                                    interpret=interpret, residual=residual, bias=bias)
+                                                    interpret=interpret)
     batch, shards = messages.shape[:2]
     # The batches side by side as one (k, B * N, G) sum.
     payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
     multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
-    decoded = decompress_kernel.decompress_reference(payload, multiplier, transform=spec.hadamard)
-    return decompress_kernel.with_addends_reference(decoded.reshape(batch, groups, spec.group_size), residual, bias, dtype)
+    decoded = decompress_kernel.decompress_reference(payload, multiplier, transform=spec.hadamard, out_dtype=dtype)
+    return decoded.reshape(batch, groups, spec.group_size)
 
 
 def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernels: str = "auto") -> jax.Array:

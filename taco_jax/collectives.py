@@ -294,29 +294,7 @@ def _reduce_scatter_rows(rows, axis_name: str, spec: QuantSpec, dtype: jnp.dtype
     return decode(received[None], rows.shape[1], spec, dtype, kernels)[0]
 
 
-def plus_addends(total: jax.Array, residual: jax.Array | None, bias: jax.Array | None) -> jax.Array:
-    """residual + (total + bias), as a model adds them after an all-reduce; None adds nothing."""
-    if bias is not None:
-        total = total + bias
-    return total if residual is None else residual + total
-
-
-def _decode_addends(x, residual, bias, spec, inverse, route, rows) -> tuple | None:
-    """(residual, bias) as the decode kernel adds them to the sum ((1, n, G) rows, (P, G)
-    bias rows), or None where they cannot ride on it: a channel permutation (the decode
-    works in wire order), a two-shot or chunked exchange, or channels that fill no whole
-    groups (padded rows). Then they are added after the collective."""
-    group_size = spec.group_size
-    if (residual is None and bias is None) or inverse is not None or route.algorithm != "one_shot" \
-            or len(chunk_bounds(rows.shape[0], route.chunks)) > 1 or x.shape[-1] % group_size:
-        return None
-    return (None if residual is None else residual.reshape(1, -1, group_size),
-            None if bias is None else bias.reshape(-1, group_size))
-
-
-def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None, residual=None, bias=None):
-    """The all-reduce of x over `axis_name`, plus `residual` and `bias` (`plus_addends`;
-    added as the decode stores the sum where `_decode_addends` allows)."""
+def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
     ranks = lax.axis_size(axis_name)
     nbytes = x.size * x.dtype.itemsize
     plain_sent = ring_all_reduce_bytes(nbytes, ranks)
@@ -324,26 +302,20 @@ def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None, 
     wire, spec, inverse = _wire_view(x, config, direction, "all_reduce", site, calibration, route)
     if spec is None:
         record_collective(site, "all_reduce", direction, x, axis_name, None, plain_sent, plain_sent)
-        return plus_addends(lax.psum(x, axis_name), residual, bias)
+        return lax.psum(x, axis_name)
     rows = _to_rows(wire, spec.group_size, 0)
-    addends = _decode_addends(x, residual, bias, spec, inverse, route, rows)
-    if route.algorithm == "one_shot":
-        out, sent = _one_shot(rows, axis_name, spec, route.chunks, x.dtype, config.kernels, addends)
-    else:
-        out, sent = _two_shot(rows, axis_name, spec, route.chunks, x.dtype, config.kernels)
+    exchange = _one_shot if route.algorithm == "one_shot" else _two_shot
+    out, sent = exchange(rows, axis_name, spec, route.chunks, x.dtype, config.kernels)
     record_collective(site, f"all_reduce_{route.algorithm}", direction, x, axis_name, spec, (ranks - 1) * sent, plain_sent)
-    out = _unpermute(_from_rows(out, x.shape, 0), inverse)
-    return out if addends is not None else plus_addends(out, residual, bias)
+    return _unpermute(_from_rows(out, x.shape, 0), inverse)
 
 
-def _one_shot(rows, axis_name, spec, chunks, dtype, kernels, addends=None) -> tuple[jax.Array, int]:
-    """All-gather every rank's messages, decode their sum (plus `addends`, for a single
-    chunk): (n, G) sum, bytes per peer."""
+def _one_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array, int]:
+    """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
     pieces = []
-    residual, bias = addends or (None, None)
     for a, b in chunk_bounds(rows.shape[0], chunks):
         received = gather_invariant(encode(rows[a:b], spec, kernels), axis_name)
-        pieces.append(decode(received[None], b - a, spec, dtype, kernels, residual, bias)[0])
+        pieces.append(decode(received[None], b - a, spec, dtype, kernels)[0])
     out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
     return out, _message_bytes(rows.shape[0], spec, chunks)
 

@@ -62,24 +62,9 @@ def _reduce_backward(cotangent, axis_name, *_):
     return collectives.vary(cotangent, (axis_name,))
 
 
-def _reduce_plus(operands, axis_name, config, algorithm, site, calibration, present):
-    x, residual, bias = operands
-    return collectives._reduce(x, axis_name, config, "forward", algorithm, site, calibration, residual, bias)
-
-
-def _reduce_plus_backward(cotangent, axis_name, config, algorithm, site, calibration, present):
-    """g's identity backward for the partial sums; the residual's cotangent is the
-    output's, the bias's its sum over every position (in float32)."""
-    has_residual, has_bias = present
-    bias = cotangent.reshape(-1, cotangent.shape[-1]).astype(jnp.float32).sum(0).astype(cotangent.dtype)
-    return (_reduce_backward(cotangent, axis_name), cotangent if has_residual else None, bias if has_bias else None)
-
-
-# Megatron's f (identity forward; marked varying under check_vma=True) and g, the latter
-# also with a bias and a residual added as the sum is decoded.
+# Megatron's f (identity forward; marked varying under check_vma=True) and g.
 _copy = collectives.straight_through(lambda x, axis_name, *_: collectives.vary(x, (axis_name,)), _copy_backward)
 _reduce = collectives.straight_through(collectives.directed(collectives._reduce, "forward"), _reduce_backward)
-_reduce_plus_addends = collectives.straight_through(_reduce_plus, _reduce_plus_backward)
 
 
 def copy_to_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None,
@@ -111,17 +96,9 @@ def copy_to_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: s
 
 
 def reduce_from_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto",
-                   site: str | None = None, calibration: Calibration | None = None, bias: jax.Array | None = None,
-                   residual: jax.Array | None = None) -> jax.Array:
+                   site: str | None = None, calibration: Calibration | None = None) -> jax.Array:
     """Leave a tensor-parallel region: compressed all-reduce of the partial sums forward
-    (`config.forward`), identity backward; optionally the layer's bias and the residual
-    stream added too.
-
-    The addends cost no pass of their own: where the sum is decoded by the kernel in one
-    piece (a one-shot all-reduce in one chunk, no channel permutation), the decode adds
-    them in float32 as it stores the sum, as a GEMM epilogue would (cuBLAS adds a bias
-    and a residual in a row-parallel matmul's epilogue, which compression takes away);
-    elsewhere they are added after the collective, as `residual + (sum + bias)`.
+    (`config.forward`), identity backward.
 
     Args:
       x: this rank's partial sum (e.g. a row-parallel matmul's output).
@@ -130,42 +107,22 @@ def reduce_from_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorith
       algorithm: all-reduce algorithm ("auto", "one_shot", "two_shot").
       site: call-site name for wire-byte accounting and calibration.
       calibration: per-site channel permutations / transform decisions (None: identity).
-      bias: optional (C,) bias of the last axis, added once to the sum.
-      residual: optional array of x's shape added to the sum (e.g. the residual stream
-        of a transformer block), replicated over `axis_name`.
 
     Returns:
-      The sum over `axis_name` (plus bias and residual), same shape and dtype as `x`
-      (invariant over `axis_name` under `check_vma=True`).
+      The sum over `axis_name`, same shape and dtype as `x` (invariant over `axis_name`
+      under `check_vma=True`).
 
     Raises:
       ValueError: `config` is not a `TacoConfig`, an unknown algorithm or a bad
         calibration; under `check_vma=True`, `x` is replicated over `axis_name` (the sum
-        would count it axis-size times); a bias or residual of the wrong shape; the
-        gradient of a `check_vma=False` shard_map taken outside it (see the module doc).
+        would count it axis-size times); the gradient of a `check_vma=False` shard_map
+        taken outside it (see the module doc).
     """
     collectives.check_arguments(config, calibration, algorithm)
     if collectives.checks_vma(axis_name) and axis_name not in collectives.varying_axes(x):
         raise ValueError(f"reduce_from_tp sums per-rank partial results, but x is replicated over {axis_name!r} "
                          f"({jax.typeof(x)}): the sum would count it {lax.axis_size(axis_name)} times")
-    if bias is None and residual is None:
-        return _reduce(x, axis_name, config, algorithm, site, calibration)
-    _check_addend("bias", bias, x.shape[-1:])
-    _check_addend("residual", residual, x.shape)
-    if residual is not None and axis_name in collectives.varying_axes(residual):
-        raise ValueError(f"reduce_from_tp adds the residual once to the sum, but it varies over {axis_name!r} "
-                         f"({jax.typeof(residual)}): it must be the same on every rank")
-    # Varying where the sum will (but over `axis_name`) before the explicit-gradient op:
-    # the transpose of that mark sums their gradients over those axes, as an add would.
-    over = tuple(collectives.varying_axes(x) - {axis_name})
-    bias, residual = (None if a is None else collectives.vary(a.astype(x.dtype), over) for a in (bias, residual))
-    present = (residual is not None, bias is not None)
-    return _reduce_plus_addends((x, residual, bias), axis_name, config, algorithm, site, calibration, present)
-
-
-def _check_addend(name: str, addend: jax.Array | None, shape: tuple[int, ...]) -> None:
-    if addend is not None and addend.shape != shape:
-        raise ValueError(f"reduce_from_tp: {name} of shape {addend.shape} does not match {shape}")
+    return _reduce(x, axis_name, config, algorithm, site, calibration)
 
 
 def gather_from_sp(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None,

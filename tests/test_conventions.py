@@ -23,49 +23,44 @@ def _rel(a, b):
 
 
 def _mlp_inputs(tp, seed=0):
-    """(x, scale, w1, w2, bias, target): scale is a replicated parameter applied before
-    the column-parallel layer (on sequence shards with sequence parallelism), bias the
-    row-parallel layer's."""
+    """(x, scale, w1, w2, target): scale is a replicated parameter applied before the
+    column-parallel layer (on sequence shards with sequence parallelism)."""
     rng = np.random.default_rng(seed)
     seq, d_model, d_ff = 8 * tp, 256, 32 * tp
     x = rng.standard_normal((seq, d_model))
     scale = 1 + 0.1 * rng.standard_normal(d_model)
     w1 = rng.standard_normal((d_model, d_ff)) / np.sqrt(d_model)
     w2 = rng.standard_normal((d_ff, d_model)) / np.sqrt(d_ff)
-    bias = 0.5 * rng.standard_normal(d_model)
     target = rng.standard_normal((seq, d_model))
-    return tuple(jnp.asarray(a, jnp.float32) for a in (x, scale, w1, w2, bias, target))
+    return tuple(jnp.asarray(a, jnp.float32) for a in (x, scale, w1, w2, target))
 
 
-def _dense_loss(x, scale, w1, w2, bias, target):
-    return jnp.sum(jnp.tanh(x + jax.nn.gelu((x * scale) @ w1) @ w2 + bias) * target)
+def _dense_loss(x, scale, w1, w2, target):
+    return jnp.sum(jnp.tanh(jax.nn.gelu((x * scale) @ w1) @ w2) * target)
 
 
 def _tp_loss(config, sequence_parallel):
-    """Per-rank loss of a residual MLP block: column-parallel w1, row-parallel w2 through
-    taco_jax.tp, its bias and the residual added as the sum is decoded."""
+    """Per-rank MLP loss: column-parallel w1, row-parallel w2 through taco_jax.tp."""
 
-    def loss(x, scale, w1, w2, bias, target):
-        scaled = x * scale
-        enter = (tj.tp.gather_from_sp(scaled, "tensor", config) if sequence_parallel
-                 else tj.tp.copy_to_tp(scaled, "tensor", config))
+    def loss(x, scale, w1, w2, target):
+        x = x * scale
+        enter = tj.tp.gather_from_sp(x, "tensor", config) if sequence_parallel else tj.tp.copy_to_tp(x, "tensor", config)
         partial = jax.nn.gelu(enter @ w1) @ w2
-        out = (tj.collectives.plus_addends(tj.tp.reduce_scatter_to_sp(partial, "tensor", config), x, bias)
-               if sequence_parallel else tj.tp.reduce_from_tp(partial, "tensor", config, bias=bias, residual=x))
+        out = (tj.tp.reduce_scatter_to_sp(partial, "tensor", config) if sequence_parallel
+               else tj.tp.reduce_from_tp(partial, "tensor", config))
         return jnp.sum(jnp.tanh(out) * target)
 
     return loss
 
 
 def _tp_grads(mesh, convention, config, sequence_parallel, inputs):
-    """Gradients of the summed loss w.r.t. (x, scale, w1, w2, bias), taken as
-    `convention` says. Rows of x are split over "data" (and over "tensor" with sequence
-    parallelism)."""
+    """Gradients of the summed loss w.r.t. (x, scale, w1, w2), taken as `convention`
+    says. Rows of x are split over "data" (and over "tensor" with sequence parallelism)."""
     loss = _tp_loss(config, sequence_parallel)
     rows = P(("data", "tensor")) if sequence_parallel else P("data")
-    param_specs = (P(), P(None, "tensor"), P("tensor", None), P())
+    param_specs = (P(), P(None, "tensor"), P("tensor", None))
     in_specs = (rows, *param_specs, rows)
-    argnums = (0, 1, 2, 3, 4)
+    argnums = (0, 1, 2, 3)
     if convention == "vma_grad_outside":
         summed_axes = ("data", "tensor") if sequence_parallel else ("data",)
         total = jax.shard_map(lambda *a: lax.psum(loss(*a), summed_axes), mesh=mesh, in_specs=in_specs,
@@ -93,26 +88,24 @@ def test_mlp_gradients_match_dense_under_every_convention(convention, mode, sequ
     config = tj.TacoConfig.preset(mode, min_bytes=0)
     inputs = _mlp_inputs(4)
     grads = jax.block_until_ready(_tp_grads(mesh, convention, config, sequence_parallel, inputs))
-    expected = jax.grad(_dense_loss, argnums=(0, 1, 2, 3, 4))(*inputs)
-    for name, got, want in zip(("dx", "dscale", "dw1", "dw2", "dbias"), grads, expected):
+    expected = jax.grad(_dense_loss, argnums=(0, 1, 2, 3))(*inputs)
+    for name, got, want in zip(("dx", "dscale", "dw1", "dw2"), grads, expected):
         if mode == "off":
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5, err_msg=name)
         else:
             assert COMPRESSED_MIN < _rel(got, want) < COMPRESSED_MAX, f"{name}: relative error {_rel(got, want)}"
 
 
-@pytest.mark.parametrize("mapping,addends", [("copy_to_tp", False), ("reduce_from_tp", False),
-                                             ("reduce_from_tp", True)])
-def test_gradient_outside_a_check_vma_false_shard_map_raises(mapping, addends):
+@pytest.mark.parametrize("mapping", ["copy_to_tp", "reduce_from_tp"])
+def test_gradient_outside_a_check_vma_false_shard_map_raises(mapping):
     mesh = tj.make_mesh(2, 1, 4)
     config = tj.TacoConfig.preset("off")
-    x, _, w1, w2, _, target = _mlp_inputs(4)
+    x, _, w1, w2, target = _mlp_inputs(4)
 
     def loss(x, w1, w2, target):
         hidden = tj.tp.copy_to_tp(x, "tensor", config) if mapping == "copy_to_tp" else x
         out = hidden @ w1 @ w2
-        if mapping == "reduce_from_tp":
-            out = tj.tp.reduce_from_tp(out, "tensor", config, residual=x if addends else None)
+        out = tj.tp.reduce_from_tp(out, "tensor", config) if mapping == "reduce_from_tp" else out
         return lax.psum(jnp.sum(out * target), "data")
 
     in_specs = (P("data"), P(None, "tensor"), P("tensor", None), P("data"))
@@ -181,50 +174,3 @@ def test_all_reduce_result_is_invariant_under_check_vma():
                            in_specs=P("tensor"), out_specs=P(), check_vma=True)
         want = x.reshape(4, 8, 256).sum(0)
         assert COMPRESSED_MIN < _rel(jax.jit(fn)(x), want) < COMPRESSED_MAX
-
-
-@pytest.mark.parametrize("algorithm,chunks", [("one_shot", 1), ("one_shot", 2), ("two_shot", 1)],
-                         ids=["decoded_with_addends", "chunked", "two_shot"])
-def test_reduce_from_tp_adds_bias_and_residual(algorithm, chunks, monkeypatch):
-    """The addends ride on the decode (one chunk, one shot) or follow the collective: the
-    same result either way, within the codec's error of the plain sum plus addends."""
-    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
-    rng = np.random.default_rng(7)
-    partials = jnp.asarray(rng.standard_normal((4 * 64, 256)), jnp.float32)
-    residual = jnp.asarray(rng.standard_normal((64, 256)) * 3, jnp.float32)
-    bias = jnp.asarray(rng.standard_normal(256), jnp.float32)
-
-    def run(config):
-        fn = jax.shard_map(
-            lambda v, r, b: tj.tp.reduce_from_tp(v, "tensor", config, algorithm=algorithm, bias=b, residual=r),
-            mesh=mesh, in_specs=(P("tensor"), P(), P()), out_specs=P(), check_vma=True)
-        return jax.jit(fn)(partials, residual, bias)
-
-    want = partials.reshape(4, 64, 256).sum(0) + bias + residual
-    np.testing.assert_allclose(np.asarray(run(tj.TacoConfig.preset("off"))), np.asarray(want), rtol=1e-5, atol=1e-5)
-    config = tj.TacoConfig.preset("taco", min_bytes=0, chunks=chunks)
-    decodes = []
-    monkeypatch.setattr(tj.collectives, "decode", lambda *a: decodes.append(a[5:] or (None, None)) or tj.codec.decode(*a))
-    got = run(config)
-    fused = [residual is not None and bias is not None for residual, bias in decodes]
-    assert fused == ([True] if algorithm == "one_shot" and chunks == 1 else [False] * len(decodes))
-    assert len(decodes) == chunks
-    # The codec's error is that of the sum alone: relative to the sum, not to sum + addends.
-    assert COMPRESSED_MIN < _rel(got - bias - residual, want - bias - residual) < COMPRESSED_MAX
-
-
-def test_reduce_from_tp_rejects_bad_addends():
-    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
-    config = tj.TacoConfig.preset("taco", min_bytes=0)
-    x = jnp.ones((4 * 8, 256), jnp.float32)
-
-    def run(body, residual_spec=P()):
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tensor"), residual_spec), out_specs=P("tensor"),
-                                     check_vma=True))(x, x)
-
-    with pytest.raises(ValueError, match="bias of shape"):
-        run(lambda v, r: tj.tp.reduce_from_tp(v, "tensor", config, bias=r[0, :128]))
-    with pytest.raises(ValueError, match="residual of shape"):
-        run(lambda v, r: tj.tp.reduce_from_tp(v, "tensor", config, residual=r[:8, :128]))
-    with pytest.raises(ValueError, match="the residual once to the sum, but it varies"):
-        run(lambda v, r: tj.tp.reduce_from_tp(v, "tensor", config, residual=r), P("tensor"))

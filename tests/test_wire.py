@@ -93,54 +93,6 @@ def test_message_kernels_gpu(fmt, scale_format, groups):
     _decompress_message_case(fmt, scale_format, groups, interpret=False)
 
 
-def _addends_case(groups, period, shards, interpret):
-    """Decoding k messages plus a residual and P bias rows: the kernel against the decode
-    to float32 plus the same addends in float64, rounded once to bf16."""
-    message, layout = _compress_message_case("e4m3", "dual", groups, interpret)
-    rng = np.random.default_rng(groups + period)
-    residual = jnp.asarray(rng.standard_normal((1, groups, 128)) * 4, jnp.bfloat16)
-    bias = jnp.asarray(rng.standard_normal((period, 128)), jnp.bfloat16)
-    received = message[None, :shards]
-    decoded = kd.decompress_message(received, layout, transform=True, interpret=interpret)
-    fused = kd.decompress_message(received, layout, transform=True, out_dtype=jnp.bfloat16, interpret=interpret,
-                                  residual=residual, bias=bias)
-    want = (np.asarray(decoded, np.float64) + np.tile(np.asarray(bias, np.float64), (groups // period, 1))
-            + np.asarray(residual, np.float64))
-    got = np.asarray(fused, np.float64)
-    # One bf16 rounding of a float32 sum: within half a bf16 ulp (plus float32 noise).
-    np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)
-    assert not np.allclose(got, np.asarray(decoded, np.float64), rtol=0.1)  # the addends were added
-    only_residual = kd.decompress_message(received, layout, transform=True, out_dtype=jnp.bfloat16,
-                                          interpret=interpret, residual=residual)
-    np.testing.assert_allclose(np.asarray(only_residual, np.float64), np.asarray(decoded, np.float64)
-                               + np.asarray(residual, np.float64), rtol=2.0**-8, atol=1e-6)
-
-
-# P = 16 rows repeat within the kernel's block (the bias tile); P = 3 does not divide it
-# (added to the residual first); 45 groups need padding.
-@pytest.mark.parametrize("groups,period,shards", [(64, 16, 1), (64, 16, 2), (45, 3, 1), (48, 3, 2)])
-def test_decode_adds_residual_and_bias_interpret(groups, period, shards):
-    _addends_case(groups, period, shards, interpret=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("groups,period,shards", [(8192, 16, 1), (8192, 16, 2), (8190, 6, 1)])
-def test_decode_adds_residual_and_bias_gpu(groups, period, shards):
-    _addends_case(groups, period, shards, interpret=False)
-
-
-def test_decode_addends_reject_bad_shapes():
-    layout = wire.MessageLayout(64, 128, "e4m3", "dual")
-    messages = jnp.zeros((1, 1, *layout.shape), jnp.uint8)
-    with pytest.raises(ValueError, match="residual of shape"):
-        kd.decompress_message(messages, layout, transform=True, residual=jnp.zeros((1, 32, 128)), interpret=True)
-    with pytest.raises(ValueError, match="bias of shape"):
-        kd.decompress_message(messages, layout, transform=True, bias=jnp.zeros((5, 128)), interpret=True)
-    with pytest.raises(ValueError, match="requantized sum"):
-        kd.decompress_message(messages, layout, transform=True, requantize=True, bias=jnp.zeros((4, 128)),
-                              interpret=True)
-
-
 @pytest.mark.gpu
 def test_gpu_collectives_move_only_messages_and_match_lax():
     import jax
