@@ -226,3 +226,34 @@ def test_quality_presets_are_four_times_the_mini_ones(family):
 
     assert 4.0 <= parameters(f"{family}-40m") / parameters(f"{family}-mini") < 5.0
     models.check_tensor_parallel(models.preset(f"{family}-40m"), 4)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_norms_and_activations_keep_only_their_inputs_for_the_backward_pass(family):
+    """The norms and the MLP activations are recomputed in the backward pass: what their
+    VJP keeps is their own inputs, not float32 or elementwise intermediates of x's size
+    (the leaves of `jax.vjp`'s pullback are its residuals), and their gradients equal
+    those of the plain functions."""
+    from taco_jax.models import layers
+
+    config = models.preset(f"{family}-tiny")
+    rng = np.random.default_rng(5)
+    x = jax.numpy.asarray(rng.standard_normal((2, 8, config.d_model)), jax.numpy.bfloat16)
+    scale, bias = (jax.numpy.asarray(rng.standard_normal(config.d_model), jax.numpy.float32) for _ in range(2))
+    gate, up = (jax.numpy.asarray(rng.standard_normal((2, 8, 64)), jax.numpy.bfloat16) for _ in range(2))
+    norm_bias = bias if family == "gpt2" else None
+    # The activations also against the plain function (the norm: the model parity tests).
+    cases = [(lambda v, s: layers.norm(config, v, s, norm_bias), (x, scale), None),
+             (layers.gpt2_mlp_activation, (gate,), layers.gpt2_mlp_activation.__wrapped__),
+             (layers.swiglu, (gate, up), layers.swiglu.__wrapped__)]
+    for fn, args, plain_fn in cases:
+        out, pullback = jax.vjp(fn, *args)
+        big = [leaf for leaf in jax.tree.leaves(pullback) if leaf.size >= x.size // 4 and leaf.ndim > 1]
+        assert all(any(leaf is a or (leaf.shape == a.shape and leaf.dtype == a.dtype
+                                     and np.array_equal(np.asarray(leaf), np.asarray(a))) for a in args)
+                   for leaf in big), [(leaf.shape, leaf.dtype) for leaf in big]
+        cotangent = jax.numpy.ones_like(out)
+        if plain_fn is not None:
+            want = jax.vjp(plain_fn, *args)[1](cotangent)
+            for got, expected in zip(pullback(cotangent), want):
+                np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
