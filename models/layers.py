@@ -70,10 +70,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q))
 
 
-# The MLP activations are recomputed in the backward pass from their inputs, which the
-# backward keeps anyway, instead of saving their elementwise intermediates (each as wide
-# as the MLP): on an H200 the 0.9B-parameter step ran 2.3-3.2% faster with 4.1-6.0 GiB
-# less of temporaries (`benchmarks/RESULTS.md`).
+# The MLP activations are recomputed in the backward pass from their inputs, which is
+# all the backward keeps of them, instead of saving their elementwise intermediates (each
+# as wide as the MLP): on an H200 the 0.9B-parameter step ran 2.3-3.2% faster with
+# 4.1-6.0 GiB less of temporaries (`benchmarks/RESULTS.md`).
 
 
 @jax.checkpoint
