@@ -6,6 +6,8 @@ activations and the vocabulary-parallel lookup. Only where the collectives sit d
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,14 @@ from taco_jax.mesh import simulating
 from taco_jax.models.config import ModelConfig
 
 
+# The norms and the MLP activations are recomputed in the backward pass from their
+# inputs (`jax.checkpoint`), which is all the backward keeps of them, instead of saving
+# their float32 and elementwise intermediates: on an H200 the 0.9B-parameter step ran
+# 1.5-3.6% (norms) and 2.3-3.2% (activations) faster with 4.9 and 4.1-6.0 GiB less of
+# temporaries (`benchmarks/RESULTS.md`).
+
+
+@functools.partial(jax.checkpoint, static_argnums=3)
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """LayerNorm over the last axis, statistics in float32, result in x's dtype."""
     x32 = x.astype(jnp.float32)
@@ -23,6 +33,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return ((x32 - mean) * lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
 
 
+@functools.partial(jax.checkpoint, static_argnums=2)
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, statistics in float32, result in x's dtype."""
     x32 = x.astype(jnp.float32)
@@ -30,14 +41,10 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def norm(config: ModelConfig, x: jax.Array, scale: jax.Array, bias: jax.Array | None) -> jax.Array:
-    """The family's norm: LayerNorm for GPT-2, RMSNorm (no bias) for Qwen2.
-
-    Recomputed in the backward pass from its 16-bit input (`jax.checkpoint`) instead of
-    saving float32 intermediates: on an H200 the 0.9B-parameter step ran 1.5-3.6% faster
-    with 4.9 GiB less of temporaries (`benchmarks/RESULTS.md`)."""
+    """The family's norm: LayerNorm for GPT-2, RMSNorm (no bias) for Qwen2."""
     if config.family == "gpt2":
-        return jax.checkpoint(layer_norm, static_argnums=3)(x, scale, bias, config.norm_eps)
-    return jax.checkpoint(rms_norm, static_argnums=2)(x, scale, config.norm_eps)
+        return layer_norm(x, scale, bias, config.norm_eps)
+    return rms_norm(x, scale, config.norm_eps)
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -68,12 +75,6 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention (B, S, heads, hd) with `jax.nn.dot_product_attention`; k/v may
     have fewer heads (grouped queries: query head i reads kv head i // (heads / kv heads))."""
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q))
-
-
-# The MLP activations are recomputed in the backward pass from their inputs, which is
-# all the backward keeps of them, instead of saving their elementwise intermediates (each
-# as wide as the MLP): on an H200 the 0.9B-parameter step ran 2.3-3.2% faster with
-# 4.1-6.0 GiB less of temporaries (`benchmarks/RESULTS.md`).
 
 
 @jax.checkpoint
