@@ -1,15 +1,23 @@
-"""Fused Pallas compress / decompress kernels against the jnp path and a device copy.
+"""The fused codec kernels against the jnp path and a device copy.
+
+The kernels: compress by the row kernel (`row_kernels`, Gluon; the default on a CUDA GPU)
+and by the Pallas kernel's default launch, the decodes by the Pallas kernel.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
 warps, pipelining stages, the transform method (`KernelConfig.hadamard`), the pieces a
 group is loaded in (`KernelConfig.pieces`);
 `--sweep-only` writes them alone to kernels_sweep.json), checks
 the kernels against the jnp reference, then times
-(median of trials, launches queued with one sync per trial, each timed call covering
-several distinct inputs so launch gaps and L2 hits stay out of the numbers):
+each op twice: wall clock (`ms`: median of trials, launches queued with one sync per
+trial, each timed call covering several distinct inputs so L2 hits stay out of the
+numbers) and GPU kernel time (`device_ms`: the kernels' busy time in a `jax.profiler`
+trace). The percentages of copy use GPU time on both sides: through the
+wall clock, JAX's dispatch adds about 20 us per kernel, which held even XLA's own copy to
+74% of torch's on the H200.
 
-  copy            x + 1 in bf16 under XLA and a torch device copy (reads and writes 2
-                  bytes per element): the ceiling, the faster of the two
+  copy            x + 1 in bf16 under XLA and a torch device copy timed with CUDA events
+                  (reads and writes 2 bytes per element): the ceiling, the faster of the
+                  two in GPU time
   compress        bf16 -> 8-bit payload + scales (fused kernel vs jnp under XLA)
   decompress      one shard -> bf16 (the receiving end of an all-gather)
   decompress_sum  k=4 shards -> their bf16 sum (reduce-scatter / one-shot receive)
@@ -35,9 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import profiling
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import group_codec
+from taco_jax.kernels import group_codec, row_kernels
 from taco_jax.kernels.formats import SCALE_FORMATS
 from taco_jax.kernels.launch import HADAMARD_METHODS, KernelConfig
 
@@ -247,40 +256,65 @@ def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: lis
     return results
 
 
+def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str, object]]:
+    """(name, config) of the kernels compress is timed with: the row kernel ("gluon", what
+    runs by default where `row_kernels.supports` holds) and the Pallas kernel's default."""
+    rows = [("gluon", row_kernels.RowConfig())] if row_kernels.supports(GROUP, jnp.bfloat16, fmt) else []
+    return rows + [("pallas", pallas_default)]
+
+
+def device_ms(fn, inputs) -> float:
+    """Milliseconds of GPU kernel time per input of fn(*inputs): the union of the kernels'
+    intervals in a `jax.profiler` trace of queued calls (benchmarks/profiling.py), so
+    host dispatch and launch gaps stay out, as they do from the CUDA-event-timed copy."""
+    per_input = len(inputs[0]) if isinstance(inputs[0], (list, tuple)) else 1
+    return profiling.gpu_timeline(lambda: fn(*inputs), calls=3)["compute_ms"] / per_input
+
+
 def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
-    """Every op at one activation shape; returns one row per (op, preset, implementation)."""
+    """Every op at one activation shape; returns one row per (op, preset, implementation)
+    with its wall-clock time (`ms`, `tb_per_s`) and, for the XLA copy and the kernels,
+    its GPU kernel time (`device_ms`, `device_tb_per_s`)."""
     rows_n = tokens * channels // GROUP
     elements = rows_n * GROUP
     xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(repeats)]
     results = []
 
-    def add(op, preset, impl, ms, nbytes):
-        results.append(dict(tokens=tokens, channels=channels, op=op, preset=preset, impl=impl, ms=ms,
-                            bytes=nbytes, tb_per_s=nbytes / ms / 1e9))
+    def add(op, preset, impl, fn, inputs, nbytes):
+        ms = time_ms(fn, inputs)
+        row = dict(tokens=tokens, channels=channels, op=op, preset=preset, impl=impl, ms=ms, bytes=nbytes,
+                   tb_per_s=nbytes / ms / 1e9)
+        if impl != "jnp":
+            row["device_ms"] = device_ms(fn, inputs)
+            row["device_tb_per_s"] = nbytes / row["device_ms"] / 1e9
+        results.append(row)
 
-    add("copy", "-", "xla", time_ms(_over_list(lambda v: v + jnp.bfloat16(1)), (xs,)), 4 * elements)
+    add("copy", "-", "xla", _over_list(lambda v: v + jnp.bfloat16(1)), (xs,), 4 * elements)
     copy_bw = torch_copy_tb_per_s(elements)
     if copy_bw is not None:
-        results.append(dict(tokens=tokens, channels=channels, op="copy", preset="-", impl="torch", ms=4 * elements / copy_bw / 1e9,
-                            bytes=4 * elements, tb_per_s=copy_bw))
+        torch_ms = 4 * elements / copy_bw / 1e9  # CUDA events: already GPU time
+        results.append(dict(tokens=tokens, channels=channels, op="copy", preset="-", impl="torch", ms=torch_ms,
+                            bytes=4 * elements, tb_per_s=copy_bw, device_ms=torch_ms, device_tb_per_s=copy_bw))
     for preset, (fmt, scale_format, transform) in PRESETS.items():
         kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
         compress_bytes = _compress_bytes(rows_n, scale_format)
-        add("compress", preset, "pallas", time_ms(_over_list(lambda v: kc.compress(v, **kw)), (xs,)), compress_bytes)
-        add("compress", preset, "jnp", time_ms(_over_list(lambda v: kc.compress_reference(v, **kw)), (xs,)), compress_bytes)
+        for impl, config in _compress_kernels(fmt, kc.default_config(GROUP, transform)):
+            add("compress", preset, impl, _over_list(lambda v, config=config: kc.compress(v, config=config, **kw)), (xs,),
+                compress_bytes)
+        add("compress", preset, "jnp", _over_list(lambda v: kc.compress_reference(v, **kw)), (xs,), compress_bytes)
         compressed = [kc.compress(v, **kw) for v in xs]
-        decode = dict(transform=transform, out_dtype=jnp.bfloat16)
         one_shard, k_shards = _as_shards(compressed, scale_format, 1), _as_shards(compressed, scale_format, SHARDS)
-        for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
-            run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, **decode) for p, m in zip(ps, ms)])
-            add("decompress", preset, impl, time_ms(run, one_shard), _decode_bytes(rows_n, 1, scale_format, False))
-            add("decompress_sum", preset, impl, time_ms(run, k_shards), _decode_bytes(rows_n, SHARDS, scale_format, False))
-            run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, requantize=(fmt, scale_format))
-                                                  for p, m in zip(ps, ms)])
-            add("requantize_sum", preset, impl, time_ms(run, k_shards), _decode_bytes(rows_n, SHARDS, scale_format, True))
+        for op, shards, requantize in (("decompress", 1, False), ("decompress_sum", SHARDS, False),
+                                       ("requantize_sum", SHARDS, True)):
+            extra = dict(requantize=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
+            for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
+                run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, **extra) for p, m in zip(ps, ms)])
+                add(op, preset, impl, run, one_shard if shards == 1 else k_shards,
+                    _decode_bytes(rows_n, shards, scale_format, requantize))
     for r in results:
+        device = f" (GPU {r['device_tb_per_s']:5.2f} TB/s)" if "device_ms" in r else ""
         print(f"  {tokens}x{channels} {r['op']:15s} {r['preset']:6s} {r['impl']:6s} {r['ms']:8.3f} ms "
-              f"{r['tb_per_s']:5.2f} TB/s", file=sys.stderr, flush=True)
+              f"{r['tb_per_s']:5.2f} TB/s{device}", file=sys.stderr, flush=True)
     return results
 
 
@@ -326,24 +360,30 @@ def main() -> None:
         timings += time_shape(key, tokens, channels, repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+            "default_kernel": "gluon" if row_kernels.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
+            "row_default": dataclasses.asdict(row_kernels.RowConfig()),
             "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
             "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),
             "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS))}
     (args.out / "kernels.json").write_text(json.dumps(
         {"meta": meta, "correctness": correctness, "rounding": rounding, "block_sweep": sweep, "timings": timings}, indent=1))
     copy = {}
-    for r in timings:  # the faster of XLA's x + 1 and torch's device copy
+    for r in timings:  # the ceiling: the faster device copy, torch's or XLA's, in GPU time
         if r["op"] == "copy":
-            copy[(r["tokens"], r["channels"])] = max(copy.get((r["tokens"], r["channels"]), 0.0), r["tb_per_s"])
-    print("| shape | op | preset | pallas ms | TB/s | % of copy | jnp ms | speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+            shape = (r["tokens"], r["channels"])
+            copy[shape] = max(copy.get(shape, 0.0), r["device_tb_per_s"])
+    print("| shape | op | preset | kernel | wall ms | GPU ms | GPU TB/s | % of copy | jnp ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in timings:
-        if r["impl"] != "pallas":
+        if r["impl"] in ("jnp", "torch", "xla"):
             continue
-        jnp_row = next(j for j in timings if j["impl"] == "jnp" and all(j[k] == r[k] for k in ("tokens", "channels", "op", "preset")))
         shape = (r["tokens"], r["channels"])
-        print(f"| {shape[0]}x{shape[1]} | {r['op']} | {r['preset']} | {r['ms']:.3f} | {r['tb_per_s']:.2f} | "
-              f"{100 * r['tb_per_s'] / copy[shape]:.0f}% | {jnp_row['ms']:.3f} | {jnp_row['ms'] / r['ms']:.1f}x |")
+        jnp_row = next((j for j in timings if j["impl"] == "jnp"
+                        and all(j[k] == r[k] for k in ("tokens", "channels", "op", "preset"))), None)
+        speedup = f"{jnp_row['ms'] / r['ms']:.1f}x" if jnp_row else "-"
+        print(f"| {shape[0]}x{shape[1]} | {r['op']} | {r['preset']} | {r['impl']} | {r['ms']:.3f} | "
+              f"{r['device_ms']:.3f} | {r['device_tb_per_s']:.2f} | {100 * r['device_tb_per_s'] / copy[shape]:.0f}% | "
+              f"{jnp_row['ms'] if jnp_row else float('nan'):.3f} | {speedup} |")
     for shape, bw in copy.items():
         print(f"copy {shape[0]}x{shape[1]}: {bw:.2f} TB/s")
 

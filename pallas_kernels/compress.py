@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from taco_jax.kernels import formats, group_codec, wire
+from taco_jax.kernels import formats, group_codec, row_kernels, wire
 from taco_jax.kernels.hadamard import hadamard_across, hadamard_lanes, hadamard_matrix, hadamard_pairs
 from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups
 
@@ -145,8 +145,26 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
     return payload.reshape(*payload.shape[:2], group_size), [e[:, :rows, None, None] for e in entries]
 
 
+def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
+    """x (B, N, G) quantized by the kernel `config` names: the row kernels
+    (`row_kernels.RowConfig`, and by default where `row_kernels.supports` holds), else the
+    Pallas kernel (`KernelConfig`). Arguments as `_launch`.
+
+    Returns:
+      (payload (B, >= payload_rows, G), scales (B, N, 1, 2) for "dual", else (B, N, 1)).
+    """
+    if isinstance(config, row_kernels.RowConfig) or (config is None and not interpret and row_kernels.supports(
+            x.shape[-1], x.dtype, fmt)):
+        payload, scales = row_kernels.compress(x, fmt=fmt, scale_format=scale_format, transform=transform,
+                                               payload_dtype=payload_dtype, payload_rows=payload_rows, config=config)
+        return payload, scales[:, :, None]
+    payload, entries = _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows)
+    return payload, group_codec.pack_scale_entries(tuple(entries), scale_format)
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
-def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, config: KernelConfig | None = None,
+def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool,
+             config: KernelConfig | row_kernels.RowConfig | None = None,
              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Quantize rows of G elements with the fused kernel.
 
@@ -155,20 +173,24 @@ def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, conf
       fmt: "e4m3", "e5m2" or "int8".
       scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the Walsh-Hadamard transform.
-      config: launch parameters; `default_config` if None.
-      interpret: run the kernel in the Pallas interpreter (CPU tests).
+      config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
+        kernel, a `row_kernels.RowConfig` for the row kernel; if None, the row kernel
+        where `row_kernels.supports` holds (not in interpret mode), else the Pallas
+        kernel's `default_config`.
+      interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:
       (payload (N, G), scales) in the layout of `group_codec.quantize_groups` for (N, G).
     """
     rows = x.shape[0]
-    payload, entries = _launch(x[None], fmt, scale_format, transform, config, interpret, formats.wire_format(fmt).dtype, rows)
-    return payload[0, :rows], group_codec.pack_scale_entries(tuple(e[0] for e in entries), scale_format)
+    payload, scales = _encode(x[None], fmt, scale_format, transform, config, interpret, formats.wire_format(fmt).dtype,
+                              rows)
+    return payload[0, :rows], scales[0]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
-def compress_message(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, config: KernelConfig | None = None,
-                     interpret: bool = False) -> jax.Array:
+def compress_message(x: jax.Array, *, fmt: str, scale_format: str, transform: bool,
+                     config: KernelConfig | row_kernels.RowConfig | None = None, interpret: bool = False) -> jax.Array:
     """Quantize rows of G elements straight into wire messages (`wire.MessageLayout`).
 
     The kernel writes the payload rows of each buffer; the scale rows are then written
@@ -181,9 +203,9 @@ def compress_message(x: jax.Array, *, fmt: str, scale_format: str, transform: bo
       uint8 (B, rows, G): the messages, byte for byte what `wire.pack` makes of `compress`.
     """
     layout = wire.MessageLayout(x.shape[1], x.shape[2], fmt, scale_format)
-    payload, entries = _launch(x, fmt, scale_format, transform, config, interpret, jnp.uint8, layout.shape[0])
+    payload, scales = _encode(x, fmt, scale_format, transform, config, interpret, jnp.uint8, layout.shape[0])
     buffer = payload[:, : layout.shape[0]]  # a copy only when padding made the kernel write past the message
-    return wire.place_scales(buffer, group_codec.pack_scale_entries(tuple(entries), scale_format), layout)
+    return wire.place_scales(buffer, scales, layout)
 
 
 def compress_reference(x: jax.Array, *, fmt: str, scale_format: str, transform: bool) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,284 @@
+"""The compress kernel with one group per GPU thread, written in Gluon (Triton with
+explicit layouts).
+
+Each program loads 32 * num_warps groups as coalesced 16-byte vectors, and one layout
+conversion through shared memory gives every thread a whole group in its registers. The
+group statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
+quantization then run in registers with no warp shuffle; a second conversion stores the
+codes coalesced. The Pallas compress kernel spreads a group over 8 lanes, so its
+transform and reductions go through warp shuffles: it takes 126.5 us at 16384 x 8192
+(taco+) where this kernel takes 113 us (benchmarks/RESULTS.md). Pallas cannot ask for the
+row-per-thread layout: a group loaded as 16 pieces of one vector each
+(`KernelConfig.pieces=16`) gets it, but with uncoalesced loads, and ran at half the speed.
+
+Decoding stays with the Pallas kernel (`decompress`): its transform runs after the sum of
+k shards, and the row layout's 128 registers per group left too few warps to keep memory
+busy (measured, benchmarks/RESULTS.md).
+
+The math is `group_codec`'s, step for step (IEEE division and square root for the
+per-group scalars); `compress.compress_reference` is what this kernel is tested against.
+`compress.compress` dispatches here by default where `supports` holds; there is no
+interpret mode (off GPU the Pallas kernel runs in the Pallas interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax.kernels import formats, triton_launch
+from taco_jax.kernels.launch import output_struct
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # no Triton with Gluon: `supports` is False and nothing below is traced
+    gluon = gl = None
+
+MAX_GROUP = 128  # a group's float32 values are a thread's registers: 128 of its 255
+SCALE_FORMAT_IDS = {"dual": 0, "single": 1, "bf16": 2, "e8m0": 3}
+POINTER_TYPES = {jnp.dtype(jnp.bfloat16): "*bf16", jnp.dtype(jnp.float16): "*fp16", jnp.dtype(jnp.float32): "*fp32",
+                 jnp.dtype(jnp.float8_e4m3fn): "*fp8e4nv", jnp.dtype(jnp.float8_e5m2): "*fp8e5",
+                 jnp.dtype(jnp.int8): "*i8"}
+SCALE_POINTER_TYPES = {"dual": "*fp32", "single": "*fp32", "bf16": "*bf16", "e8m0": "*u8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """Launch parameters of the row kernels.
+
+    Attributes:
+      num_warps: warps per program; a program takes 32 groups per warp, one per thread.
+        One warp was fastest on the H200 (benchmarks/RESULTS.md).
+    """
+
+    num_warps: int = 1
+
+    def __post_init__(self):
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"RowConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+
+
+def supports(group_size: int, dtype, fmt: str) -> bool:
+    """Whether the row kernels take groups of `group_size` values of `dtype` in `fmt` here:
+    Gluon on a CUDA GPU (`triton_launch.available`), G a power of two in [16, 128], an
+    8-bit element format and a float16/bfloat16/float32 tensor."""
+    return (fmt in ("e4m3", "e5m2", "int8") and 16 <= group_size <= MAX_GROUP and not group_size & (group_size - 1)
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+            and triton_launch.available())
+
+
+def _tile(group_size: int, dtype) -> dict[str, int]:
+    """Vector width and lanes per group of the coalesced layout of a (rows, G) tile."""
+    vector = min(group_size, 16 // jnp.dtype(dtype).itemsize)
+    return dict(vector=vector, lanes=group_size // vector)
+
+
+def _inverse_sqrt(group_size: int) -> float:
+    """1/sqrt(G) rounded to float32, as the Pallas kernels fold it into the factor."""
+    return float(np.float32(1.0 / np.sqrt(group_size)))
+
+
+def _quantization(fmt: str, scale_format: str) -> dict:
+    wire = formats.wire_format(fmt)
+    return dict(FMT_MAX=float(wire.max_value), INTEGER=wire.is_integer, SCALES=SCALE_FORMAT_IDS[scale_format])
+
+
+def _scales_struct(batch: int, groups: int, scale_format: str, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """The packed scales (`group_codec.pack_scale_entries`) of `batch` x `groups` groups."""
+    shape = (batch, groups, 2) if scale_format == "dual" else (batch, groups)
+    return output_struct(shape, formats.SCALE_ENTRY_DTYPES[scale_format][0], like)
+
+
+def _grid(groups: int, batch: int, config: RowConfig) -> tuple[int, int]:
+    return (-(-groups // (32 * config.num_warps)), batch)
+
+
+def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, payload_dtype, payload_rows: int,
+             config: RowConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """Quantize B batches of N groups, x (B, N, G), as `group_codec.quantize_groups`.
+
+    Args:
+      x: (B, N, G) bfloat16, float16 or float32 (`supports`).
+      fmt: "e4m3", "e5m2" or "int8".
+      scale_format: "dual", "single", "bf16" or "e8m0".
+      transform: apply the Walsh-Hadamard transform.
+      payload_dtype: dtype of the payload array (the format's, or uint8 for messages).
+      payload_rows: rows of each batch's payload block, at least N; rows past N are left
+        unwritten (a message's scale rows).
+      config: launch parameters; `RowConfig()` if None.
+
+    Returns:
+      (payload (B, payload_rows, G), scales (B, N, 2) for "dual", else (B, N)).
+    """
+    config = config or RowConfig()
+    batch, groups, group_size = x.shape
+    payload_type = output_struct((batch, payload_rows, group_size), payload_dtype, x)
+    constexprs = dict(G=group_size, LOG_G=group_size.bit_length() - 1, NUM_WARPS=config.num_warps,
+                      TRANSFORM=transform, INV_SQRT=_inverse_sqrt(group_size), **_vectors(group_size, x.dtype, jnp.int8),
+                      **_quantization(fmt, scale_format))
+    return triton_launch.gluon_call(
+        taco_row_compress, [x], [payload_type, _scales_struct(batch, groups, scale_format, x)],
+        pointer_types=[POINTER_TYPES[jnp.dtype(x.dtype)], POINTER_TYPES[formats.wire_format(fmt).dtype],
+                       SCALE_POINTER_TYPES[scale_format]],
+        scalars=[("n_rows", "i32", groups), ("payload_rows", "i64", payload_rows)],
+        grid=_grid(groups, batch, config), num_warps=config.num_warps, constexprs=constexprs)
+
+
+def _vectors(group_size: int, in_dtype, out_dtype) -> dict[str, int]:
+    """The coalesced tile layouts of the kernel's input and output (`_tile`), as constexprs."""
+    tile_in, tile_out = _tile(group_size, in_dtype), _tile(group_size, out_dtype)
+    return dict(IN_VECTOR=tile_in["vector"], IN_LANES=tile_in["lanes"], OUT_VECTOR=tile_out["vector"],
+                OUT_LANES=tile_out["lanes"])
+
+
+if gluon is not None:
+    PRESCALE_MIN = gl.constexpr(float(2.0**-100))
+    PRESCALE_MAX = gl.constexpr(float(2.0**100))
+    SCALE_MIN = gl.constexpr(float(2.0**-126))
+    ROUNDING_BIAS = gl.constexpr(float(formats.ROUNDING_BIAS))
+    ROUNDING_BIAS_BITS = gl.constexpr(formats.ROUNDING_BIAS_BITS)
+
+    @gluon.constexpr_function
+    def _row_layout(G, NUM_WARPS):
+        """A whole group per thread, 32 consecutive groups per warp."""
+        return gl.BlockedLayout([1, G], [32, 1], [NUM_WARPS, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _tile_layout(NUM_WARPS, VECTOR, LANES):
+        """A (32 * NUM_WARPS, G) tile read or written coalesced: a VECTOR-wide (16-byte)
+        vector per thread, LANES lanes per group."""
+        return gl.BlockedLayout([1, VECTOR], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
+
+    @gluon.jit
+    def _rows(start, ROWS: gl.constexpr, layout: gl.constexpr):
+        """The row indices of a program's tile, laid out along `layout`'s rows."""
+        return start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+
+    @gluon.jit
+    def _tile_offsets(G: gl.constexpr, NUM_WARPS: gl.constexpr, layout: gl.constexpr):
+        """(element offsets, row indices) of a (32 * NUM_WARPS, G) tile in `layout`."""
+        rows = gl.arange(0, 32 * NUM_WARPS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, G, layout=gl.SliceLayout(0, layout))
+        return rows[:, None] * G + cols[None, :], rows
+
+    @gluon.jit
+    def _load_groups(base, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr,
+                     LANES: gl.constexpr):
+        """Rows [start, start + 32 * NUM_WARPS) of a (n_rows, G) array at `base` as float32,
+        a group per thread; rows past n_rows read as zeros."""
+        offsets, rows = _tile_offsets(G, NUM_WARPS, _tile_layout(NUM_WARPS, VECTOR, LANES))
+        tile = gl.load(base + start.to(gl.int64) * G + offsets, mask=(start + rows)[:, None] < n_rows, other=0.0)
+        return gl.convert_layout(tile, _row_layout(G, NUM_WARPS)).to(gl.float32)
+
+    @gluon.jit
+    def _store_groups(base, values, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr,
+                      LANES: gl.constexpr):
+        """Store a tile of groups (a group per thread, already in the output dtype)
+        coalesced into rows [start, ...) of an array of G-wide rows at `base`."""
+        layout: gl.constexpr = _tile_layout(NUM_WARPS, VECTOR, LANES)
+        offsets, rows = _tile_offsets(G, NUM_WARPS, layout)
+        gl.store(base + start.to(gl.int64) * G + offsets, gl.convert_layout(values, layout),
+                 mask=(start + rows)[:, None] < n_rows)
+
+    @gluon.jit
+    def _pow2(exponent):
+        """2.0**exponent for int32 exponents in [-126, 127] (`formats.pow2`)."""
+        return ((exponent + 127) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _times_pow2(values, exponent):
+        """values * 2**exponent in two normal-range steps (`formats.times_pow2`)."""
+        half = exponent >> 1
+        return values * _pow2(half) * _pow2(exponent - half)
+
+    @gluon.jit
+    def _hadamard(values, G: gl.constexpr, LOG_G: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """values @ H (unnormalized, Sylvester order) along each thread's group: the stages
+        of `hadamard.hadamard_butterfly`, all in registers."""
+        for _ in gl.static_range(LOG_G):
+            low, high = gl.split(gl.permute(values.reshape([32 * NUM_WARPS, 2, G // 2]), [0, 2, 1]))
+            values = gl.join(low + high, low - high).reshape([32 * NUM_WARPS, G])
+        return gl.convert_layout(values, _row_layout(G, NUM_WARPS))
+
+    @gluon.jit
+    def _normalize(groups, FMT_MAX: gl.constexpr, G: gl.constexpr):
+        """`group_codec.normalize_groups`: (normalized, factor, prescale)."""
+        absmax = gl.max(gl.abs(groups), axis=1)
+        shift = gl.minimum(((absmax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 126)
+        normalized = groups * _pow2(-shift)[:, None]
+        mean_square = gl.sum(normalized * normalized, axis=1) * (1.0 / G)
+        prescale = _times_pow2(gl.div_rn(gl.full_like(mean_square, FMT_MAX), gl.sqrt_rn(mean_square)), -shift)
+        prescale = gl.minimum(gl.maximum(prescale, PRESCALE_MIN), PRESCALE_MAX)
+        # max() skips NaN in a kernel; the mean square does not (`group_codec.prescale_of`).
+        finite = (absmax < float("inf")) & (gl.abs(mean_square) < float("inf"))
+        prescale = gl.where(finite, prescale, float("nan"))
+        return normalized, _times_pow2(prescale, shift), prescale
+
+    @gluon.jit
+    def _round_up_to_bf16(ratio):
+        """`formats.round_up_to_bf16`, as the float32 value of the bfloat16 result."""
+        ratio = gl.where(ratio < SCALE_MIN, SCALE_MIN, ratio)
+        bits = ratio.to(gl.uint32, bitcast=True)
+        rounded = gl.where(gl.abs(ratio) < float("inf"), (bits + 0xFFFF) & 0xFFFF0000, bits)
+        return rounded.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _encode_e8m0(ratio):
+        """`formats.encode_e8m0`, as int32 codes."""
+        bits = ratio.to(gl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 126
+        code = gl.where((bits & 0x7FFFFF) == 0, exponent - 1, exponent) + 127
+        code = gl.minimum(gl.maximum(code, 1), 254)
+        return gl.where(gl.abs(ratio) < float("inf"), code, 255)
+
+    @gluon.jit
+    def _quantize(values, factor, prescale, codes_ptr, scales_ptr, start, n_rows, G: gl.constexpr,
+                  NUM_WARPS: gl.constexpr, OUT_VECTOR: gl.constexpr, OUT_LANES: gl.constexpr,
+                  FMT_MAX: gl.constexpr, INTEGER: gl.constexpr, SCALES: gl.constexpr):
+        """`group_codec.quantize_scaled` of a tile of groups y = values * factor, stored:
+        the codes into rows [start, ...) at `codes_ptr`, the packed scales at `scales_ptr`."""
+        scale = gl.div_rn(gl.max(gl.abs(values), axis=1) * factor, gl.full_like(factor, FMT_MAX))
+        scale = gl.where(scale < SCALE_MIN, SCALE_MIN, scale)  # NaN stays NaN
+        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
+        in_range = rows < n_rows
+        divisor = scale
+        if SCALES == 0:
+            gl.store(scales_ptr + 2 * rows, prescale, mask=in_range)
+            gl.store(scales_ptr + 2 * rows + 1, scale, mask=in_range)
+        elif SCALES == 1:
+            gl.store(scales_ptr + rows, gl.div_rn(scale, prescale), mask=in_range)
+        elif SCALES == 2:
+            rounded = _round_up_to_bf16(gl.div_rn(scale, prescale))
+            divisor = prescale * rounded
+            gl.store(scales_ptr + rows, rounded.to(gl.bfloat16), mask=in_range)
+        else:
+            code = _encode_e8m0(gl.div_rn(scale, prescale))
+            divisor = prescale * gl.where(code == 255, float("nan"), _pow2(code - 127))
+            gl.store(scales_ptr + rows, code.to(gl.uint8), mask=in_range)
+        scaled = values * gl.div_rn(factor, divisor)[:, None]
+        if INTEGER:
+            codes = ((scaled + ROUNDING_BIAS).to(gl.int32, bitcast=True) - ROUNDING_BIAS_BITS).to(gl.int8)
+        else:
+            codes = scaled.to(codes_ptr.dtype.element_ty)
+        _store_groups(codes_ptr, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+
+    @gluon.jit
+    def taco_row_compress(x_ptr, payload_ptr, scales_ptr, n_rows, payload_rows, G: gl.constexpr,
+                         LOG_G: gl.constexpr, NUM_WARPS: gl.constexpr, IN_VECTOR: gl.constexpr,
+                         IN_LANES: gl.constexpr, OUT_VECTOR: gl.constexpr, OUT_LANES: gl.constexpr,
+                         TRANSFORM: gl.constexpr, INV_SQRT: gl.constexpr, FMT_MAX: gl.constexpr,
+                         INTEGER: gl.constexpr, SCALES: gl.constexpr):
+        start = gl.program_id(0) * (32 * NUM_WARPS)
+        batch = gl.program_id(1).to(gl.int64)
+        groups = _load_groups(x_ptr + batch * n_rows * G, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
+        values, factor, prescale = _normalize(groups, FMT_MAX, G)
+        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values = _hadamard(values, G, LOG_G, NUM_WARPS)
+            factor = factor * INV_SQRT
+        _quantize(values, factor, prescale, payload_ptr + batch * payload_rows * G,
+                  scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1), start, n_rows, G, NUM_WARPS,
+                  OUT_VECTOR, OUT_LANES, FMT_MAX, INTEGER, SCALES)

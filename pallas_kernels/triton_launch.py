@@ -1,0 +1,109 @@
+"""Launching a Gluon kernel (Triton's explicit-layout language) from JAX.
+
+Triton compiles the kernel to PTX for the local GPU; jaxlib's Triton custom call
+(`jax._src.lib.gpu_triton`, the one jax-triton and the Pallas Triton backend drive)
+loads and launches it inside the XLA program, on XLA's stream. jax-triton's `triton_call`
+cannot take these kernels: it builds every kernel from Triton IR without layouts,
+whereas a Gluon kernel states its layouts and is built straight to Triton GPU IR.
+
+Needs `triton` with Gluon (the `gpu` extra); `available()` says whether this process
+has it and a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Any, Sequence
+
+import jax
+from jax._src.lib import gpu_triton
+
+# Every buffer XLA hands a custom call is aligned to at least 16 bytes; telling Triton
+# lets it vectorize the loads and stores.
+POINTER_ATTRS = [["tt.divisibility", 16]]
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Gluon kernels can run here: a CUDA GPU, jaxlib's Triton custom call, and a
+    Triton with Gluon (3.6 or newer)."""
+    if jax.default_backend() != "gpu" or not hasattr(gpu_triton, "get_compute_capability"):
+        return False  # no GPU, or a ROCm one
+    try:
+        from triton.experimental import gluon  # noqa: F401  (the import is the check)
+    except ImportError:
+        return False
+    return True
+
+
+def compile_kernel(kernel, signature: tuple, constexprs: tuple, num_warps: int, capability: int):
+    """Compile a Gluon kernel for a CUDA compute capability (no GPU needed).
+
+    Args:
+      kernel: the `gluon.jit` function.
+      signature: (argument name, Triton type) of its runtime arguments, in order.
+      constexprs: (name, value) of its compile-time arguments.
+      num_warps: warps per program.
+      capability: compute capability as an int (90 for sm_90).
+
+    Returns:
+      Triton's compiled kernel (`asm["ptx"]`, `metadata`).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = dict(signature)
+    attrs = {(index,): POINTER_ATTRS for index, kind in enumerate(signature.values()) if kind.startswith("*")}
+    signature.update({name: "constexpr" for name, _ in constexprs})
+    source = GluonASTSource(kernel, signature, dict(constexprs), attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=num_warps))
+    if compiled.metadata.global_scratch_size or compiled.metadata.profile_scratch_size:
+        raise NotImplementedError(f"{compiled.metadata.name} needs Triton scratch memory, which this launch lacks")
+    return compiled
+
+
+@functools.cache
+def _loaded(kernel, signature: tuple, constexprs: tuple, num_warps: int, capability: int):
+    """jaxlib's handle on the compiled kernel (cached per specialization)."""
+    compiled = compile_kernel(kernel, signature, constexprs, num_warps, capability)
+    return gpu_triton.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
+                                   compiled.asm["ptx"], "", capability)
+
+
+def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.ShapeDtypeStruct], *,
+               pointer_types: Sequence[str], scalars: Sequence[tuple[str, str, int]], grid: tuple[int, int],
+               num_warps: int, constexprs: dict[str, Any]) -> list[jax.Array]:
+    """Run a Gluon kernel on device arrays inside the XLA program.
+
+    The kernel's arguments are, in order: a pointer per input, a pointer per output, then
+    the scalars; then its constexprs.
+
+    Args:
+      kernel: the `gluon.jit` function.
+      inputs: device arrays, passed as pointers.
+      out_types: shapes and dtypes of the outputs XLA allocates (uninitialized).
+      pointer_types: the Triton pointer type of every input then output ("*bf16",
+        "*i8", ...): what the kernel reads the bytes as, whatever their JAX dtype.
+      scalars: (name, Triton type, value) of each scalar argument.
+      grid: programs along the two grid axes.
+      num_warps: warps per program.
+      constexprs: the kernel's compile-time arguments.
+
+    Returns:
+      The outputs.
+    """
+    arg_names = kernel.arg_names
+    pointers = len(inputs) + len(out_types)
+    if len(pointer_types) != pointers:
+        raise ValueError(f"{len(pointer_types)} pointer types for {pointers} inputs and outputs")
+    signature = tuple(zip(arg_names, [*pointer_types, *(kind for _, kind, _ in scalars)]))
+    compiled = _loaded(kernel, signature, tuple(sorted(constexprs.items())), num_warps,
+                         gpu_triton.get_compute_capability(0))
+    params = [gpu_triton.create_array_parameter(0, 16) for _ in range(pointers)]
+    params += [gpu_triton.create_scalar_parameter(int(value), kind) for _, kind, value in scalars]
+    call = gpu_triton.TritonKernelCall(compiled, grid[0], grid[1], 1, params)
+    backend_config = zlib.compress(call.to_proto(kernel.fn.__name__, b""))
+    return jax.ffi.ffi_call("triton_kernel_call", list(out_types), custom_call_api_version=2,
+                            legacy_backend_config=backend_config)(*inputs)
