@@ -1,9 +1,11 @@
 """Pallas GPU kernels for TACO's fused compress / decompress, each beside its jnp reference.
 
 Installed as `taco_jax.kernels`. This package depends only on jax and numpy (nothing else
-in `taco_jax`). `launch` holds what both kernels share about launching; `group_codec` is the plain-jnp definition of
+in `taco_jax`), and on Triton where it is installed (the `gpu` extra). `launch` holds what
+both kernels share about launching; `group_codec` is the plain-jnp definition of
 the math, written so the kernels reuse it on their tiles; `compress` and `decompress` hold
-the fused kernels, each beside its jnp reference. Which one runs is the caller's choice
+the fused kernels, each beside its jnp reference; `row_kernels` the Gluon compress kernel
+that `compress` runs by default on a CUDA GPU, launched by `triton_launch`. Which one runs is the caller's choice
 (`taco_jax.TacoConfig.kernels`: the kernels on GPU by default, the jnp path elsewhere and
 where no kernel applies, e.g. group sizes under 16 or 4-bit formats).
 """
