@@ -5,8 +5,8 @@ in `taco_jax`), and on Triton where it is installed (the `gpu` extra). `launch` 
 both kernels share about launching; `group_codec` is the plain-jnp definition of
 the math, written so the kernels reuse it on their tiles; `compress` and `decompress` hold
 the fused kernels, each beside its jnp reference; `row_kernels` the Gluon compress kernel
-that `compress` runs by default on a CUDA GPU, launched by `triton_launch`. Which one runs is the caller's choice
-(`taco_jax.TacoConfig.kernels`: the kernels on GPU by default, the jnp path elsewhere and
+that `compress` runs by default on a CUDA GPU, launched by `triton_launch`. Which one runs
+is the caller's choice (`taco_jax.TacoConfig.kernels`: the kernels on GPU by default, the jnp path elsewhere and
 where no kernel applies, e.g. group sizes under 16 or 4-bit formats).
 """
 

@@ -149,7 +149,7 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
 
 
 def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
-    """x (B, N, G) quantized by the kernel `config` names: the row kernels
+    """x (B, N, G) quantized by the kernel `config` names: the row kernel
     (`row_kernels.RowConfig`, and by default where `row_kernels.supports` holds), else the
     Pallas kernel (`KernelConfig`). Arguments as `_launch`.
 

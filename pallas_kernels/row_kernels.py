@@ -48,7 +48,7 @@ SCALE_POINTER_TYPES = {"dual": "*fp32", "single": "*fp32", "bf16": "*bf16", "e8m
 
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
-    """Launch parameters of the row kernels.
+    """Launch parameters of the row kernel.
 
     Attributes:
       num_warps: warps per program; a program takes 32 groups per warp, one per thread.
@@ -63,7 +63,7 @@ class RowConfig:
 
 
 def supports(group_size: int, dtype, fmt: str) -> bool:
-    """Whether the row kernels take groups of `group_size` values of `dtype` in `fmt` here:
+    """Whether the row kernel takes groups of `group_size` values of `dtype` in `fmt` here:
     Gluon on a CUDA GPU (`triton_launch.available`), G a power of two in [16, 128], an
     8-bit element format and a float16/bfloat16/float32 tensor."""
     return (fmt in ("e4m3", "e5m2", "int8") and 16 <= group_size <= MAX_GROUP and not group_size & (group_size - 1)
@@ -71,10 +71,13 @@ def supports(group_size: int, dtype, fmt: str) -> bool:
             and triton_launch.available())
 
 
-def _tile(group_size: int, dtype) -> dict[str, int]:
-    """Vector width and lanes per group of the coalesced layout of a (rows, G) tile."""
-    vector = min(group_size, 16 // jnp.dtype(dtype).itemsize)
-    return dict(vector=vector, lanes=group_size // vector)
+def _vectors(group_size: int, in_dtype, out_dtype) -> dict[str, int]:
+    """The coalesced layouts of the kernel's input and output tiles, as constexprs: a
+    16-byte vector (or the whole group) per thread, and the lanes that span a group."""
+    widths = {"IN": min(group_size, 16 // jnp.dtype(in_dtype).itemsize),
+              "OUT": min(group_size, 16 // jnp.dtype(out_dtype).itemsize)}
+    return {f"{side}_{key}": value for side, width in widths.items()
+            for key, value in (("VECTOR", width), ("LANES", group_size // width))}
 
 
 def _inverse_sqrt(group_size: int) -> float:
@@ -126,13 +129,6 @@ def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, payl
                        SCALE_POINTER_TYPES[scale_format]],
         scalars=[("n_rows", "i32", groups), ("payload_rows", "i64", payload_rows)],
         grid=_grid(groups, batch, config), num_warps=config.num_warps, constexprs=constexprs)
-
-
-def _vectors(group_size: int, in_dtype, out_dtype) -> dict[str, int]:
-    """The coalesced tile layouts of the kernel's input and output (`_tile`), as constexprs."""
-    tile_in, tile_out = _tile(group_size, in_dtype), _tile(group_size, out_dtype)
-    return dict(IN_VECTOR=tile_in["vector"], IN_LANES=tile_in["lanes"], OUT_VECTOR=tile_out["vector"],
-                OUT_LANES=tile_out["lanes"])
 
 
 if gluon is not None:
