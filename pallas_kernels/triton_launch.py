@@ -86,7 +86,8 @@ def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.Shap
       out_types: shapes and dtypes of the outputs XLA allocates (uninitialized).
       pointer_types: the Triton pointer type of every input then output ("*bf16",
         "*i8", ...): what the kernel reads the bytes as, whatever their JAX dtype.
-      scalars: (name, Triton type, value) of each scalar argument.
+      scalars: (name, Triton type, value) of each integer scalar argument ("i32", "i64"),
+        named as in the kernel.
       grid: programs along the two grid axes.
       num_warps: warps per program.
       constexprs: the kernel's compile-time arguments.
@@ -94,16 +95,19 @@ def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.Shap
     Returns:
       The outputs.
     """
-    arg_names = kernel.arg_names
     pointers = len(inputs) + len(out_types)
     if len(pointer_types) != pointers:
         raise ValueError(f"{len(pointer_types)} pointer types for {pointers} inputs and outputs")
-    signature = tuple(zip(arg_names, [*pointer_types, *(kind for _, kind, _ in scalars)]))
-    compiled = _loaded(kernel, signature, tuple(sorted(constexprs.items())), num_warps,
-                         gpu_triton.get_compute_capability(0))
+    runtime_args = kernel.arg_names[:pointers + len(scalars)]
+    if [name for name, _, _ in scalars] != runtime_args[pointers:]:
+        raise ValueError(f"scalars {[name for name, _, _ in scalars]} do not follow the pointers of "
+                         f"{kernel.fn.__name__}{tuple(kernel.arg_names)}")
+    signature = tuple(zip(runtime_args, [*pointer_types, *(kind for _, kind, _ in scalars)]))
+    loaded = _loaded(kernel, signature, tuple(sorted(constexprs.items())), num_warps,
+                     gpu_triton.get_compute_capability(0))
     params = [gpu_triton.create_array_parameter(0, 16) for _ in range(pointers)]
     params += [gpu_triton.create_scalar_parameter(int(value), kind) for _, kind, value in scalars]
-    call = gpu_triton.TritonKernelCall(compiled, grid[0], grid[1], 1, params)
+    call = gpu_triton.TritonKernelCall(loaded, grid[0], grid[1], 1, params)
     backend_config = zlib.compress(call.to_proto(kernel.fn.__name__, b""))
     return jax.ffi.ffi_call("triton_kernel_call", list(out_types), custom_call_api_version=2,
                             legacy_backend_config=backend_config)(*inputs)

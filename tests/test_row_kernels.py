@@ -105,3 +105,16 @@ def test_row_kernel_compiles_for_sm90(fmt, scale_format):
     compiled = triton_launch.compile_kernel(kernel, tuple(zip(kernel.arg_names, types)),
                                             tuple(sorted(constexprs.items())), 1, 90)
     assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"] and compiled.metadata.shared > 0
+
+
+def test_gluon_call_rejects_scalars_out_of_place():
+    """Scalars are matched to the kernel's arguments by name, after the pointers."""
+    pytest.importorskip("triton.experimental.gluon")
+    x = jnp.zeros((1, 4, 128), jnp.float32)
+    with pytest.raises(ValueError, match="do not follow the pointers"):
+        triton_launch.gluon_call(row_kernels.taco_row_compress, [x], [jax.ShapeDtypeStruct((1, 4, 128), jnp.int8)] * 2,
+                                 pointer_types=["*fp32", "*i8", "*fp32"], scalars=[("payload_rows", "i64", 4)],
+                                 grid=(1, 1), num_warps=1, constexprs={})
+    with pytest.raises(ValueError, match="2 pointer types for 3"):
+        triton_launch.gluon_call(row_kernels.taco_row_compress, [x], [jax.ShapeDtypeStruct((1, 4, 128), jnp.int8)] * 2,
+                                 pointer_types=["*fp32", "*i8"], scalars=[], grid=(1, 1), num_warps=1, constexprs={})
