@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import jax
 from jax._src.lib import gpu_triton
+from jax.sharding import NamedSharding, PartitionSpec
 
 # Every buffer XLA hands a custom call is aligned to at least 16 bytes; telling Triton
 # lets it vectorize the loads and stores.
@@ -109,5 +110,14 @@ def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.Shap
     params += [gpu_triton.create_scalar_parameter(int(value), kind) for _, kind, value in scalars]
     call = gpu_triton.TritonKernelCall(loaded, grid[0], grid[1], 1, params)
     backend_config = zlib.compress(call.to_proto(kernel.fn.__name__, b""))
-    return jax.ffi.ffi_call("triton_kernel_call", list(out_types), custom_call_api_version=2,
-                            legacy_backend_config=backend_config)(*inputs)
+    mesh = jax.typeof(inputs[0]).sharding.mesh
+    return jax.ffi.ffi_call("triton_kernel_call", [_on_mesh(out_type, mesh) for out_type in out_types],
+                            custom_call_api_version=2, legacy_backend_config=backend_config)(*inputs)
+
+
+def _on_mesh(out_type: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
+    """`out_type` placed on the (abstract) mesh the inputs live on: `ffi_call` takes the
+    manual axes an output varies over (`launch.output_struct`) only with a mesh that has
+    them, inside `shard_map`."""
+    return jax.ShapeDtypeStruct(out_type.shape, out_type.dtype, sharding=NamedSharding(mesh, PartitionSpec()),
+                                manual_axis_type=out_type.manual_axis_type)

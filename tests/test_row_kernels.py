@@ -118,3 +118,32 @@ def test_gluon_call_rejects_scalars_out_of_place():
     with pytest.raises(ValueError, match="2 pointer types for 3"):
         triton_launch.gluon_call(row_kernels.taco_row_compress, [x], [jax.ShapeDtypeStruct((1, 4, 128), jnp.int8)] * 2,
                                  pointer_types=["*fp32", "*i8"], scalars=[], grid=(1, 1), num_warps=1, constexprs={})
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_row_kernel_outputs_are_typed_inside_shard_map(monkeypatch, check_vma):
+    """The kernel's custom call traces under both shard_map conventions, its outputs
+    varying over the tensor axis like its input (the launch itself needs a GPU: jaxlib's
+    Triton handles are stubbed)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from jax.sharding import PartitionSpec as P
+
+    import taco_jax as tj
+
+    stub = type("Call", (), {"to_proto": lambda self, name, metadata: b""})
+    monkeypatch.setattr(triton_launch, "_loaded", lambda *args: None)
+    for name, value in (("get_compute_capability", lambda device: 90), ("create_array_parameter", lambda *a: None),
+                        ("create_scalar_parameter", lambda *a: None), ("TritonKernelCall", lambda *a: stub())):
+        monkeypatch.setattr(triton_launch.gpu_triton, name, value, raising=False)
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+
+    def body(x):
+        payload, scales = row_kernels.compress(x[None], fmt="int8", scale_format="bf16", transform=True,
+                                               payload_dtype=jnp.int8, payload_rows=x.shape[0])
+        return payload[0].astype(jnp.float32) * scales[0][:, None] + x
+
+    traced = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
+                                   check_vma=check_vma)).trace(jnp.zeros((4 * 32, 128), jnp.float32))
+    (call,) = [eqn for eqn in traced.jaxpr.eqns[0].params["jaxpr"].eqns if eqn.primitive.name == "ffi_call"]
+    assert [v.aval.shape for v in call.outvars] == [(1, 32, 128), (1, 32)]
+    assert all(("tensor" in v.aval.mat.varying) == check_vma for v in call.outvars)
