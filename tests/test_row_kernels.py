@@ -147,3 +147,4 @@ def test_row_kernel_outputs_are_typed_inside_shard_map(monkeypatch, check_vma):
     (call,) = [eqn for eqn in traced.jaxpr.eqns[0].params["jaxpr"].eqns if eqn.primitive.name == "ffi_call"]
     assert [v.aval.shape for v in call.outvars] == [(1, 32, 128), (1, 32)]
     assert all(("tensor" in v.aval.mat.varying) == check_vma for v in call.outvars)
+    assert traced.lower().as_text().count("triton_kernel_call") == 1
