@@ -74,7 +74,7 @@ def test_extreme_magnitudes_round_trip(fmt, scale_format):
 
 
 @pytest.mark.gpu
-def test_kernels_dispatch_to_the_row_kernels_by_default():
+def test_compress_dispatches_to_the_row_kernel_by_default():
     """On a GPU the default launch is the row kernel (jaxlib's Triton custom call); a
     `KernelConfig` asks for the Pallas kernel."""
     x = _groups(256, 128, jnp.bfloat16)
