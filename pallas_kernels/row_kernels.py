@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.kernels import formats, triton_launch
+from taco_jax.kernels import formats, group_codec, triton_launch
 from taco_jax.kernels.launch import output_struct
 
 try:
@@ -42,8 +42,7 @@ MAX_GROUP = 128  # a group's float32 values are a thread's registers: 128 of its
 SCALE_FORMAT_IDS = {"dual": 0, "single": 1, "bf16": 2, "e8m0": 3}
 POINTER_TYPES = {jnp.dtype(jnp.bfloat16): "*bf16", jnp.dtype(jnp.float16): "*fp16", jnp.dtype(jnp.float32): "*fp32",
                  jnp.dtype(jnp.float8_e4m3fn): "*fp8e4nv", jnp.dtype(jnp.float8_e5m2): "*fp8e5",
-                 jnp.dtype(jnp.int8): "*i8"}
-SCALE_POINTER_TYPES = {"dual": "*fp32", "single": "*fp32", "bf16": "*bf16", "e8m0": "*u8"}
+                 jnp.dtype(jnp.int8): "*i8", jnp.dtype(jnp.uint8): "*u8"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +89,15 @@ def _quantization(fmt: str, scale_format: str) -> dict:
     return dict(FMT_MAX=float(wire.max_value), INTEGER=wire.is_integer, SCALES=SCALE_FORMAT_IDS[scale_format])
 
 
+def scale_dtype(scale_format: str) -> jnp.dtype:
+    """The dtype of the kernel's packed scales (every entry of a format has the same one)."""
+    return jnp.dtype(formats.SCALE_ENTRY_DTYPES[scale_format][0])
+
+
 def _scales_struct(batch: int, groups: int, scale_format: str, like: jax.Array) -> jax.ShapeDtypeStruct:
     """The packed scales (`group_codec.pack_scale_entries`) of `batch` x `groups` groups."""
     shape = (batch, groups, 2) if scale_format == "dual" else (batch, groups)
-    return output_struct(shape, formats.SCALE_ENTRY_DTYPES[scale_format][0], like)
+    return output_struct(shape, scale_dtype(scale_format), like)
 
 
 def _grid(groups: int, batch: int, config: RowConfig) -> tuple[int, int]:
@@ -126,15 +130,15 @@ def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, payl
     return triton_launch.gluon_call(
         taco_row_compress, [x], [payload_type, _scales_struct(batch, groups, scale_format, x)],
         pointer_types=[POINTER_TYPES[jnp.dtype(x.dtype)], POINTER_TYPES[formats.wire_format(fmt).dtype],
-                       SCALE_POINTER_TYPES[scale_format]],
+                       POINTER_TYPES[scale_dtype(scale_format)]],
         scalars=[("n_rows", "i32", groups), ("payload_rows", "i64", payload_rows)],
         grid=_grid(groups, batch, config), num_warps=config.num_warps, constexprs=constexprs)
 
 
 if gluon is not None:
-    PRESCALE_MIN = gl.constexpr(float(2.0**-100))
-    PRESCALE_MAX = gl.constexpr(float(2.0**100))
-    SCALE_MIN = gl.constexpr(float(2.0**-126))
+    PRESCALE_MIN = gl.constexpr(float(group_codec.PRESCALE_MIN))
+    PRESCALE_MAX = gl.constexpr(float(group_codec.PRESCALE_MAX))
+    SCALE_MIN = gl.constexpr(float(group_codec.SCALE_MIN))
     ROUNDING_BIAS = gl.constexpr(float(formats.ROUNDING_BIAS))
     ROUNDING_BIAS_BITS = gl.constexpr(formats.ROUNDING_BIAS_BITS)
 
