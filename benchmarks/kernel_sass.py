@@ -67,7 +67,7 @@ def op_kernel(name: str):
         x = jax.ShapeDtypeStruct((ROWS, GROUP), jnp.bfloat16)
         return (lambda v: kc.compress(v, fmt=fmt, scale_format=scale_format, transform=transform, config=config),
                 (x,), config.block_rows * GROUP, config)
-    config = kd.default_config(GROUP, transform and not requantize, shards)
+    config = kd.default_config(GROUP, transform, shards, requantize=requantize)
     codes = jax.ShapeDtypeStruct((shards, ROWS // shards, GROUP), formats.wire_format(fmt).dtype)
     multipliers = jax.ShapeDtypeStruct((shards, ROWS // shards), jnp.float32)
     decode = dict(requantize=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)

@@ -5,8 +5,8 @@ and by the Pallas kernel's default launch, the decodes by the Pallas kernel.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
 warps, pipelining stages, the transform method (`KernelConfig.hadamard`), the pieces a
-group is loaded in (`KernelConfig.pieces`);
-`--sweep-only` writes them alone to kernels_sweep.json), checks
+group is loaded in (`KernelConfig.pieces`), each timed both ways below;
+`--sweep-only` writes them alone to kernels_sweep.json, with the copy), checks
 the kernels against the jnp reference, then times
 each op twice: wall clock (`ms`: median of trials, launches queued with one sync per
 trial, each timed call covering several distinct inputs so L2 hits stay out of the
@@ -57,6 +57,7 @@ PRESETS = {  # name: (fmt, scale_format, transform)
 }
 GROUP = 128
 SHARDS = 4
+SWEEP_SHAPE = (16384, 8192)  # tokens x channels the launch sweep runs at
 
 
 def time_ms(fn, inputs, trials: int = 7, calls: int = 5) -> float:
@@ -105,6 +106,29 @@ def check_correctness(key) -> list[dict]:
                     rows.append(dict(dtype=jnp.dtype(dtype).name, fmt=fmt, scales=scale_format, transform=transform,
                                      payload_mismatch=mismatch, scale_rel_diff=scale_diff, decode_rel_diff=decode_diff,
                                      round_trip_rel_error=error))
+    return rows
+
+
+def check_requantize(key) -> list[dict]:
+    """The requantized sum of k shards (kernel default launch) vs the jnp reference, per
+    preset: the share of codes that differ, the largest difference in grid steps of the
+    groups whose scales agree, and the scales' largest relative difference."""
+    rows = []
+    rows_n = SHARDS * 8192
+    x = jax.random.normal(key, (rows_n, GROUP), jnp.float32) * jnp.exp(jax.random.normal(key, (rows_n, 1)))
+    for preset, (fmt, scale_format, transform) in PRESETS.items():
+        (payloads,), (multipliers,) = _as_shards([kc.compress(x, fmt=fmt, scale_format=scale_format,
+                                                              transform=transform)], scale_format, SHARDS)
+        kw = dict(transform=transform, requantize=(fmt, scale_format))
+        got = kd.decompress(payloads, multipliers, **kw)
+        want = jax.jit(lambda p, m: kd.decompress_reference(p, m, **kw))(payloads, multipliers)
+        got_scales, want_scales = (np.asarray(s.astype(jnp.float32)).reshape(s.shape[0], -1) for s in (got[1], want[1]))
+        same_scale = (got_scales == want_scales).all(axis=1)
+        codes = [np.asarray(c.astype(jnp.float32)) for c in (got[0], want[0])]
+        steps = np.abs(codes[0] - codes[1])[same_scale] / np.maximum(np.abs(codes[1][same_scale]), 1.0)
+        rows.append(dict(preset=preset, payload_mismatch=float(np.mean(codes[0] != codes[1])),
+                         max_step_same_scale=float(steps.max()), groups_same_scale=float(same_scale.mean()),
+                         scale_rel_diff=float(np.max(np.abs(got_scales - want_scales) / np.abs(want_scales)))))
     return rows
 
 
@@ -205,8 +229,9 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
 
 # (block rows, blocks per program, warps, stages) swept for the methods other than "matmul",
 # whole groups and groups loaded in pieces
-TILE_FREE_LAUNCHES = ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1), (128, 1, 8, 1), (64, 4, 4, 3))
-PIECES_LAUNCHES = ((16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1))
+TILE_FREE_LAUNCHES = ((16, 1, 2, 1), (16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1), (128, 1, 8, 1),
+                      (64, 4, 4, 3))
+PIECES_LAUNCHES = ((16, 1, 2, 1), (16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1))
 
 
 def _sweep_launches(methods: list[str], pieces: list[int], default: KernelConfig,
@@ -241,17 +266,18 @@ def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: lis
     for name in ops:
         preset, shards, requantize = SWEEP_OPS[name]
         transformed = PRESETS[preset][2] and not requantize
-        default = (kd.default_config(GROUP, transformed, shards) if shards else kc.default_config(GROUP, transformed))
+        default = (kd.default_config(GROUP, transformed, shards, requantize=requantize) if shards
+                   else kc.default_config(GROUP, transformed))
         for config in _sweep_launches(methods, pieces, default, transformed):
             if time.perf_counter() - start > budget_s:
                 return results
             fn, inputs, nbytes = _sweep_op(name, xs, config)
-            ms = time_ms(fn, inputs, trials=5, calls=3)
+            ms, gpu_ms = time_ms(fn, inputs, trials=5, calls=3), device_ms(fn, inputs)
             results.append(dict(op=name, **dataclasses.asdict(config), default=config == default, ms=ms,
-                                tb_per_s=nbytes / ms / 1e9))
+                                tb_per_s=nbytes / ms / 1e9, device_ms=gpu_ms, device_tb_per_s=nbytes / gpu_ms / 1e9))
             print(f"  {name:22s} {config.hadamard:9s} p{config.pieces} {config.block_rows:4d} "
                   f"x{config.blocks_per_program:<3d} w{config.num_warps} s{config.num_stages} {ms:7.3f} ms "
-                  f"{nbytes / ms / 1e9:5.2f} TB/s",
+                  f"{nbytes / ms / 1e9:5.2f} TB/s (GPU {gpu_ms:7.3f} ms {nbytes / gpu_ms / 1e9:5.2f} TB/s)",
                   file=sys.stderr, flush=True)
     return results
 
@@ -343,16 +369,20 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
     sweep = ([] if args.quick or args.no_sweep
-             else sweep_configs(key, 16384, 8192, args.sweep_budget, methods, pieces, ops))
+             else sweep_configs(key, *SWEEP_SHAPE, args.sweep_budget, methods, pieces, ops))
     if args.sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kernels_sweep.json").write_text(json.dumps({"device": device, "sweep": sweep}, indent=1))
+        copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
+        (args.out / "kernels_sweep.json").write_text(json.dumps(
+            {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": sweep}, indent=1))
         return
     correctness = check_correctness(key)
     rounding = check_rounding_under_jit(key)
+    requantized = check_requantize(key)
     worst = max(r["scale_rel_diff"] for r in correctness)
     print(f"correctness: worst payload mismatch {max(r['payload_mismatch'] for r in correctness):.2e}, "
           f"worst scale diff {worst:.2e}, rounding {rounding}", file=sys.stderr, flush=True)
+    print(f"requantized sums against the reference: {requantized}", file=sys.stderr, flush=True)
     shapes = [(16384, 8192)] if args.quick else [(4096, 4096, 16), (16384, 8192, 4), (32768, 16384, 2)]
     timings = []
     for shape in shapes:
@@ -364,9 +394,11 @@ def main() -> None:
             "row_default": dataclasses.asdict(row_kernels.RowConfig()),
             "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
             "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),
-            "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS))}
+            "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS)),
+            "requantize_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS, requantize=True))}
     (args.out / "kernels.json").write_text(json.dumps(
-        {"meta": meta, "correctness": correctness, "rounding": rounding, "block_sweep": sweep, "timings": timings}, indent=1))
+        {"meta": meta, "correctness": correctness, "requantize_correctness": requantized, "rounding": rounding,
+         "block_sweep": sweep, "timings": timings}, indent=1))
     copy = {}
     for r in timings:  # the ceiling: the faster device copy, torch's or XLA's, in GPU time
         if r["op"] == "copy":

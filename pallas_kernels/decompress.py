@@ -30,13 +30,30 @@ from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, r
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 
-def default_config(group_size: int, transform: bool, shards: int = 1) -> KernelConfig:
+def default_config(group_size: int, transform: bool, shards: int = 1, requantize: bool = False) -> KernelConfig:
     """Decoding through the transform: about 4K codes read per block over all `shards`
     (at least 16 rows), each group loaded in two pieces, the transform as "pairs"
     (`hadamard.hadamard_pairs`, no tile); otherwise about 8K elements per block. Set from
     the H200 sweep of benchmarks/kernels.py (at 16384 x 8192, taco+: one shard 0.120 ms,
     four 0.073 ms, against 0.139 and 0.085 ms in one piece and 0.148 and 0.128 ms with
-    the matmul)."""
+    the matmul).
+
+    Requantizing the sum (which applies no transform): about 2K codes per shard per block
+    in two pieces, with two warps. In GPU kernel time on the H200 (k = 4, 16384 x 8192)
+    this ran at 85% of a device copy against 78-83% for the 8K-element blocks in one
+    piece (benchmarks/RESULTS.md).
+
+    Args:
+      group_size: G, the elements of a group.
+      transform: whether the decode applies the inverse transform.
+      shards: k, the shards summed.
+      requantize: whether the sum is requantized (then `transform` does not matter).
+
+    Returns:
+      The launch configuration the kernel runs with when none is given.
+    """
+    if requantize:
+        return KernelConfig(block_rows=max(16, 2048 // group_size), num_warps=2, pieces=2)
     if transform:
         return KernelConfig(block_rows=max(16, 4096 // (group_size * shards)), num_warps=4, hadamard="pairs",
                             pieces=2)
@@ -106,7 +123,7 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
       N rows hold the codes, scale entries as (N, 1, 1) arrays).
     """
     batch, shards, rows, group_size = payload.shape
-    config = config or default_config(group_size, transform and requantize is None, shards)
+    config = config or default_config(group_size, transform, shards, requantize=requantize is not None)
     per_program, block = program_rows(groups, config, batch)
     padded = groups + (-groups % per_program)
     if padded > rows:  # odd sizes only: pad so every block reads inside the buffer

@@ -133,20 +133,33 @@ def test_decompress_kernel_sums_shards(shards, group_size, transform):
     assert np.linalg.norm(decoded - exact) / np.linalg.norm(exact) < 0.07
 
 
-@pytest.mark.parametrize("scale_format", SCALES)
-@pytest.mark.parametrize("fmt", FMTS)
-def test_decompress_kernel_requantizes(fmt, scale_format):
+def _check_requantized_sum(fmt, scale_format, group_size, rows, interpret):
+    """The requantized sum of 4 shards under the default launch against the jnp reference."""
     shards = 4
-    parts = [_groups(50, 128, jnp.float32, seed=s) for s in range(shards)]
+    parts = [_groups(rows, group_size, jnp.float32, seed=s) for s in range(shards)]
     compressed = [kc.compress_reference(p, fmt=fmt, scale_format=scale_format, transform=True) for p in parts]
     payload = jnp.stack([p for p, _ in compressed])
     multiplier = jnp.stack([group_codec.dequantize_scale(s, scale_format).reshape(-1) for _, s in compressed])
     kw = dict(transform=True, requantize=(fmt, scale_format))
-    got_payload, got_scales = kd.decompress(payload, multiplier, interpret=True, **kw)
+    got_payload, got_scales = kd.decompress(payload, multiplier, interpret=interpret, **kw)
     want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
     same_scale = _assert_scales_close(got_scales, want_scales, scale_format)
     # Sums of power-of-two-scaled codes sit on coarse grids: ties are common there.
     _assert_payload_close(got_payload, want_payload, fmt, 0.01, same_scale)
+
+
+@pytest.mark.parametrize("scale_format", SCALES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_decompress_kernel_requantizes(fmt, scale_format):
+    _check_requantized_sum(fmt, scale_format, 128, 50, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [16, 64, 128, 256])
+@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("e5m2", "e8m0")])
+def test_compiled_requantized_sum_matches_the_reference(fmt, scale_format, group_size):
+    """Compiled, with each group loaded in two pieces, at an odd row count."""
+    _check_requantized_sum(fmt, scale_format, group_size, 1001, interpret=False)
 
 
 LOOPED = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1)
