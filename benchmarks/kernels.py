@@ -83,6 +83,15 @@ def _scales_bytes(rows: int, scale_format: str) -> int:
     return rows * SCALE_FORMATS[scale_format]
 
 
+def _agreement(payload, scales, ref_payload, ref_scales) -> dict:
+    """The share of codes that differ from the reference's and the scales' largest
+    relative difference."""
+    codes, ref_codes, entries, ref_entries = (np.asarray(a.astype(jnp.float32))
+                                              for a in (payload, ref_payload, scales, ref_scales))
+    return dict(payload_mismatch=float(np.mean(codes != ref_codes)),
+                scale_rel_diff=float(np.max(np.abs(entries - ref_entries) / np.abs(ref_entries))))
+
+
 def check_correctness(key) -> list[dict]:
     """Kernel vs jnp reference on the GPU for every preset-like combination."""
     rows = []
@@ -95,24 +104,21 @@ def check_correctness(key) -> list[dict]:
                     kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
                     payload, scales = kc.compress(x, **kw)
                     ref_payload, ref_scales = jax.jit(lambda v, kw=kw: kc.compress_reference(v, **kw))(x)
-                    mismatch = float(jnp.mean(payload.astype(jnp.float32) != ref_payload.astype(jnp.float32)))
-                    scale_diff = float(jnp.max(jnp.abs(scales.astype(jnp.float32) - ref_scales.astype(jnp.float32))
-                                               / jnp.abs(ref_scales.astype(jnp.float32))))
                     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
                     out = kd.decompress(payload[None], multiplier, transform=transform, out_dtype=jnp.float32)
                     ref_out = kd.decompress_reference(payload[None], multiplier, transform=transform)
                     decode_diff = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
                     error = float(jnp.linalg.norm(out - x.astype(jnp.float32)) / jnp.linalg.norm(x.astype(jnp.float32)))
                     rows.append(dict(dtype=jnp.dtype(dtype).name, fmt=fmt, scales=scale_format, transform=transform,
-                                     payload_mismatch=mismatch, scale_rel_diff=scale_diff, decode_rel_diff=decode_diff,
-                                     round_trip_rel_error=error))
+                                     **_agreement(payload, scales, ref_payload, ref_scales),
+                                     decode_rel_diff=decode_diff, round_trip_rel_error=error))
     return rows
 
 
 def check_requantize(key) -> list[dict]:
     """The requantized sum of k shards (kernel default launch) vs the jnp reference, per
-    preset: the share of codes that differ, the largest difference in grid steps of the
-    groups whose scales agree, and the scales' largest relative difference."""
+    preset: `_agreement`, the share of groups whose scales agree, and in those groups the
+    largest code difference over max(|reference code|, 1)."""
     rows = []
     rows_n = SHARDS * 8192
     x = jax.random.normal(key, (rows_n, GROUP), jnp.float32) * jnp.exp(jax.random.normal(key, (rows_n, 1)))
@@ -126,9 +132,8 @@ def check_requantize(key) -> list[dict]:
         same_scale = (got_scales == want_scales).all(axis=1)
         codes = [np.asarray(c.astype(jnp.float32)) for c in (got[0], want[0])]
         steps = np.abs(codes[0] - codes[1])[same_scale] / np.maximum(np.abs(codes[1][same_scale]), 1.0)
-        rows.append(dict(preset=preset, payload_mismatch=float(np.mean(codes[0] != codes[1])),
-                         max_step_same_scale=float(steps.max(initial=0.0)), groups_same_scale=float(same_scale.mean()),
-                         scale_rel_diff=float(np.max(np.abs(got_scales - want_scales) / np.abs(want_scales)))))
+        rows.append(dict(preset=preset, **_agreement(*got, *want), max_step_same_scale=float(steps.max(initial=0.0)),
+                         groups_same_scale=float(same_scale.mean())))
     return rows
 
 

@@ -10,7 +10,7 @@ bf16, FP32 accumulation; float32 inputs split into three bf16 parts).
 
 `compress_reference` beside the kernel is the plain-jnp definition it is tested against.
 On a CUDA GPU with Triton, `compress` and `compress_message` run the row kernel
-(`row_kernels`, a group per thread, 1.12-1.15x faster on an H200) unless a `KernelConfig`
+(`row_kernels`, a group per thread, 1.12-1.14x faster on an H200) unless a `KernelConfig`
 asks for this one; interpret mode and the groups the row kernel does not take use this.
 """
 

@@ -98,7 +98,8 @@ def test_row_kernel_compiles_for_sm90(fmt, scale_format):
     through shared memory."""
     pytest.importorskip("triton.experimental.gluon")
     dtype = formats.wire_format(fmt).dtype
-    types = ["*bf16", row_kernels.POINTER_TYPES[dtype], row_kernels.POINTER_TYPES[row_kernels.scale_dtype(scale_format)], "i32", "i64"]
+    scale_pointer = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(scale_format)]
+    types = ["*bf16", row_kernels.POINTER_TYPES[dtype], scale_pointer, "i32", "i64"]
     constexprs = dict(G=128, LOG_G=7, NUM_WARPS=1, TRANSFORM=True, INV_SQRT=row_kernels._inverse_sqrt(128),
                       **row_kernels._vectors(128, jnp.bfloat16, jnp.int8), **row_kernels._quantization(fmt, scale_format))
     kernel = row_kernels.taco_row_compress
