@@ -88,7 +88,7 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
             # One shard's 8-bit codes are exact in bf16: transform them, then scale.
             values = apply_hadamard(_codes(payload_ref, 0, rows, message_fmt), hadamard, 1, config.hadamard)
             decoded = _scaled(values, multiplier_ref[0, rows] * inv_sqrt)
-            store_pieces(out_refs[0], rows, tuple(piece.astype(out_refs[0].dtype) for piece in decoded))
+            store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded))
             return
         summed = dequantized(0, rows)
         for shard in range(1, shards):
@@ -106,7 +106,7 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
             # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
             splits = 3 if out_refs[0].dtype == jnp.float32 else 2
             summed = tuple(piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.hadamard))
-        store_pieces(out_refs[0], rows, tuple(piece.astype(out_refs[0].dtype) for piece in summed))
+        store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in summed))
 
     row_loop(payload_ref.shape[1], block, decode_block)
 
@@ -237,7 +237,8 @@ def decompress_reference(payload: jax.Array, multiplier: jax.Array, *, transform
     """The same computation in plain jnp (what the kernel is tested against)."""
     if payload.shape[0] == 1 and transform and requantize is None:
         # Transform the small payload values first, then scale: no overflow near f32 max.
-        return (hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]).astype(out_dtype)
+        return formats.saturating_cast(hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None],
+                                       out_dtype)
     summed = jnp.sum(payload.astype(jnp.float32) * multiplier[..., None], axis=0)
     if requantize is not None:
         fmt, scale_format = requantize
@@ -246,4 +247,4 @@ def decompress_reference(payload: jax.Array, multiplier: jax.Array, *, transform
         )
     if transform:
         summed = hadamard_transform(summed)
-    return summed.astype(out_dtype)
+    return formats.saturating_cast(summed, out_dtype)

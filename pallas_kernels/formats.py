@@ -129,6 +129,17 @@ def cast_to_wire(values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False) 
     return clipped.astype(fmt.dtype)
 
 
+def saturating_cast(values: jnp.ndarray, dtype) -> jnp.ndarray:
+    """float32 `values` cast to a float `dtype`, values beyond its largest finite value
+    clamped to it (a decode's codec error may carry a value near float16's 65504 past it:
+    the plain cast would make it Inf). NaN stays NaN; usable inside kernels."""
+    dtype = jnp.dtype(dtype)
+    if dtype == values.dtype or not jnp.issubdtype(dtype, jnp.floating):
+        return values.astype(dtype)
+    limit = np.float32(jnp.finfo(dtype).max)
+    return jnp.where(jnp.abs(values) > limit, jnp.where(values > 0, limit, -limit), values).astype(dtype)
+
+
 def pow2(exponent: jnp.ndarray) -> jnp.ndarray:
     """2.0**exponent as float32 for int32 exponents in [-126, 127], built from bits."""
     return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)

@@ -24,6 +24,7 @@ interpret mode (off GPU the Pallas kernel runs in the Pallas interpreter).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,9 @@ def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, payl
              config: RowConfig | None = None) -> tuple[jax.Array, jax.Array]:
     """Quantize B batches of N groups, x (B, N, G), as `group_codec.quantize_groups`.
 
+    Under `jax.vmap` the mapped axes fold into the batch dimension B (the kernel's
+    second grid axis), so a vmapped call is one launch.
+
     Args:
       x: (B, N, G) bfloat16, float16 or float32 (`supports`).
       fmt: "e4m3", "e5m2" or "int8".
@@ -121,7 +125,21 @@ def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, payl
     Returns:
       (payload (B, payload_rows, G), scales (B, N, 2) for "dual", else (B, N)).
     """
-    config = config or RowConfig()
+    launch = functools.partial(_launch, fmt=fmt, scale_format=scale_format, transform=transform,
+                               payload_dtype=payload_dtype, payload_rows=payload_rows, config=config or RowConfig())
+    batched = jax.custom_batching.custom_vmap(launch)
+
+    @batched.def_vmap
+    def fold_batch(axis_size, in_batched, x):
+        del in_batched  # one argument, batched (custom_vmap calls the rule only then)
+        outputs = batched(x.reshape(axis_size * x.shape[1], *x.shape[2:]))
+        return [out.reshape(axis_size, -1, *out.shape[1:]) for out in outputs], [True, True]
+
+    return tuple(batched(x))
+
+
+def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payload_rows, config):
+    """One launch of the kernel over x (B, N, G); arguments as `compress`."""
     batch, groups, group_size = x.shape
     payload_type = output_struct((batch, payload_rows, group_size), payload_dtype, x)
     constexprs = dict(G=group_size, LOG_G=group_size.bit_length() - 1, NUM_WARPS=config.num_warps,

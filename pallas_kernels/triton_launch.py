@@ -1,8 +1,8 @@
 """Launching a Gluon kernel (Triton's explicit-layout language) from JAX.
 
-Triton compiles the kernel to PTX for the local GPU; jaxlib's Triton custom call
-(`jax._src.lib.gpu_triton`, the one jax-triton and the Pallas Triton backend drive)
-loads and launches it inside the XLA program, on XLA's stream. jax-triton's `triton_call`
+Triton compiles the kernel to PTX for the local GPUs' compute capability; jaxlib's Triton
+custom call (`jax_compat.gpu_triton`, the one jax-triton and the Pallas Triton backend
+drive) loads and launches it inside the XLA program, on XLA's stream. jax-triton's `triton_call`
 cannot take these kernels: it builds every kernel from Triton IR without layouts,
 whereas a Gluon kernel states its layouts and is built straight to Triton GPU IR.
 
@@ -17,20 +17,45 @@ import zlib
 from typing import Any, Sequence
 
 import jax
-from jax._src.lib import gpu_triton
 from jax.sharding import NamedSharding, PartitionSpec
+
+from taco_jax.kernels import jax_compat
+
+gpu_triton = jax_compat.gpu_triton()
 
 # Every buffer XLA hands a custom call is aligned to at least 16 bytes; telling Triton
 # lets it vectorize the loads and stores.
 POINTER_ATTRS = [["tt.divisibility", 16]]
 
 
+def _cuda_devices() -> list:
+    try:
+        return jax.local_devices(backend="cuda")
+    except RuntimeError:
+        return []
+
+
+@functools.cache
+def local_capability() -> int:
+    """The compute capability (90 for sm_90) of this process's CUDA GPUs, which a
+    kernel is compiled for.
+
+    Raises:
+      NotImplementedError: the GPUs differ (one PTX build would not fit them all).
+    """
+    capabilities = {int(device.compute_capability.replace(".", "")) for device in _cuda_devices()}
+    if len(capabilities) != 1:
+        raise NotImplementedError(f"the Gluon kernels are built for one compute capability, but this process's "
+                                  f"CUDA GPUs have {sorted(capabilities) or 'none'}")
+    return capabilities.pop()
+
+
 @functools.cache
 def available() -> bool:
     """Whether Gluon kernels can run here: a CUDA GPU, jaxlib's Triton custom call, and a
     Triton with Gluon (3.6 or newer)."""
-    if jax.default_backend() != "gpu" or not hasattr(gpu_triton, "get_compute_capability"):
-        return False  # no GPU, or a ROCm one
+    if gpu_triton is None or not _cuda_devices():
+        return False  # no CUDA GPU, or a jaxlib without the Triton custom call
     try:
         from triton.experimental import gluon  # noqa: F401  (the import is the check)
     except ImportError:
@@ -53,12 +78,11 @@ def compile_kernel(kernel, signature: tuple, constexprs: tuple, num_warps: int, 
     """
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     signature = dict(signature)
     attrs = {(index,): POINTER_ATTRS for index, kind in enumerate(signature.values()) if kind.startswith("*")}
     signature.update({name: "constexpr" for name, _ in constexprs})
-    source = GluonASTSource(kernel, signature, dict(constexprs), attrs)
+    source = jax_compat.gluon_source(kernel, signature, dict(constexprs), attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=num_warps))
     if compiled.metadata.global_scratch_size or compiled.metadata.profile_scratch_size:
         raise NotImplementedError(f"{compiled.metadata.name} needs Triton scratch memory, which this launch lacks")
@@ -104,8 +128,7 @@ def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.Shap
         raise ValueError(f"scalars {[name for name, _, _ in scalars]} do not follow the pointers of "
                          f"{kernel.fn.__name__}{tuple(kernel.arg_names)}")
     signature = tuple(zip(runtime_args, [*pointer_types, *(kind for _, kind, _ in scalars)]))
-    loaded = _loaded(kernel, signature, tuple(sorted(constexprs.items())), num_warps,
-                     gpu_triton.get_compute_capability(0))
+    loaded = _loaded(kernel, signature, tuple(sorted(constexprs.items())), num_warps, local_capability())
     params = [gpu_triton.create_array_parameter(0, 16) for _ in range(pointers)]
     params += [gpu_triton.create_scalar_parameter(int(value), kind) for _, kind, value in scalars]
     call = gpu_triton.TritonKernelCall(loaded, grid[0], grid[1], 1, params)

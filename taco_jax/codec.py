@@ -9,12 +9,14 @@ collectives).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
@@ -24,16 +26,37 @@ from taco_jax.spec import KERNEL_MODES, QuantSpec
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _kernel_choice(spec: QuantSpec, dtype: jnp.dtype, kernels: str, shards: int = 1) -> tuple[bool, bool]:
-    """(use the Pallas kernel, in interpret mode) for this call under kernel mode `kernels`."""
+def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernels: str, size: int, shards: int = 1) -> str:
+    """How this call runs under kernel mode `kernels`: "jnp", "interpret", "pallas", or
+    "auto" (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere)."""
     if kernels not in KERNEL_MODES:
         raise ValueError(f"unknown kernel mode {kernels!r}; expected one of {list(KERNEL_MODES)}")
-    mode = kernels
+    supported = (size > 0 and 16 <= spec.group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES
+                 and shards & (shards - 1) == 0 and spec.element_bits == 8)
+    if not supported or kernels == "jnp" or (kernels == "auto" and not _has_cuda()):
+        return "jnp"
+    return kernels
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    """Whether this process has a CUDA backend, so a program may be lowered for one."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def _dispatch(mode: str, kernel_fn, reference_fn, *args):
+    """`kernel_fn(*args, interpret=...)` or `reference_fn(*args)` as `mode` (`_kernel_mode`)
+    says; "auto" stages both and lets the platform the program is lowered for choose
+    (`lax.platform_dependent`), so a jit onto CPU devices or a multi-platform export
+    never meets a GPU kernel."""
+    if mode == "jnp":
+        return reference_fn(*args)
     if mode == "auto":
-        mode = "pallas" if jax.default_backend() == "gpu" else "jnp"
-    supported = (16 <= spec.group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES and shards & (shards - 1) == 0
-                 and spec.element_bits == 8)
-    return mode in ("pallas", "interpret") and supported, mode == "interpret"
+        return lax.platform_dependent(*args, cuda=functools.partial(kernel_fn, interpret=False), default=reference_fn)
+    return kernel_fn(*args, interpret=mode == "interpret")
 
 
 @jax.tree_util.register_dataclass
@@ -103,18 +126,19 @@ def check_permutation(perm: jax.Array, channels: int) -> jax.Array:
 
 def _quantize(values: jax.Array, spec: QuantSpec, kernels: str) -> tuple[jax.Array, jax.Array]:
     """Payload and wire scales of `values` (..., C), kernel or jnp."""
-    transform = spec.hadamard
-    use_kernel, interpret = _kernel_choice(spec, values.dtype, kernels)
-    if not use_kernel:
-        return group_codec.quantize_groups(
-            values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=transform
-        )
-    payload, scales = compress_kernel.compress(
-        values.reshape(-1, spec.group_size), fmt=spec.fmt, scale_format=spec.scales, transform=transform,
-        interpret=interpret,
-    )
     groups = (*values.shape[:-1], values.shape[-1] // spec.group_size)
-    return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
+
+    def kernel(values, interpret):
+        payload, scales = compress_kernel.compress(values.reshape(-1, spec.group_size), fmt=spec.fmt,
+                                                   scale_format=spec.scales, transform=spec.hadamard,
+                                                   interpret=interpret)
+        return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
+
+    def reference(values):
+        return group_codec.quantize_groups(values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales,
+                                           transform=spec.hadamard)
+
+    return _dispatch(_kernel_mode(spec, values.dtype, kernels, values.size), kernel, reference, values)
 
 
 def _dequantize_sum(shards: Compressed, kernels: str, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
@@ -123,11 +147,16 @@ def _dequantize_sum(shards: Compressed, kernels: str, *, requantize: bool, dtype
     count, group = shards.payload.shape[0], spec.group_size
     payload = shards.payload.reshape(count, -1, group)
     multiplier = group_codec.dequantize_scale(shards.scales, spec.scales).reshape(count, -1)
-    use_kernel, interpret = _kernel_choice(spec, dtype, kernels, count)
     kwargs = dict(transform=spec.hadamard, requantize=(spec.fmt, spec.scales) if requantize else None)
-    if use_kernel:
+
+    def kernel(payload, multiplier, interpret):
         return decompress_kernel.decompress(payload, multiplier, out_dtype=dtype, interpret=interpret, **kwargs)
-    return decompress_kernel.decompress_reference(payload, multiplier, out_dtype=dtype, **kwargs)
+
+    def reference(payload, multiplier):
+        return decompress_kernel.decompress_reference(payload, multiplier, out_dtype=dtype, **kwargs)
+
+    mode = _kernel_mode(spec, dtype, kernels, payload.size, count)
+    return _dispatch(mode, kernel, reference, payload, multiplier)
 
 
 # ----------------------------------------------------------------------------- wire messages
@@ -150,16 +179,20 @@ def encode(rows: jax.Array, spec: QuantSpec, kernels: str = "auto") -> jax.Array
     Returns:
       uint8 (..., *message_layout(N, spec).shape).
     """
-    use_kernel, interpret = _kernel_choice(spec, rows.dtype, kernels)
     lead, (groups, group_size) = rows.shape[:-2], rows.shape[-2:]
-    if use_kernel:
+
+    def kernel(rows, interpret):
         messages = compress_kernel.compress_message(
             rows.reshape(-1, groups, group_size), fmt=spec.fmt, scale_format=spec.scales, transform=spec.hadamard,
             interpret=interpret)
         return messages.reshape(*lead, *messages.shape[1:])
-    payload, scales = group_codec.quantize_groups(
-        rows, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard)
-    return wire.pack(payload, scales, message_layout(groups, spec))
+
+    def reference(rows):
+        payload, scales = group_codec.quantize_groups(
+            rows, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard)
+        return wire.pack(payload, scales, message_layout(groups, spec))
+
+    return _dispatch(_kernel_mode(spec, rows.dtype, kernels, rows.size), kernel, reference, rows)
 
 
 def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, kernels: str = "auto") -> jax.Array:
@@ -177,16 +210,22 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
       (B, N, G) in `dtype`.
     """
     layout = message_layout(groups, spec)
-    use_kernel, interpret = _kernel_choice(spec, dtype, kernels, messages.shape[1])
-    if use_kernel:
+
+    def kernel(messages, interpret):
         return decompress_kernel.decompress_message(messages, layout, transform=spec.hadamard, out_dtype=dtype,
                                                     interpret=interpret)
-    batch, shards = messages.shape[:2]
-    # The batches side by side as one (k, B * N, G) sum.
-    payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
-    multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
-    decoded = decompress_kernel.decompress_reference(payload, multiplier, transform=spec.hadamard, out_dtype=dtype)
-    return decoded.reshape(batch, groups, spec.group_size)
+
+    def reference(messages):
+        batch, shards = messages.shape[:2]
+        # The batches side by side as one (k, B * N, G) sum.
+        payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups,
+                                                                               spec.group_size)
+        multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
+        decoded = decompress_kernel.decompress_reference(payload, multiplier, transform=spec.hadamard, out_dtype=dtype)
+        return decoded.reshape(batch, groups, spec.group_size)
+
+    mode = _kernel_mode(spec, dtype, kernels, groups * messages.shape[0], messages.shape[1])
+    return _dispatch(mode, kernel, reference, messages)
 
 
 def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernels: str = "auto") -> jax.Array:
@@ -197,17 +236,47 @@ def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernels: str =
       uint8 message of `message_layout(groups, spec).shape`.
     """
     layout = message_layout(groups, spec)
-    use_kernel, interpret = _kernel_choice(spec, jnp.float32, kernels, messages.shape[0])
-    if use_kernel:
+
+    def kernel(messages, interpret):
         return decompress_kernel.decompress_message(messages[None], layout, transform=spec.hadamard, requantize=True,
                                                     interpret=interpret)
-    payload, scales = decompress_kernel.decompress_reference(
-        wire.payload_of(messages, layout), wire.multiplier(messages, layout), transform=spec.hadamard,
-        requantize=(spec.fmt, spec.scales))
-    return wire.pack(payload, scales, layout)
+
+    def reference(messages):
+        payload, scales = decompress_kernel.decompress_reference(
+            wire.payload_of(messages, layout), wire.multiplier(messages, layout), transform=spec.hadamard,
+            requantize=(spec.fmt, spec.scales))
+        return wire.pack(payload, scales, layout)
+
+    mode = _kernel_mode(spec, jnp.float32, kernels, groups, messages.shape[0])
+    return _dispatch(mode, kernel, reference, messages)
 
 
 # ----------------------------------------------------------------------------- public API
+
+
+def _underivable(name: str, fn):
+    """`fn` (arrays -> arrays) with a derivative rule that raises: the quantizer's own
+    derivative is zero or undefined, and a silent zero gradient is a wrong result."""
+
+    @jax.custom_jvp
+    def op(*args):
+        return fn(*args)
+
+    @op.defjvp
+    def refuse(primals, tangents):
+        raise ValueError(
+            f"taco_jax.{name} is not differentiable: the quantizer's derivative is zero almost everywhere. "
+            "Differentiate through taco_jax.all_gather / reduce_scatter / all_reduce / ppermute or taco_jax.tp, "
+            "whose gradients are straight-through (an explicit compressed transpose collective).")
+
+    return op
+
+
+def _decoded_sum(name: str, shards: Compressed, kernels: str) -> jax.Array:
+    """The decoded sum of `shards` along axis 0 in their dtype (public `name`'s work)."""
+    return _underivable(name, lambda payload, scales: _dequantize_sum(
+        dataclasses.replace(shards, payload=payload, scales=scales), kernels, requantize=False,
+        dtype=shards.dtype))(shards.payload, shards.scales)
 
 
 def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None, *, kernels: str = "auto") -> Compressed:
@@ -236,7 +305,7 @@ def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None, *, ke
     check_groupable(x.shape, spec)
     if perm is not None:
         x = jnp.take(x, check_permutation(perm, x.shape[-1]), axis=-1)
-    payload, scales = _quantize(x, spec, kernels)
+    payload, scales = _underivable("compress", lambda values: _quantize(values, spec, kernels))(x)
     return Compressed(payload, scales, tuple(x.shape), np.dtype(x.dtype), spec)
 
 
@@ -257,7 +326,7 @@ def decompress(c: Compressed, perm: jax.Array | None = None, *, kernels: str = "
     if not isinstance(c, Compressed):
         raise ValueError(f"decompress needs a Compressed, got {type(c).__name__}")
     single = jax.tree_util.tree_map(lambda leaf: leaf[None], c)
-    values = _dequantize_sum(single, kernels, requantize=False, dtype=c.dtype).reshape(c.payload.shape)
+    values = _decoded_sum("decompress", single, kernels).reshape(c.payload.shape)
     if perm is not None:
         values = jnp.take(values, jnp.argsort(check_permutation(perm, c.shape[-1])), axis=-1)
     return values
@@ -277,7 +346,7 @@ def decompress_sum(shards: Compressed, *, kernels: str = "auto") -> jax.Array:
     Returns:
       The sum, shape `shards.payload.shape[1:]`, dtype `shards.dtype`.
     """
-    return _dequantize_sum(shards, kernels, requantize=False, dtype=shards.dtype).reshape(shards.payload.shape[1:])
+    return _decoded_sum("decompress_sum", shards, kernels).reshape(shards.payload.shape[1:])
 
 
 def requantize_sum(shards: Compressed, *, kernels: str = "auto") -> Compressed:
@@ -293,7 +362,9 @@ def requantize_sum(shards: Compressed, *, kernels: str = "auto") -> Compressed:
       A `Compressed` of shape `shards.payload.shape[1:]`.
     """
     shape = shards.payload.shape[1:]
-    payload, scales = _dequantize_sum(shards, kernels, requantize=True)
+    payload, scales = _underivable("requantize_sum", lambda payload, scales: _dequantize_sum(
+        dataclasses.replace(shards, payload=payload, scales=scales), kernels, requantize=True))(shards.payload,
+                                                                                               shards.scales)
     groups = (*shape[:-1], shape[-1] // shards.spec.group_size)
     return Compressed(
         payload.reshape(shape), scales.reshape(*groups, *scales.shape[2:]), tuple(shape), shards.dtype, shards.spec

@@ -23,21 +23,18 @@ import contextlib
 import contextvars
 import functools
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import config as jax_config
-from jax._src import shard_map as jax_shard_map
-from jax._src.lax import parallel as lax_parallel
 
 from taco_jax import accounting
 from taco_jax import calibration as calibration_lib
 from taco_jax import policy
 from taco_jax.calibration import Calibration
 from taco_jax.codec import decode, encode, message_layout, requantize
+from taco_jax.kernels.jax_compat import checks_vma
 from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
 
@@ -47,14 +44,8 @@ CHUNK_ALIGN = 64
 
 
 # ----------------------------------------------------------------------------- varying manual axes
-# jax exposes these only privately (checked on jax 0.10.2 and 0.11): the check_vma flag
-# of the shard_map being traced, all_gather_invariant, and shard_map's transpose rule.
-
-
-def checks_vma(axis_name: str) -> bool:
-    """Whether `axis_name` is a manual axis of an enclosing `jax.shard_map` that tracks
-    varying axes (`check_vma=True`); False under `check_vma=False` and for a `vmap` axis."""
-    return bool(jax_config._check_vma.value) and axis_name in jax.sharding.get_abstract_mesh().manual_axes
+# `checks_vma` (public API) lives in `taco_jax.kernels.jax_compat`, beside the detection
+# of a gradient taken outside a shard_map, which has no public form.
 
 
 def varying_axes(x: jax.Array) -> frozenset:
@@ -69,17 +60,6 @@ def vary(x: jax.Array, axes) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def transposing_whole_shard_map() -> bool:
-    """True while JAX transposes a whole shard_map, i.e. the gradient was taken outside
-    it (the Python stack holds shard_map's transpose rule)."""
-    frame = sys._getframe()
-    while frame is not None:
-        if frame.f_code is jax_shard_map._shard_map_transpose.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def gather_stacked(x: jax.Array, axis_name: str) -> jax.Array:
     """`lax.all_gather(x, axis_name, axis=0, tiled=False)`; over one rank its own x, since
     XLA:GPU runs a one-participant collective as a copy of the buffer."""
@@ -91,7 +71,7 @@ def gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
     the same), as the last step of an all-reduce must be under `check_vma=True` (there
     only the collective makes x invariant, even over one rank)."""
     if checks_vma(axis_name):
-        return lax_parallel.all_gather_invariant(x, axis_name, axis=0, tiled=False)
+        return lax.all_gather(x, axis_name, axis=0, tiled=False, to="invarying")
     return gather_stacked(x, axis_name)
 
 
@@ -141,11 +121,16 @@ def _message_bytes(groups: int, spec: QuantSpec, chunks: int) -> int:
 
 
 def _route(x: jax.Array, config: TacoConfig, op: str, axis_name: str, algorithm: str = "auto") -> policy.Route:
-    """How `x` travels (`taco_jax.policy`); integer arrays always go plain."""
+    """How `x` travels (`taco_jax.policy`); integer and empty arrays always go plain."""
     nbytes = x.size * x.dtype.itemsize
     return policy.route_for(op, lax.axis_size(axis_name), nbytes, link=config.link, chunks=config.chunks,
-                            algorithm=algorithm,
-                            compresses=jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(nbytes))
+                            algorithm=algorithm, compresses=_compressible(x, config))
+
+
+def _compressible(x: jax.Array, config: TacoConfig) -> bool:
+    """Whether `config` compresses `x`: a non-empty float array of at least `min_bytes`
+    (an empty one has nothing to send, so it takes the plain collective)."""
+    return x.size > 0 and jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(x.size * x.dtype.itemsize)
 
 
 def planned_spec(spec: QuantSpec, calibration: Calibration | None, site: str, direction: str,
@@ -231,7 +216,8 @@ def gather_and_received(x, axis_name, config, direction, axis, tiled, site,
     wire, spec, inverse = _wire_view(x, config, direction, "all_gather", site, calibration, route)
     if spec is None:
         record_collective(site, "all_gather", direction, x, axis_name, None, plain_sent, plain_sent)
-        gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled) if x.size else _gathered_empty(x, ranks, axis,
+                                                                                                    tiled, axis_name)
         return gathered, gathered
     rows = _to_rows(wire, spec.group_size, 0)
     received = tuple(gather_stacked(encode(rows[a:b], spec, config.kernels), axis_name)
@@ -239,6 +225,17 @@ def gather_and_received(x, axis_name, config, direction, axis, tiled, site,
     record_collective(site, "all_gather", direction, x, axis_name, spec,
             (ranks - 1) * _message_bytes(rows.shape[0], spec, route.chunks), plain_sent)
     return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse, config.kernels), received
+
+
+def _gathered_empty(x: jax.Array, ranks: int, axis: int, tiled: bool, axis_name: str) -> jax.Array:
+    """The all-gather of an empty `x` (XLA refuses to lower a collective of zero-size
+    operands): an empty array of the gathered shape, varying as lax's result."""
+    shape = list(x.shape)
+    if tiled:
+        shape[axis] *= ranks
+    else:
+        shape.insert(axis, ranks)
+    return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
 
 
 def _gather(x, axis_name, config, direction, axis, tiled, site, calibration=None):
@@ -275,6 +272,9 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, ca
                                      dim == x.ndim - 1)
     if spec is None:
         record_collective(site, "reduce_scatter", direction, x, axis_name, None, plain_sent, plain_sent)
+        if not x.size:  # XLA refuses to lower a collective of zero-size operands
+            shape = (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1:])
+            return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(wire, dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
@@ -348,7 +348,7 @@ def _permute(x, axis_name, config, direction, perm, site):
     compresses a message of its size (no calibration plans: point-to-point sends)."""
     nbytes = x.size * x.dtype.itemsize
     spec = config.forward if direction == "forward" else config.backward
-    if not (jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(nbytes)):
+    if not _compressible(x, config):
         record_collective(site, "ppermute", direction, x, axis_name, None, nbytes, nbytes)
         return lax.ppermute(x, axis_name, perm)
     rows = _to_rows(x, spec.group_size, 0)

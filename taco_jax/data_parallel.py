@@ -101,7 +101,7 @@ def mean_gradients(grads: Any, axis_name: str, config: TacoConfig, residual: Any
             raise ValueError("mean_gradients: residual must have the structure and shapes of grads")
     ranks = lax.axis_size(axis_name)
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    if ranks == 1 or not config.compresses(nbytes):
+    if ranks == 1 or nbytes == 0 or not config.compresses(nbytes):
         for leaf in leaves:
             record_plain_all_reduce(leaf, axis_name, site, "backward")
         return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads), residual

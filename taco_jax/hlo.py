@@ -21,6 +21,9 @@ _INSTRUCTION = re.compile(
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _GROUPS_LIST = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[0-9,{}]*\})\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+# jax 0.12 and newer: `replica_groups=mesh['a'=2,'b'=4] {'b'}`, groups along the named axes
+# of the devices in mesh order.
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,8 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...]:
-    """Replica groups (or permute pairs), explicit or in iota form `[G,S]<=[dims]T(perm)`."""
+    """Replica groups (or permute pairs): explicit, in iota form `[G,S]<=[dims]T(perm)`,
+    or along named mesh axes."""
     if match := _GROUPS_LIST.search(line):
         return tuple(tuple(int(d) for d in group.split(",") if d) for group in re.findall(r"\{([0-9,]*)\}", match.group(1)))
     if match := _GROUPS_IOTA.search(line):
@@ -91,6 +95,13 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...]:
         if match.group(3):
             ids = ids.transpose([int(d) for d in match.group(3).split(",")])
         return tuple(tuple(int(d) for d in row) for row in ids.reshape(shape[0], -1))
+    if match := _GROUPS_MESH.search(line):
+        sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=([0-9]+)", match.group(1))}
+        grouped = re.findall(r"'([^']+)'", match.group(2))
+        names = list(sizes)
+        order = [names.index(name) for name in names if name not in grouped] + [names.index(name) for name in grouped]
+        ids = np.arange(math.prod(sizes.values())).reshape(list(sizes.values())).transpose(order)
+        return tuple(tuple(int(d) for d in row) for row in ids.reshape(-1, math.prod(sizes[n] for n in grouped)))
     return ()
 
 

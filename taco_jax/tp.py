@@ -38,13 +38,14 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from taco_jax import collectives
+from taco_jax.kernels import jax_compat
 from taco_jax.calibration import Calibration
 from taco_jax.spec import TacoConfig
 
 
 def _refuse_gradient_outside(mapping: str, axis_name: str) -> None:
     """Raise if a check_vma=False shard_map is being differentiated from outside."""
-    if not collectives.checks_vma(axis_name) and collectives.transposing_whole_shard_map():
+    if not collectives.checks_vma(axis_name) and jax_compat.transposing_whole_shard_map():
         raise ValueError(
             f"taco_jax.tp.{mapping} inside jax.shard_map(check_vma=False) is differentiated from outside the "
             "shard_map: JAX would scale the weight gradients by 1/axis size. Take the gradient inside the "

@@ -121,31 +121,69 @@ def test_gluon_call_rejects_scalars_out_of_place():
                                  pointer_types=["*fp32", "*i8"], scalars=[], grid=(1, 1), num_warps=1, constexprs={})
 
 
+def _stub_launch(monkeypatch):
+    """jaxlib's Triton handles stubbed, so the kernel's custom call traces and lowers
+    without a GPU (the compile is `test_row_kernel_compiles_for_sm90`'s)."""
+    import types
+
+    call = type("Call", (), {"to_proto": lambda self, name, metadata: b""})
+    monkeypatch.setattr(triton_launch, "_loaded", lambda *args: None)
+    monkeypatch.setattr(triton_launch, "local_capability", lambda: 90)
+    monkeypatch.setattr(triton_launch, "gpu_triton", types.SimpleNamespace(
+        create_array_parameter=lambda *a: None, create_scalar_parameter=lambda *a: None,
+        TritonKernelCall=lambda *a: call()))
+
+
+def _row_compress(x):
+    payload, scales = row_kernels.compress(x, fmt="int8", scale_format="bf16", transform=True,
+                                           payload_dtype=jnp.int8, payload_rows=x.shape[1])
+    return payload.astype(jnp.float32) * scales[..., None]
+
+
+def _ffi_calls(jaxpr):
+    """The kernel's custom calls in a jaxpr, also inside nested jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ffi_call":
+            found.append(eqn)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += _ffi_calls(inner)
+    return found
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_row_kernel_outputs_are_typed_inside_shard_map(monkeypatch, check_vma):
     """The kernel's custom call traces under both shard_map conventions, its outputs
-    varying over the tensor axis like its input (the launch itself needs a GPU: jaxlib's
-    Triton handles are stubbed)."""
+    varying over the tensor axis like its input."""
     pytest.importorskip("triton.experimental.gluon")
     from jax.sharding import PartitionSpec as P
 
     import taco_jax as tj
 
-    stub = type("Call", (), {"to_proto": lambda self, name, metadata: b""})
-    monkeypatch.setattr(triton_launch, "_loaded", lambda *args: None)
-    for name, value in (("get_compute_capability", lambda device: 90), ("create_array_parameter", lambda *a: None),
-                        ("create_scalar_parameter", lambda *a: None), ("TritonKernelCall", lambda *a: stub())):
-        monkeypatch.setattr(triton_launch.gpu_triton, name, value, raising=False)
+    _stub_launch(monkeypatch)
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
 
     def body(x):
-        payload, scales = row_kernels.compress(x[None], fmt="int8", scale_format="bf16", transform=True,
-                                               payload_dtype=jnp.int8, payload_rows=x.shape[0])
-        return payload[0].astype(jnp.float32) * scales[0][:, None] + x
+        return _row_compress(x[None])[0] + x
 
     traced = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
                                    check_vma=check_vma)).trace(jnp.zeros((4 * 32, 128), jnp.float32))
-    (call,) = [eqn for eqn in traced.jaxpr.eqns[0].params["jaxpr"].eqns if eqn.primitive.name == "ffi_call"]
+    (call,) = _ffi_calls(traced.jaxpr.jaxpr)
     assert [v.aval.shape for v in call.outvars] == [(1, 32, 128), (1, 32)]
     assert all(("tensor" in v.aval.mat.varying) == check_vma for v in call.outvars)
     assert traced.lower().as_text().count("triton_kernel_call") == 1
+
+
+def test_vmapped_row_kernel_is_one_launch_over_the_folded_batch(monkeypatch):
+    """Under nested `jax.vmap` (a simulated mesh) the mapped axes fold into the kernel's
+    batch: one custom call over 2 * 3 * 5 batches, outputs unfolded to the vmapped shape."""
+    pytest.importorskip("triton.experimental.gluon")
+    _stub_launch(monkeypatch)
+    x = jnp.zeros((2, 3, 5, 32, 128), jnp.float32)
+    traced = jax.jit(jax.vmap(jax.vmap(_row_compress))).trace(x)
+    (call,) = _ffi_calls(traced.jaxpr.jaxpr)
+    assert call.invars[0].aval.shape == (30, 32, 128)
+    assert [v.aval.shape for v in call.outvars] == [(30, 32, 128), (30, 32)]
+    assert traced.out_info.shape == x.shape
