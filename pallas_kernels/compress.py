@@ -22,11 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, row_kernels, wire
 from taco_jax.kernels.hadamard import hadamard_across, hadamard_lanes, hadamard_matrix, hadamard_pairs
-from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups
+from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups, triton_params
 
 
 BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
@@ -141,7 +140,7 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
         out_specs=[tile] + [pl.BlockSpec((None, per_program), lambda b, i: (b, i))] * len(entry_dtypes),
         out_shape=[output_struct((batch, max(padded, payload_rows), config.pieces, width), payload_dtype, x)]
         + [output_struct((batch, padded), dtype, x) for dtype in entry_dtypes],
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=triton_params(config),
         interpret=interpret,
         name="taco_compress",
     )(split_groups(x, config.pieces), jnp.asarray(hadamard_matrix(width), jnp.bfloat16))

@@ -22,11 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.kernels import formats, group_codec, wire
 from taco_jax.kernels.compress import apply_hadamard, load_hadamard, load_pieces, store_pieces
-from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups
+from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups, triton_params
 from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
 
 
@@ -160,7 +159,7 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=triton_params(config),
         interpret=interpret,
         name="taco_decompress",
     )(payload, multiplier, jnp.asarray(hadamard_matrix(width), jnp.bfloat16))

@@ -92,6 +92,15 @@ def row_loop(tile_rows: int, block: int, body) -> None:
     lax.fori_loop(0, tile_rows // block, step, 0)
 
 
+def triton_params(config: KernelConfig):
+    """The Pallas Triton compiler parameters of a launch. The Triton backend module is
+    imported here, where a kernel is built, so importing taco_jax never depends on it
+    (JAX has deprecated it)."""
+    from jax.experimental.pallas import triton as pallas_triton
+
+    return pallas_triton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 def output_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
     """A kernel output's shape and dtype, varying over the manual mesh axes `like` varies
     over (a pallas_call inside `shard_map(check_vma=True)` must state its outputs' type)."""

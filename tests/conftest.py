@@ -1,6 +1,11 @@
-"""Test configuration: 8 simulated CPU devices (set before jax is imported) and markers."""
+"""Test configuration: 8 simulated CPU devices (set before jax is imported) and markers.
+
+On a GPU, several pytest workers (`-n 4`) share it: each allocates what it needs instead
+of JAX's default 75% of the memory up front."""
 
 import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

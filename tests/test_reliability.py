@@ -1,0 +1,241 @@
+"""Edges where a silent wrong result would hide: float16 extremes, empty arrays, the
+derivative of the public codec, the platform a program is lowered for, and JAX internals
+behind `jax_compat` (8 CPU devices)."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import taco_jax as tj
+from taco_jax import codec
+from taco_jax.kernels import jax_compat
+
+PRESETS = ("fp8", "taco", "taco+")
+KERNELS = ("jnp", "interpret")
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_float16_near_its_largest_value_never_decodes_to_inf(preset, kernels):
+    """Values up to 65504 carry codec error past float16's range; the decode saturates
+    there (the plain cast gave Inf for thousands of them), and NaN stays NaN."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(6.0e4, 65504, (64, 256)) * rng.choice([-1.0, 1.0], (64, 256))
+    x[3, 5] = np.nan
+    x = x.astype(np.float16)
+    spec = tj.TacoConfig.preset(preset).forward
+    y = np.asarray(tj.decompress(tj.compress(x, spec, kernels=kernels), kernels=kernels), np.float64)
+    assert not np.isinf(y).any()
+    nan_group = np.zeros_like(y, bool)
+    nan_group[3, : spec.group_size] = True  # NaN poisons its group, nothing else
+    assert np.isnan(y[nan_group]).all() and not np.isnan(y[~nan_group]).any()
+    error = np.abs(y[~nan_group] - x.astype(np.float64)[~nan_group]).max() / 65504
+    assert 0 < error < 0.2
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_float16_sum_near_its_largest_value_saturates(kernels):
+    """decompress_sum of shards whose sum stays within float16 stays finite."""
+    x = np.full((2, 4, 128), 32000.0, np.float16)
+    spec = tj.TacoConfig.preset("taco+").forward
+    shards = tj.compress(x, spec, kernels=kernels)
+    total = np.asarray(tj.decompress_sum(shards, kernels=kernels), np.float64)
+    assert np.isfinite(total).all() and np.allclose(total, 64000.0, rtol=0.03)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("shape", [(0, 128), (3, 0, 256)])
+def test_compress_round_trips_empty_arrays(shape, kernels):
+    spec = tj.TacoConfig.preset("taco+").forward
+    c = tj.compress(jnp.zeros(shape, jnp.bfloat16), spec, kernels=kernels)
+    y = tj.decompress(c, kernels=kernels)
+    assert y.shape == shape and y.dtype == jnp.bfloat16 and c.nbytes == 0
+
+
+def _collectives(config):
+    return {
+        "all_gather": (lambda v: tj.all_gather(v, "tensor", config), lambda v: lax.all_gather(v, "tensor", tiled=True)),
+        "reduce_scatter": (lambda v: tj.reduce_scatter(v, "tensor", config, scatter_dimension=1),
+                           lambda v: lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True)),
+        "all_reduce": (lambda v: tj.all_reduce(v, "tensor", config), lambda v: lax.psum(v, "tensor")),
+        "ppermute": (lambda v: tj.ppermute(v, "tensor", config, perm=[(0, 1), (1, 0)]),
+                     lambda v: lax.ppermute(v, "tensor", [(0, 1), (1, 0)])),
+    }
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "ppermute"])
+def test_collectives_of_empty_arrays_have_lax_shapes_and_gradients(op, check_vma):
+    """An empty message (reachable with min_bytes=0) takes the plain path: the shapes of
+    lax's result and of the gradient, under both conventions."""
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    compressed, _ = _collectives(tj.TacoConfig.preset("taco+", min_bytes=0, kernels="interpret"))[op]
+    fn = jax.jit(jax.shard_map(compressed, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
+                               check_vma=check_vma))
+    x = jnp.zeros((0, 4, 256), jnp.float32)
+    expected = (0, 1, 256) if op == "reduce_scatter" else x.shape
+    assert jax.block_until_ready(fn(x)).shape == expected
+    assert jax.block_until_ready(jax.jit(jax.grad(lambda v: fn(v).sum()))(x)).shape == x.shape
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_the_public_codec_refuses_derivatives(kernels):
+    """The quantizer's derivative is zero almost everywhere: a clear error, not a zero
+    gradient (the collectives are the differentiable API)."""
+    spec = tj.TacoConfig.preset("taco+").forward
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 128)), jnp.float32)
+    with pytest.raises(ValueError, match="compress is not differentiable"):
+        jax.grad(lambda v: tj.decompress(tj.compress(v, spec, kernels=kernels), kernels=kernels).sum())(x)
+    c = tj.compress(x, spec, kernels=kernels)
+    with pytest.raises(ValueError, match="decompress is not differentiable"):
+        jax.grad(lambda s: tj.decompress(tj.Compressed(c.payload, s, c.shape, c.dtype, c.spec),
+                                         kernels=kernels).sum())(c.scales)
+    stacked = jax.tree_util.tree_map(lambda leaf: jnp.stack([leaf, leaf]), c)
+    with pytest.raises(ValueError, match="decompress_sum is not differentiable"):
+        jax.grad(lambda s: tj.decompress_sum(tj.Compressed(stacked.payload, s, stacked.shape, stacked.dtype,
+                                                           stacked.spec), kernels=kernels).sum())(stacked.scales)
+    # Vmapping the codec is fine, and close to the input.
+    y = jax.vmap(lambda v: tj.decompress(tj.compress(v, spec, kernels=kernels), kernels=kernels))(x[None])
+    assert 0 < float(jnp.abs(y[0] - x).max()) < 0.1
+
+
+def test_auto_kernels_follow_the_platform_the_program_is_lowered_for(monkeypatch):
+    """With a CUDA backend in the process, "auto" stages the kernel and the jnp path side
+    by side and the lowering platform picks one: lowered for the CPU, the jnp path runs
+    (bit for bit), though the kernel was traced."""
+    spec = tj.TacoConfig.preset("taco+").forward
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 128)), jnp.float32)
+    reference = tj.compress(x, spec, kernels="jnp")
+    monkeypatch.setattr(codec, "_has_cuda", lambda: True)
+    jaxpr = jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x)
+    assert "platform_index" in str(jaxpr) and "pallas_call" in str(jaxpr)
+    staged = jax.jit(lambda v: tj.compress(v, spec))(x)
+    np.testing.assert_array_equal(np.asarray(staged.payload, np.float32), np.asarray(reference.payload, np.float32))
+    np.testing.assert_array_equal(np.asarray(staged.scales), np.asarray(reference.scales))
+    monkeypatch.setattr(codec, "_has_cuda", lambda: False)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x))
+
+
+def test_check_vma_is_read_from_public_api():
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    seen = {}
+
+    def body(x, check_vma):
+        seen[check_vma] = (jax_compat.checks_vma("tensor"), jax_compat.checks_vma("data"))
+        return x
+
+    for check_vma in (True, False):
+        jax.shard_map(lambda x, c=check_vma: body(x, c), mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
+                      check_vma=check_vma)(jnp.zeros(4))
+    jax.vmap(lambda x: body(x, "vmap"), axis_name="tensor")(jnp.zeros(4))
+    assert seen == {True: (True, True), False: (False, False), "vmap": (False, False)}
+
+
+def test_gradient_outside_detection_raises_where_jax_lacks_the_rule(monkeypatch):
+    """A check that cannot run raises; it never quietly reports "not transposing"."""
+    from jax._src.interpreters import ad
+
+    jax_compat._shard_map_transpose_code.cache_clear()
+    monkeypatch.setattr(ad, "primitive_transposes", {})
+    monkeypatch.setattr(ad, "fancy_transposes", {}, raising=False)
+    try:
+        with pytest.raises(jax_compat.UnsupportedJaxError, match="tested on jax"):
+            jax_compat.transposing_whole_shard_map()
+    finally:
+        jax_compat._shard_map_transpose_code.cache_clear()
+
+
+def test_gradient_outside_detection_sees_the_transpose():
+    """The detection finds this jax's transpose rule on the stack exactly when a whole
+    shard_map is differentiated from outside."""
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    seen = []
+
+    @jax.custom_vjp
+    def probe(x):
+        return x
+
+    def backward(_, ct):
+        seen.append(jax_compat.transposing_whole_shard_map())
+        return (ct,)
+
+    probe.defvjp(lambda x: (x, None), backward)
+    fn = jax.shard_map(lambda x: probe(x) * 2.0, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
+                       check_vma=False)
+    jax.grad(lambda x: fn(x).sum())(jnp.ones(4))
+    jax.shard_map(lambda x: jax.grad(lambda v: probe(v).sum())(x), mesh=mesh, in_specs=P("tensor"),
+                  out_specs=P("tensor"), check_vma=False)(jnp.ones(4))
+    assert seen == [True, False]
+
+
+def test_importing_taco_jax_leaves_the_deprecated_pallas_triton_module_alone():
+    code = "import sys, taco_jax, taco_jax.flax; print('jax.experimental.pallas.triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    assert out.stdout.strip() == "False"
+
+
+def test_hlo_reader_takes_replica_groups_named_by_mesh_axes():
+    """jax 0.12 prints replica groups as mesh axes; the reader gives the device groups."""
+    line = ("%all-gather.1 = u8[2,64,128]{2,1,0} all-gather(u8[1,64,128]{2,1,0} %p), channel_id=1, "
+            "replica_groups=mesh['data'=2,'pipe'=2,'tensor'=2] {'data','tensor'}, dimensions={0}")
+    (gather,) = tj.collectives_in_hlo(line)
+    assert gather.groups == ((0, 1, 4, 5), (2, 3, 6, 7)) and gather.group_size == 4
+    assert gather.operand_bytes == 2 * 64 * 128 // 4
+
+
+# ----------------------------------------------------------------------------- GPU: the same as the CPU
+
+
+def _vmapped_collectives(kernels):
+    """Every compressed collective and its lax counterpart over a 4-rank `vmap` axis (a
+    simulated mesh)."""
+    config = tj.TacoConfig.preset("taco+", min_bytes=0, kernels=kernels)
+    ops = dict(_collectives(config))
+    ops["all_reduce_two_shot"] = (lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
+                                  ops["all_reduce"][1])
+    return {name: tuple(jax.jit(jax.vmap(f, axis_name="tensor")) for f in pair) for name, pair in ops.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_reduce_two_shot", "ppermute"])
+def test_vmapped_collectives_on_the_gpu_match_the_jnp_path(op):
+    """A collective under `jax.vmap` (what a simulated mesh runs) takes the GPU kernels,
+    Gluon compress included, and agrees with the jnp path and, within codec error, with
+    lax; its gradient too."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 8, 64, 256)), jnp.float32)
+    (gpu, plain), (reference, _) = _vmapped_collectives("auto")[op], _vmapped_collectives("jnp")[op]
+    got, want, exact = (np.asarray(f(x)) for f in (gpu, reference, plain))
+    scale = np.abs(exact).max()
+    assert np.abs(got - want).max() <= 1e-3 * scale  # the kernels are the jnp path's math
+    assert 0 < np.abs(got - exact).max() <= 0.2 * scale
+    grad = jax.jit(jax.grad(lambda v, f: jnp.sum(f(v) ** 2)), static_argnums=1)
+    g_gpu, g_ref = np.asarray(grad(x, gpu)), np.asarray(grad(x, reference))
+    assert np.abs(g_gpu - g_ref).max() <= 1e-2 * np.abs(g_ref).max()
+
+
+@pytest.mark.gpu
+def test_simulated_mesh_trains_with_compression_on_the_gpu(tmp_path):
+    """`TrainConfig(simulate_mesh=True, taco="taco+")` (benchmarks.quality --simulate)
+    trains on one GPU, within codec error of the uncompressed run."""
+    from taco_jax.training import trainer
+    from taco_jax.training.config import TrainConfig
+
+    from tests.test_train import SMALL
+
+    losses = {}
+    for taco in ("off", "taco+"):
+        cfg = TrainConfig(**{**SMALL, "out": str(tmp_path / taco), "mesh": (2, 1, 2), "taco": taco, "steps": 4,
+                             "simulate_mesh": True, "taco_min_bytes": 0, "calibration_steps": 1})
+        trainer.train(cfg, progress=False)
+        losses[taco] = [json.loads(line)["loss"] for line in (tmp_path / taco / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["taco+"]) == 4 and np.isfinite(losses["taco+"]).all()
+    np.testing.assert_allclose(losses["taco+"], losses["off"], rtol=0.02)
+    assert losses["taco+"] != losses["off"]
