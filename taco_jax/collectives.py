@@ -78,7 +78,20 @@ def gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
 def exchange_blocks(x: jax.Array, axis_name: str) -> jax.Array:
     """`lax.all_to_all` of x's leading blocks (tiled): rank r receives block r of every
     rank; over one rank x itself (no copy, as `gather_stacked`)."""
-    return x if lax.axis_size(axis_name) == 1 else lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+    if lax.axis_size(axis_name) == 1:
+        return x
+    return lax.all_to_all(per_rank(x, axis_name), axis_name, 0, 0, tiled=True)
+
+
+def per_rank(x: jax.Array, axis_name: str) -> jax.Array:
+    """`x` as a value held per rank of a `vmap` axis (a simulated mesh). A value equal on
+    every rank, such as the cotangent of an all-gather's result, is unbatched there, and
+    jax's all_to_all and ppermute batching rules mangle an unbatched operand (seen: an
+    all_to_all of (4, 17, 128) giving (4, 17, 128, 4, 17, 128)). Inside shard_map every
+    value is per device already: x itself."""
+    if axis_name in jax.sharding.get_abstract_mesh().manual_axes:
+        return x
+    return x + (lax.axis_index(axis_name) * 0).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -350,9 +363,9 @@ def _permute(x, axis_name, config, direction, perm, site):
     spec = config.forward if direction == "forward" else config.backward
     if not _compressible(x, config):
         record_collective(site, "ppermute", direction, x, axis_name, None, nbytes, nbytes)
-        return lax.ppermute(x, axis_name, perm)
+        return lax.ppermute(per_rank(x, axis_name), axis_name, perm)
     rows = _to_rows(x, spec.group_size, 0)
-    received = lax.ppermute(encode(rows, spec, config.kernels), axis_name, perm)
+    received = lax.ppermute(per_rank(encode(rows, spec, config.kernels), axis_name), axis_name, perm)
     record_collective(site, "ppermute", direction, x, axis_name, spec, message_layout(rows.shape[0], spec).nbytes, nbytes)
     return _from_rows(decode(received[None, None], rows.shape[0], spec, x.dtype, config.kernels)[0], x.shape, 0)
 

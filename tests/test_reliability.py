@@ -19,6 +19,7 @@ from taco_jax.kernels import jax_compat
 
 PRESETS = ("fp8", "taco", "taco+")
 KERNELS = ("jnp", "interpret")
+RING = [(0, 1), (1, 2), (2, 3), (3, 0)]  # jax's vmap rule for ppermute takes whole permutations
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -65,8 +66,8 @@ def _collectives(config):
         "reduce_scatter": (lambda v: tj.reduce_scatter(v, "tensor", config, scatter_dimension=1),
                            lambda v: lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True)),
         "all_reduce": (lambda v: tj.all_reduce(v, "tensor", config), lambda v: lax.psum(v, "tensor")),
-        "ppermute": (lambda v: tj.ppermute(v, "tensor", config, perm=[(0, 1), (1, 0)]),
-                     lambda v: lax.ppermute(v, "tensor", [(0, 1), (1, 0)])),
+        "ppermute": (lambda v: tj.ppermute(v, "tensor", config, perm=RING),
+                     lambda v: lax.ppermute(v, "tensor", RING)),
     }
 
 
@@ -191,17 +192,35 @@ def test_hlo_reader_takes_replica_groups_named_by_mesh_axes():
     assert gather.operand_bytes == 2 * 64 * 128 // 4
 
 
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "ppermute"])
+def test_gradients_inside_a_vmap_axis_match_the_uncompressed_collective(op):
+    """Per-rank gradients under `jax.vmap(axis_name=...)` (a simulated mesh): the
+    backward all_to_all / ppermute of a cotangent equal on every rank (an all-gather's)
+    once came back with a broadcast shape."""
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 8, 256)), jnp.float32)
+
+    def grads(config):
+        compressed = _collectives(config)[op][0]
+        return np.asarray(jax.jit(jax.vmap(jax.grad(lambda v: jnp.sum(compressed(v) ** 2)), axis_name="tensor"))(x))
+
+    got, want = grads(tj.TacoConfig.preset("taco+", min_bytes=0, kernels="interpret")), grads(tj.TacoConfig.preset("off"))
+    assert got.shape == want.shape == x.shape
+    assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+
+
 # ----------------------------------------------------------------------------- GPU: the same as the CPU
 
 
 def _vmapped_collectives(kernels):
-    """Every compressed collective and its lax counterpart over a 4-rank `vmap` axis (a
-    simulated mesh)."""
+    """Every compressed collective, its lax counterpart and the gradient of the compressed
+    one's sum of squares, each over a 4-rank `vmap` axis (a simulated mesh; the gradient
+    taken inside the vmap, per rank, as the trainer takes it)."""
     config = tj.TacoConfig.preset("taco+", min_bytes=0, kernels=kernels)
     ops = dict(_collectives(config))
     ops["all_reduce_two_shot"] = (lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
                                   ops["all_reduce"][1])
-    return {name: tuple(jax.jit(jax.vmap(f, axis_name="tensor")) for f in pair) for name, pair in ops.items()}
+    with_grad = {name: (op, plain, jax.grad(lambda v, op=op: jnp.sum(op(v) ** 2))) for name, (op, plain) in ops.items()}
+    return {name: tuple(jax.jit(jax.vmap(f, axis_name="tensor")) for f in fns) for name, fns in with_grad.items()}
 
 
 @pytest.mark.gpu
@@ -211,14 +230,15 @@ def test_vmapped_collectives_on_the_gpu_match_the_jnp_path(op):
     Gluon compress included, and agrees with the jnp path and, within codec error, with
     lax; its gradient too."""
     x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 8, 64, 256)), jnp.float32)
-    (gpu, plain), (reference, _) = _vmapped_collectives("auto")[op], _vmapped_collectives("jnp")[op]
+    (gpu, plain, gpu_grad), (reference, _, reference_grad) = (_vmapped_collectives(k)[op] for k in ("auto", "jnp"))
     got, want, exact = (np.asarray(f(x)) for f in (gpu, reference, plain))
     scale = np.abs(exact).max()
-    assert np.abs(got - want).max() <= 1e-3 * scale  # the kernels are the jnp path's math
+    # The kernels are the jnp path's math; a requantized sum may round a code the other
+    # way (one int8 step: 0.8% of a group's largest value).
+    assert np.abs(got - want).max() <= 0.02 * scale
     assert 0 < np.abs(got - exact).max() <= 0.2 * scale
-    grad = jax.jit(jax.grad(lambda v, f: jnp.sum(f(v) ** 2)), static_argnums=1)
-    g_gpu, g_ref = np.asarray(grad(x, gpu)), np.asarray(grad(x, reference))
-    assert np.abs(g_gpu - g_ref).max() <= 1e-2 * np.abs(g_ref).max()
+    g_gpu, g_ref = np.asarray(gpu_grad(x)), np.asarray(reference_grad(x))
+    assert np.abs(g_gpu - g_ref).max() <= 0.02 * np.abs(g_ref).max()
 
 
 @pytest.mark.gpu
