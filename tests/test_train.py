@@ -352,3 +352,99 @@ def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
     assert wire == compiled and all(compiled.values())
     trainer.train(dataclasses.replace(cfg, steps=1), progress=False)
     assert _rows(cfg.out)[0]["wire_bytes_by_axis"] == wire
+
+
+def test_resume_refuses_a_changed_run_and_keeps_its_config(tmp_path):
+    """A taco+ run resumed as the fp8 baseline on another mesh and seed is an error naming
+    every changed key; config.json stays the run's own."""
+    run = _cfg(tmp_path, "changed", taco="taco+", steps=2, checkpoint_every=2, calibration_steps=1)
+    trainer.train(run, progress=False)
+    config_json = (Path(run.out) / "config.json").read_text()
+    changed = dataclasses.replace(run, taco="fp8", mesh=(4, 1, 2), seed=7, steps=3)
+    with pytest.raises(ValueError, match=r"mesh: \[2, 1, 4\] -> \[4, 1, 2\]; seed: 0 -> 7; taco: 'taco\+' -> 'fp8'"):
+        trainer.train(changed, resume=True, progress=False)
+    with pytest.raises(ValueError, match="decay_steps: the schedule decays over 2 steps -> 9"):
+        trainer.train(dataclasses.replace(run, steps=3, decay_steps=9), resume=True, progress=False)
+    assert (Path(run.out) / "config.json").read_text() == config_json
+    failed = _cli(["--resume", "--out", run.out, *_cli_args({**SMALL, "taco": "fp8", "steps": 3})], 8)
+    assert failed.returncode == 2 and failed.stderr.count("error:") == 1 and "taco: 'taco+' -> 'fp8'" in failed.stderr
+
+
+def test_resume_to_more_steps_keeps_the_learning_rate_schedule(tmp_path, capsys):
+    """steps=3 then resumed to 6: the cosine decay stays where the run put it (the lr at
+    its floor from step 3 on), instead of jumping back up to a schedule re-derived for 6
+    steps."""
+    run = _cfg(tmp_path, "schedule", steps=3, checkpoint_every=3)
+    trainer.train(run, progress=False)
+    trainer.train(dataclasses.replace(run, steps=6), resume=True, progress=False)
+    assert "keeps the schedule the run started with" in capsys.readouterr().err
+    lrs = [row["lr"] for row in _rows(run.out)]
+    _, rederived = trainer.make_optimizer(dataclasses.replace(run, steps=6), models.preset(run.model))
+    assert lrs[3:] == pytest.approx([run.lr * run.min_lr_ratio] * 3)
+    assert float(rederived(3)) > 2 * lrs[3]
+
+
+def _corrupt(checkpoint_dir: Path, item: str) -> None:
+    for path in checkpoint_dir.rglob("*"):
+        if path.is_file() and item in str(path.relative_to(checkpoint_dir)):
+            path.write_bytes(b"garbage")
+
+
+def test_resume_falls_back_from_a_corrupt_latest_checkpoint(tmp_path, capsys):
+    run = _cfg(tmp_path, "fallback", steps=3, checkpoint_every=1)
+    trainer.train(run, progress=False)
+    _corrupt(Path(run.out) / "checkpoints" / "3", "state")
+    with (Path(run.out) / "metrics.jsonl").open("a") as log:
+        log.write('{"step": 4, "lo')  # a crash mid-append
+    summary = trainer.train(dataclasses.replace(run, steps=4), resume=True, progress=False)
+    err = capsys.readouterr().err
+    assert "resuming from step 2: the newer checkpoint(s) cannot be restored (checkpoint at step 3" in err
+    assert "1 unreadable line(s) dropped" in err
+    assert summary["steps"] == 4 and [row["step"] for row in _rows(run.out)] == [1, 2, 3, 4]
+
+
+def test_resume_without_readable_metadata_is_a_clear_error(tmp_path):
+    run = _cfg(tmp_path, "meta", steps=1)
+    trainer.train(run, progress=False)
+    _corrupt(Path(run.out) / "checkpoints" / "1", "meta")
+    with pytest.raises(ValueError, match="checkpoint at step 1 in .* has no readable metadata"):
+        trainer.train(dataclasses.replace(run, steps=2), resume=True, progress=False)
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--mesh", "0,1,4"], "mesh must be three positive degrees"),
+    (["--mesh", "2,4"], "mesh must be three positive degrees DATA,PIPE,TENSOR, got (2, 4)"),
+    (["microbatches=0"], "microbatches must be >= 1"),
+    (["grad_accum=0"], "grad_accum must be >= 1"),
+    (["batch_size=0"], "batch_size must be >= 1"),
+    (["max_bad_steps=0"], "max_bad_steps must be >= 1"),
+    (["eval_batches=0"], "eval_batches must be >= 1"),
+])
+def test_bad_cli_values_are_one_error_line(args, key, capsys):
+    from taco_jax.training import cli
+
+    assert cli.main(["--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: bad training config: ") and key in err
+
+
+def test_json_outputs_write_non_finite_numbers_as_null():
+    text = trainer.strict_json({"loss": float("nan"), "rows": [1.0, float("inf")], "ok": True})
+    assert json.loads(text) == {"loss": None, "rows": [1.0, None], "ok": True}
+
+
+def test_every_process_stops_at_the_step_any_of_them_is_signalled(monkeypatch):
+    """A preemption signal on one host stops all hosts together (a host collective of
+    the flags), so none waits in a collective for a host that stopped."""
+    from jax.experimental import multihost_utils
+
+    flag = trainer._StopFlag()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    seen = []
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: seen.append(int(x)) or np.array([0, 1]))
+    assert flag.agree() == "a signal to another process" and seen == [0]
+    flag(signal.SIGTERM, None)
+    assert flag.agree() == "a signal to another process"  # decided once, the same everywhere
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([0, 0]))
+    quiet = trainer._StopFlag()
+    assert quiet.agree() is None

@@ -23,6 +23,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The saved steps, newest first."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
     def save(self, step: int, state: dict, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
@@ -45,8 +49,19 @@ class Checkpointer:
         return restored["state"], restored["meta"]
 
     def meta(self, step: int) -> dict:
-        """The metadata saved with `step`."""
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """The metadata saved with `step`.
+
+        Raises:
+          ValueError: it is missing or unreadable (the message names the step and folder).
+        """
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as error:  # orbax raises many types; all mean "no usable metadata"
+            raise ValueError(f"checkpoint at step {step} in {self.directory} has no readable metadata: "
+                             f"{type(error).__name__}: {error}") from error
+        if not isinstance(meta, dict) or "step" not in meta:
+            raise ValueError(f"checkpoint at step {step} in {self.directory} has malformed metadata: {meta!r:.200}")
+        return meta
 
     def close(self) -> None:
         self.manager.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -16,6 +15,10 @@ compute_dtype data tokenizer data_dtype val_fraction eval_every eval_batches out
 checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps calibration_steps
 calibration_strategy calibration_min_gain calibration_file recalibrate simulate_mesh taco_forward taco_backward (see train/config.py).
 Precedence: defaults < --config file < flags < key=value.
+
+--resume continues the run in --out with the settings it was started with (saved in each
+checkpoint); a key that differs is an error, except these: {resumable}.
+A run resumed to more steps keeps its learning-rate schedule unless decay_steps was set.
 
 Where compression is used: taco_policy=auto (the default) times every tensor-parallel
 message shape plain and compressed on the GPUs at start-up, prints the decision, writes
@@ -30,12 +33,14 @@ Multi-host: start one process per host with the same flags plus --coordinator HO
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from taco_jax.training.config import RESUMABLE_KEYS
+
     parser = argparse.ArgumentParser(
         prog="python -m taco_jax.train",
         description="Train a GPT-2 / Qwen2 model with 3-D parallelism (data x pipe x tensor) and "
         "TACO-compressed tensor-parallel communication. Without arguments: a tiny byte-level GPT "
         "on the shipped Shakespeare text on 8 simulated CPU devices (configs/default.yaml).",
-        epilog=EPILOG,
+        epilog=EPILOG.format(resumable=" ".join(RESUMABLE_KEYS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default="default", help="YAML file, or a preset name under configs/ (default: default)")
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
         _simulated_cpu_devices(cfg.mesh)
-    from taco_jax.training.trainer import TrainingError, calibrate_only, train
+    from taco_jax.training.trainer import TrainingError, calibrate_only, strict_json, train
 
     try:
         if args.calibrate_only:
@@ -111,5 +116,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TrainingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=1))
+    print(strict_json(summary, indent=1))
     return 0

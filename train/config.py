@@ -13,6 +13,15 @@ from taco_jax.spec import PRESETS, QuantSpec
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
+# What `--resume` lets differ from the checkpoint's configuration: how long and how
+# often, not what is trained. Turning the data-parallel compression on or off is also
+# allowed (its residuals start at zero, or are dropped), as is recalibrating;
+# decay_steps only where it names the schedule's own horizon (the trainer checks it).
+RESUMABLE_KEYS = ("steps", "decay_steps", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+                  "max_bad_steps", "debug_nan_steps", "recalibrate", "calibration_steps", "taco_data",
+                  "taco_data_backward", "out")
+POSITIVE_KEYS = ("steps", "batch_size", "seq_len", "microbatches", "grad_accum", "eval_every", "eval_batches",
+                 "checkpoint_every", "keep_checkpoints", "max_bad_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,22 +141,27 @@ class TrainConfig:
     simulate_mesh: bool = False
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = self._problems()
+        if problems:
+            raise ValueError("bad training config: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """What is wrong with this config, one phrase per key."""
+        problems = [f"{name} must be >= 1, got {getattr(self, name)}" for name in POSITIVE_KEYS
+                    if getattr(self, name) < 1]
+        problems += [f"{name} must be >= 0, got {getattr(self, name)}"
+                     for name in ("calibration_steps", "warmup_steps", "decay_steps") if getattr(self, name) < 0]
         if len(self.mesh) != 3 or any(int(d) < 1 for d in self.mesh):
-            problems.append(f"mesh must be three positive degrees DATA,PIPE,TENSOR, got {self.mesh}")
-        data, pipe, _ = self.mesh
-        per_step = data * self.grad_accum * self.microbatches
-        if self.batch_size % per_step:
-            problems.append(f"batch_size {self.batch_size} is not divisible by data x grad_accum x microbatches = {per_step}")
+            problems.append(f"mesh must be three positive degrees DATA,PIPE,TENSOR, got {tuple(self.mesh)}")
+        elif not problems:
+            per_step = self.mesh[0] * self.grad_accum * self.microbatches
+            if self.batch_size % per_step:
+                problems.append(
+                    f"batch_size {self.batch_size} is not divisible by data x grad_accum x microbatches = {per_step}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             problems.append(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
         if self.remat not in REMAT_POLICIES:
             problems.append(f"remat must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
-        for name in ("steps", "seq_len", "microbatches", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.calibration_steps < 0:
-            problems.append(f"calibration_steps must be >= 0, got {self.calibration_steps}")
         if self.calibration_strategy not in CALIBRATION_STRATEGIES:
             problems.append(f"calibration_strategy must be one of {list(CALIBRATION_STRATEGIES)}, "
                             f"got {self.calibration_strategy!r}")
@@ -164,8 +178,7 @@ class TrainConfig:
                     problems.append(f"{name}: {error}")
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if problems:
-            raise ValueError("bad training config: " + "; ".join(problems))
+        return problems
 
 
 def _coerce(name: str, text, kind):
@@ -234,4 +247,13 @@ def parse_key_values(items: list[str]) -> dict:
 
 
 def to_dict(config: TrainConfig) -> dict:
+    """The config as JSON values (tuples as lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def changed_keys(saved: dict, config: TrainConfig) -> list[str]:
+    """The keys of a saved config (`to_dict`) that `config` sets otherwise and a resume
+    may not change (`RESUMABLE_KEYS` may), as "key: saved -> now" phrases."""
+    now = to_dict(config)
+    return [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(saved)
+            if key in now and key not in RESUMABLE_KEYS and saved[key] != now[key]]

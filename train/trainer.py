@@ -28,7 +28,7 @@ from taco_jax.probe import Message
 from taco_jax.training import data as data_lib
 from taco_jax.training import link_policy
 from taco_jax.training.checkpoint import Checkpointer
-from taco_jax.training.config import TrainConfig, to_dict
+from taco_jax.training.config import RESUMABLE_KEYS, TrainConfig, changed_keys, to_dict
 from taco_jax.training.pipeline import PIPE, bubble_fraction, pipeline_loss
 
 
@@ -303,7 +303,7 @@ def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Pa
     calibration, report = tj.calibration.calibrate(collector, taco_config(cfg), strategies=strategies,
                                                    min_gain=cfg.calibration_min_gain)
     if out is not None:
-        (out / "calibration.json").write_text(json.dumps({"calibration": calibration.to_json(), "report": report}))
+        (out / "calibration.json").write_text(strict_json({"calibration": calibration.to_json(), "report": report}))
     chosen = ", ".join(f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans)
     message = f"calibrated {len(calibration.plans)} site directions ({chosen})"
     (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(message)
@@ -312,31 +312,77 @@ def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Pa
 
 @dataclasses.dataclass
 class _StopFlag:
-    signal_name: str | None = None
+    """The signal that asks the run to stop, as every process agrees on it: a signal one
+    host receives (a preemption) stops all of them at the same step, so none is left
+    waiting in a collective or saves a checkpoint the others do not."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.signal_name: str | None = None
 
     def __call__(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
+        self.received = signal.Signals(signum).name
+
+    def agree(self) -> str | None:
+        """Update `signal_name` from every process's flag (a host collective when there
+        are several) and return it."""
+        if jax.process_count() == 1:
+            self.signal_name = self.received
+        elif self.signal_name is None:
+            from jax.experimental import multihost_utils
+
+            flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+            if np.any(flags):
+                self.signal_name = self.received or "a signal to another process"
+        return self.signal_name
 
 
 class MetricsLog:
     """metrics.jsonl in the run directory (process 0 only); on resume, lines past the
-    restored step are dropped so the log matches the restored state."""
+    restored step are dropped so the log matches the restored state, and so is a line
+    a crash cut short."""
 
     def __init__(self, path: Path, resume_step: int, enabled: bool):
         self.path, self.enabled = path, enabled
         if not enabled:
             return
         lines = path.read_text().splitlines() if (resume_step and path.exists()) else []
-        kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
+        rows = [_parsed_row(line) for line in lines]
+        if None in rows:
+            print(f"{path}: {rows.count(None)} unreadable line(s) dropped (a write cut short)", file=sys.stderr)
+        kept = [line for line, row in zip(lines, rows) if row is not None and row["step"] <= resume_step]
         path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, row: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(strict_json(row) + "\n")
 
     def rows(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+
+def _parsed_row(line: str) -> dict | None:
+    """A metrics.jsonl row, or None for a line that is not one."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def strict_json(value, **kwargs) -> str:
+    """`json.dumps` with NaN and infinities written as null (strict JSON has neither)."""
+    def finite(item):
+        if isinstance(item, float) and not np.isfinite(item):
+            return None
+        if isinstance(item, dict):
+            return {key: finite(v) for key, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [finite(v) for v in item]
+        return item
+
+    return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> None:
@@ -364,6 +410,7 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> None:
 class _Run:
     """A run's setup and the state it starts from (fresh or restored)."""
 
+    cfg: TrainConfig
     mesh: jax.sharding.Mesh
     config: models.ModelConfig
     corpus: data_lib.TokenData
@@ -380,12 +427,41 @@ class _Run:
     calibrated: bool = False
 
 
-def start_run(cfg: TrainConfig, resume: bool) -> _Run:
-    """Set up a run and its initial state: fresh, or restored from the latest checkpoint.
+def resumed_config(cfg: TrainConfig, meta: dict, step: int) -> TrainConfig:
+    """`cfg` checked against the configuration a checkpoint was saved with: the run it
+    continues, on the learning-rate schedule it started (with decay_steps left at 0, a
+    `steps` that differs keeps the decay where it was).
 
     Raises:
-      ValueError: bad setup, no / a corrupt checkpoint with `resume`, checkpoints
-        already present without it, or an unreadable `calibration_file`.
+      ValueError: keys outside `RESUMABLE_KEYS`, or the schedule's horizon, differ (the
+        message names them).
+    """
+    saved = meta.get("config")
+    if saved is None:
+        print(f"checkpoint at step {step} holds no configuration to check the resumed run against", file=sys.stderr)
+        return cfg
+    changed = changed_keys(saved, cfg)
+    horizon = meta.get("schedule_steps") or saved["decay_steps"] or saved["steps"]
+    if cfg.decay_steps and cfg.decay_steps != horizon:
+        changed.append(f"decay_steps: the schedule decays over {horizon} steps -> {cfg.decay_steps}")
+    if changed:
+        raise ValueError(f"--resume: the run was started with other settings ({'; '.join(changed)}); resume with "
+                         f"the run's own settings (its config.json) or start a new --out. Only "
+                         f"{', '.join(RESUMABLE_KEYS)} may change.")
+    if not cfg.decay_steps and cfg.steps != horizon:
+        print(f"the learning rate keeps the schedule the run started with (cosine decay over {horizon} steps)",
+              file=sys.stderr)
+    return dataclasses.replace(cfg, decay_steps=horizon)
+
+
+def start_run(cfg: TrainConfig, resume: bool) -> _Run:
+    """Set up a run and its initial state: fresh, or restored from the newest checkpoint
+    that restores (an unreadable newer one is skipped with a line saying so).
+
+    Raises:
+      ValueError: bad setup, no restorable checkpoint or a changed configuration with
+        `resume`, checkpoints already present without it, or an unreadable
+        `calibration_file`.
     """
     mesh = device_mesh(cfg)
     config = models.preset(cfg.model)
@@ -393,31 +469,70 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
     _check_setup(cfg, config, corpus.vocab_size)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    tx, schedule = make_optimizer(cfg, config)
-    params, opt_state = init_state(config, cfg.seed, mesh, tx)
-    run = _Run(mesh, config, corpus, out, tx, schedule, Checkpointer(out / "checkpoints", cfg.keep_checkpoints),
-               params, opt_state, init_error_feedback(cfg, config, params, mesh))
-    latest = run.checkpoints.latest_step()
-    if resume:
-        if latest is None:
-            raise ValueError(f"--resume: no checkpoint in {run.checkpoints.directory}")
-        meta = run.checkpoints.meta(latest)
-        if meta.get("model") != cfg.model:
-            raise ValueError(f"checkpoint at step {latest} is for model {meta.get('model')!r}, not {cfg.model!r}")
-        saved_feedback = _feedback_layout(cfg, config, params, mesh) if meta.get("error_feedback") else {}
-        state, meta = run.checkpoints.restore(latest, _checkpoint_state(params, opt_state, saved_feedback))
-        run.params, run.opt_state, run.step, run.bad_total = (
-            state["params"], state["opt_state"], meta["step"], meta["skipped_steps"])
-        if run.feedback:  # a run that starts compressing its data-parallel reduction starts them at zero
-            run.feedback = state.get("error_feedback", run.feedback)
-        elif saved_feedback:
-            print("taco_data is off: the checkpoint's error-feedback residuals are not used", file=sys.stderr)
-        run.calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
-        run.calibrated = bool(meta.get("calibrated", False))
-    elif latest is not None:
-        raise ValueError(f"{out} already holds checkpoints (latest step {latest}): pass --resume or another --out")
+    checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
+    steps = checkpoints.steps()
+    if not resume:
+        if steps:
+            raise ValueError(f"{out} already holds checkpoints (latest step {steps[0]}): pass --resume or another --out")
+        run = _fresh_run(cfg, mesh, config, corpus, out, checkpoints)
+    elif not steps:
+        raise ValueError(f"--resume: no checkpoint in {checkpoints.directory}")
+    else:
+        run = _restored_run(cfg, mesh, config, corpus, out, checkpoints, steps)
     if cfg.calibration_file:
         run.calibration, run.calibrated = load_calibration(cfg.calibration_file), True
+    return run
+
+
+def _fresh_run(cfg, mesh, config, corpus, out, checkpoints) -> _Run:
+    tx, schedule = make_optimizer(cfg, config)
+    params, opt_state = init_state(config, cfg.seed, mesh, tx)
+    return _Run(cfg, mesh, config, corpus, out, tx, schedule, checkpoints, params, opt_state,
+                init_error_feedback(cfg, config, params, mesh))
+
+
+def _restored_run(cfg, mesh, config, corpus, out, checkpoints, steps: list[int]) -> _Run:
+    """The run restored from the newest of `steps` that restores."""
+    failures = []
+    for step in steps:
+        try:
+            run = _restore(cfg, mesh, config, corpus, out, checkpoints, step)
+        except _Unrestorable as error:
+            failures.append(str(error.__cause__))
+            continue
+        if failures:
+            print(f"resuming from step {step}: the newer checkpoint(s) cannot be restored ({'; '.join(failures)})",
+                  file=sys.stderr)
+        return run
+    raise ValueError("; ".join(failures))
+
+
+class _Unrestorable(Exception):
+    """A checkpoint that cannot be read (its cause says why); an older one may be."""
+
+
+def _restore(cfg, mesh, config, corpus, out, checkpoints, step: int) -> _Run:
+    try:
+        meta = checkpoints.meta(step)
+    except ValueError as error:
+        raise _Unrestorable from error
+    if meta.get("model") != cfg.model:
+        raise ValueError(f"checkpoint at step {step} is for model {meta.get('model')!r}, not {cfg.model!r}")
+    cfg = resumed_config(cfg, meta, step)
+    run = _fresh_run(cfg, mesh, config, corpus, out, checkpoints)
+    saved_feedback = _feedback_layout(cfg, config, run.params, mesh) if meta.get("error_feedback") else {}
+    try:
+        state, meta = checkpoints.restore(step, _checkpoint_state(run.params, run.opt_state, saved_feedback))
+    except ValueError as error:
+        raise _Unrestorable from error
+    run.params, run.opt_state, run.step, run.bad_total = (
+        state["params"], state["opt_state"], meta["step"], meta["skipped_steps"])
+    if run.feedback:  # a run that starts compressing its data-parallel reduction starts them at zero
+        run.feedback = state.get("error_feedback", run.feedback)
+    elif saved_feedback:
+        print("taco_data is off: the checkpoint's error-feedback residuals are not used", file=sys.stderr)
+    run.calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
+    run.calibrated = bool(meta.get("calibrated", False))
     return run
 
 
@@ -500,7 +615,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         (with `resume`).
       TrainingError: `max_bad_steps` consecutive non-finite steps.
     """
+    given = cfg  # what a checkpoint records, and a resume is checked against
     run = start_run(cfg, resume)
+    cfg = run.cfg
     mesh, config, corpus, out, tx, schedule, checkpoints = (
         run.mesh, run.config, run.corpus, run.out, run.tx, run.schedule, run.checkpoints)
     params, opt_state, feedback, step, bad_total = run.params, run.opt_state, run.feedback, run.step, run.bad_total
@@ -509,7 +626,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     batch_of = batch_maker(cfg, mesh)
     cfg = resolve_taco_policy(cfg, config, mesh, params, batch_of(corpus.train, 0, cfg.batch_size),
                               out if main_process else None)
-    if main_process:
+    if main_process and not resume:
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, feedback))
     observe = taco_config(cfg).mode == "taco" and cfg.calibration_steps > 0 and (cfg.recalibrate or not calibrated)
@@ -524,7 +641,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
 
     def save(at_step):
         meta = {"step": at_step, "data_position": at_step, "skipped_steps": bad_total, "model": cfg.model, "seed": cfg.seed,
-                "calibrated": calibrated, "calibration": calibration.to_json(), "error_feedback": bool(feedback)}
+                "calibrated": calibrated, "calibration": calibration.to_json(), "error_feedback": bool(feedback),
+                "config": to_dict(given), "schedule_steps": cfg.decay_steps or cfg.steps}
         checkpoints.save(at_step, _checkpoint_state(params, opt_state, feedback), meta)
 
     def evaluate():
@@ -540,7 +658,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     consecutive_bad, tokens_per_step = 0, cfg.batch_size * cfg.seq_len
     started = time.time()
     try:
-        while step < cfg.steps and stop.signal_name is None:
+        while step < cfg.steps and stop.agree() is None:
             tick = time.perf_counter()
             params, opt_state, feedback, metrics = train_step(
                 params, opt_state, feedback, batch_of(corpus.train, step, cfg.batch_size),
@@ -592,7 +710,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         **_calibration_summary(calibration),
     }
     if main_process:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "summary.json").write_text(strict_json(summary, indent=1))
         if rows:
             plot_losses(rows, out / "loss.png", f"{cfg.model}, mesh {tuple(cfg.mesh)}, taco={cfg.taco}")
     return summary
