@@ -3,25 +3,58 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The newest supported jax needs Python >= 3.12: the suite's second leg runs there.
+# Found on PATH or under pyenv; set NEWEST_PYTHON= (empty) to skip that leg.
+NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) $(shell command -v python3.12 2>/dev/null))
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+# The tests that reach every JAX (and Triton) internal taco_jax uses, and the layers and
+# trainer whose dependencies move with jax: the newest-jax leg.
+NEWEST_TESTS := tests/test_reliability.py tests/test_conventions.py tests/test_collectives.py \
+	tests/test_row_kernels.py tests/test_flax.py tests/test_wire.py tests/test_policy.py
 # 8 simulated CPU devices, set before jax is imported.
 CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: train test bench-codec clean
+.PHONY: train test test-oldest test-newest lint bench-codec clean
 
-$(STAMP): pyproject.toml
+# The whole suite on the oldest supported releases (.ci/oldest.txt).
+$(STAMP): pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[flax,train,test,ref]'
+	$(PY) -m pip install -q -c .ci/oldest.txt -e '.[flax,train,test,ref]'
 	touch $(STAMP)
+
+# The newest releases pyproject.toml admits.
+$(NEWEST_STAMP): pyproject.toml
+	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	$(NEWEST_PY) -m pip install -q -e '.[flax,train,test]'
+	touch $(NEWEST_STAMP)
 
 train: $(STAMP)
 	$(CPU_DEVICES) $(PY) -m taco_jax.train
 
-test: $(STAMP)
+test: lint test-oldest test-newest
+
+lint: $(STAMP)
+	$(PY) -m ruff check --select F,E9 taco_jax pallas_kernels models train benchmarks tests
+
+test-oldest: $(STAMP)
+	$(PY) -c "import jax; print('jax', jax.__version__, '(oldest supported)')"
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+ifeq ($(NEWEST_PYTHON),)
+test-newest:
+	@echo "test-newest skipped: no Python 3.12 found (set NEWEST_PYTHON=/path/to/python3.12)"
+else
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_PY) -c "import jax; print('jax', jax.__version__, '(newest supported)')"
+	$(NEWEST_PY) -m pytest -q -n 2 --dist loadfile $(NEWEST_TESTS)
+endif
 
 bench-codec: $(STAMP)
 	$(PY) -m benchmarks.codec_error --out benchmarks/results/codec_error.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(NEWEST_VENV) .pytest_cache .hypothesis

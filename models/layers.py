@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from taco_jax.kernels import launch
 from taco_jax.mesh import simulating
 from taco_jax.models.config import ModelConfig
 
@@ -62,19 +63,24 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 _FLASH_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def attention_implementation(q: jax.Array) -> str:
-    """cuDNN flash attention on GPU for 16-bit inputs and head sizes it takes (no
-    (B, heads, S, S) scores in memory); XLA's attention elsewhere, and on a simulated
-    mesh (cuDNN's backward pass cannot be batched over the vmapped mesh axes)."""
-    flash = (jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _FLASH_DTYPES
-             and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128 and not simulating())
-    return "cudnn" if flash else "xla"
+def flash_eligible(q: jax.Array) -> bool:
+    """Whether cuDNN flash attention takes these queries: 16-bit, a head size it takes,
+    and not on a simulated mesh (cuDNN's backward pass cannot be batched over the
+    vmapped mesh axes)."""
+    return jnp.dtype(q.dtype) in _FLASH_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128 and not simulating()
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal attention (B, S, heads, hd) with `jax.nn.dot_product_attention`; k/v may
-    have fewer heads (grouped queries: query head i reads kv head i // (heads / kv heads))."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q))
+    have fewer heads (grouped queries: query head i reads kv head i // (heads / kv heads)).
+    cuDNN flash attention where the program is lowered for a CUDA GPU and
+    `flash_eligible` (no (B, heads, S, S) scores in memory), XLA's attention elsewhere."""
+    def attention(implementation):
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+    if not flash_eligible(q):
+        return attention("xla")(q, k, v)
+    return launch.on_cuda(attention("cudnn"), attention("xla"), q, k, v)
 
 
 @jax.checkpoint

@@ -5,6 +5,7 @@ typed."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax import lax
@@ -56,6 +57,25 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.hadamard must be one of {HADAMARD_METHODS}, got {self.hadamard!r}")
         if self.pieces < 1 or self.pieces & (self.pieces - 1):
             raise ValueError(f"KernelConfig.pieces must be a power of two, got {self.pieces}")
+
+
+@functools.cache
+def has_cuda() -> bool:
+    """Whether this process has a CUDA backend, so a program may be lowered for one."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def on_cuda(cuda_fn, default_fn, *args):
+    """`cuda_fn(*args)` where the program is lowered for a CUDA GPU, `default_fn(*args)`
+    elsewhere: the lowering platform chooses (`lax.platform_dependent`), not the default
+    backend, so a jit onto CPU devices or a multi-platform export never meets GPU code.
+    Both are traced only where a CUDA backend exists (`has_cuda`)."""
+    if not has_cuda():
+        return default_fn(*args)
+    return lax.platform_dependent(*args, cuda=cuda_fn, default=default_fn)
 
 
 def block_rows_for(rows: int, preferred: int) -> int:

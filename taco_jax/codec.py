@@ -16,11 +16,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
-from taco_jax.kernels import group_codec, wire
+from taco_jax.kernels import group_codec, launch, wire
 from taco_jax.spec import KERNEL_MODES, QuantSpec
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -33,29 +32,18 @@ def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernels: str, size: int, sha
         raise ValueError(f"unknown kernel mode {kernels!r}; expected one of {list(KERNEL_MODES)}")
     supported = (size > 0 and 16 <= spec.group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES
                  and shards & (shards - 1) == 0 and spec.element_bits == 8)
-    if not supported or kernels == "jnp" or (kernels == "auto" and not _has_cuda()):
+    if not supported or kernels == "jnp" or (kernels == "auto" and not launch.has_cuda()):
         return "jnp"
     return kernels
 
 
-@functools.cache
-def _has_cuda() -> bool:
-    """Whether this process has a CUDA backend, so a program may be lowered for one."""
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
 def _dispatch(mode: str, kernel_fn, reference_fn, *args):
     """`kernel_fn(*args, interpret=...)` or `reference_fn(*args)` as `mode` (`_kernel_mode`)
-    says; "auto" stages both and lets the platform the program is lowered for choose
-    (`lax.platform_dependent`), so a jit onto CPU devices or a multi-platform export
-    never meets a GPU kernel."""
+    says; "auto" lets the platform the program is lowered for choose (`launch.on_cuda`)."""
     if mode == "jnp":
         return reference_fn(*args)
     if mode == "auto":
-        return lax.platform_dependent(*args, cuda=functools.partial(kernel_fn, interpret=False), default=reference_fn)
+        return launch.on_cuda(functools.partial(kernel_fn, interpret=False), reference_fn, *args)
     return kernel_fn(*args, interpret=mode == "interpret")
 
 

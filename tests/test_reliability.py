@@ -14,8 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import codec
-from taco_jax.kernels import jax_compat
+from taco_jax.kernels import jax_compat, launch
 
 PRESETS = ("fp8", "taco", "taco+")
 KERNELS = ("jnp", "interpret")
@@ -114,13 +113,13 @@ def test_auto_kernels_follow_the_platform_the_program_is_lowered_for(monkeypatch
     spec = tj.TacoConfig.preset("taco+").forward
     x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 128)), jnp.float32)
     reference = tj.compress(x, spec, kernels="jnp")
-    monkeypatch.setattr(codec, "_has_cuda", lambda: True)
+    monkeypatch.setattr(launch, "has_cuda", lambda: True)
     jaxpr = jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x)
     assert "platform_index" in str(jaxpr) and "pallas_call" in str(jaxpr)
     staged = jax.jit(lambda v: tj.compress(v, spec))(x)
     np.testing.assert_array_equal(np.asarray(staged.payload, np.float32), np.asarray(reference.payload, np.float32))
     np.testing.assert_array_equal(np.asarray(staged.scales), np.asarray(reference.scales))
-    monkeypatch.setattr(codec, "_has_cuda", lambda: False)
+    monkeypatch.setattr(launch, "has_cuda", lambda: False)
     assert "pallas_call" not in str(jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x))
 
 
@@ -259,3 +258,24 @@ def test_simulated_mesh_trains_with_compression_on_the_gpu(tmp_path):
     assert len(losses["taco+"]) == 4 and np.isfinite(losses["taco+"]).all()
     np.testing.assert_allclose(losses["taco+"], losses["off"], rtol=0.02)
     assert losses["taco+"] != losses["off"]
+
+
+def test_attention_follows_the_lowering_platform(monkeypatch):
+    """bfloat16 attention stages cuDNN flash attention beside XLA's where a CUDA backend
+    exists; lowered for the CPU, XLA's runs (cuDNN, which needs a GPU to trace, is
+    stood in for by a result that differs)."""
+    from taco_jax.models import layers
+
+    xla_attention = jax.nn.dot_product_attention
+
+    def attention(q, k, v, *, is_causal, implementation):
+        out = xla_attention(q, k, v, is_causal=is_causal, implementation="xla")
+        return out + 1 if implementation == "cudnn" else out
+
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((2, 16, 4, 32)), jnp.bfloat16)
+    want = xla_attention(q, q, q, is_causal=True, implementation="xla")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", attention)
+    monkeypatch.setattr(launch, "has_cuda", lambda: True)
+    assert "platform_index" in str(jax.make_jaxpr(layers.causal_attention)(q, q, q))
+    got = jax.jit(layers.causal_attention)(q, q, q)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
