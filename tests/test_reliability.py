@@ -175,6 +175,48 @@ def test_gradient_outside_detection_sees_the_transpose():
     assert seen == [True, False]
 
 
+def test_gluon_kernels_are_built_for_the_local_gpus(monkeypatch):
+    """The compute capability comes from this process's CUDA devices, not device 0 of
+    whatever backend; GPUs that differ are refused rather than given the wrong PTX."""
+    import types
+
+    from taco_jax.kernels import triton_launch
+
+    def devices(*capabilities):
+        triton_launch.local_capability.cache_clear()
+        fakes = [types.SimpleNamespace(compute_capability=c) for c in capabilities]
+        monkeypatch.setattr(triton_launch, "_cuda_devices", lambda: fakes)
+
+    try:
+        devices("9.0", "9.0")
+        assert triton_launch.local_capability() == 90
+        devices("9.0", "10.0")
+        with pytest.raises(NotImplementedError, match=r"\[90, 100\]"):
+            triton_launch.local_capability()
+    finally:
+        triton_launch.local_capability.cache_clear()
+
+
+def test_supported_releases_are_bounded_above():
+    """What jax_compat reads may move in an untested release: every such dependency has
+    an upper bound, and the oldest-release pins match the lower bounds."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    for name in ("jax", "jaxlib", "flax", "orbax-checkpoint", "triton", "jax[cuda13]"):
+        specs = [r.split(";")[0] for r in requirements if r.split(">")[0].split("=")[0].strip() == name]
+        assert specs and all("<" in spec for spec in specs), (name, specs)
+    pins = dict(line.split("==") for line in (root / ".ci/oldest.txt").read_text().split("\n")
+                if "==" in line and not line.startswith("#"))
+    for requirement in requirements:
+        name, _, rest = requirement.partition(">=")
+        if name in pins:
+            assert rest.split(",")[0] == pins[name], requirement
+
+
 def test_importing_taco_jax_leaves_the_deprecated_pallas_triton_module_alone():
     code = "import sys, taco_jax, taco_jax.flax; print('jax.experimental.pallas.triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
