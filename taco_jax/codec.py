@@ -2,8 +2,8 @@
 
 The math lives in `pallas_kernels` (group codec reference and fused kernels); this module
 validates, handles permutations and shapes, and is the one place that chooses between the
-Pallas kernels and the jnp path (the `kernels` argument, `TacoConfig.kernels` in the
-collectives).
+GPU kernels and the jnp path (the `kernels` argument, `TacoConfig.kernels` in the
+collectives; "auto" lets the platform a program is lowered for choose).
 """
 
 from __future__ import annotations

@@ -88,8 +88,9 @@ class TacoConfig:
         message takes the fastest measured route and stays uncompressed where
         compression was not measured faster (`taco_jax.policy`). None: compress every
         message of at least `min_bytes`.
-      kernels: codec implementation, one of `KERNEL_MODES`: "auto" (Pallas kernels on
-        GPU, the jnp path elsewhere), "pallas", "interpret" or "jnp". Part of the
+      kernels: codec implementation, one of `KERNEL_MODES`: "auto" (the GPU kernels
+        where the program is lowered for a CUDA GPU, the jnp path elsewhere), "pallas",
+        "interpret" or "jnp". Part of the
         config, so a jitted function compiled with one mode is never reused for another.
     """
 
