@@ -123,6 +123,17 @@ def test_auto_kernels_follow_the_platform_the_program_is_lowered_for(monkeypatch
     assert "pallas_call" not in str(jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x))
 
 
+def test_export_for_the_cpu_from_a_host_with_a_gpu(monkeypatch):
+    """`jax.export` for the CPU from a host with a CUDA backend lowers the jnp path (the
+    kernels are staged, not lowered)."""
+    spec = tj.TacoConfig.preset("taco+").forward
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((64, 256)), jnp.float32)
+    want = jax.jit(lambda v: tj.decompress(tj.compress(v, spec, kernels="jnp"), kernels="jnp"))(x)
+    monkeypatch.setattr(launch, "has_cuda", lambda: True)
+    exported = jax.export.export(jax.jit(lambda v: tj.decompress(tj.compress(v, spec))), platforms=("cpu",))(x)
+    np.testing.assert_array_equal(np.asarray(exported.call(x)), np.asarray(want))
+
+
 def test_check_vma_is_read_from_public_api():
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
     seen = {}
