@@ -448,3 +448,23 @@ def test_every_process_stops_at_the_step_any_of_them_is_signalled(monkeypatch):
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([0, 0]))
     quiet = trainer._StopFlag()
     assert quiet.agree() is None
+
+
+def test_an_installed_package_finds_its_presets(tmp_path):
+    """`pip install .` (not editable) ships the preset configs as package data: the
+    entry point's --help runs and the presets load from outside the checkout."""
+    import importlib.util
+
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation, "--target", str(target),
+                    str(ROOT)], check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu"}
+    code = ("import taco_jax.training.config as c; print(c.__file__); print(c.preset_names()); "
+            "print(c.load_yaml('gpt2-small')['model'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    assert out[0].startswith(str(target)) and "gpt2-small" in out[1] and out[2] == "gpt2-small"
+    helped = subprocess.run([sys.executable, "-m", "taco_jax.train", "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--resume" in helped.stdout

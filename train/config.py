@@ -1,9 +1,10 @@
-"""Training configuration: a dataclass, YAML files under configs/, key=value overrides."""
+"""Training configuration: a dataclass, YAML files (presets shipped in configs/), key=value overrides."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -11,7 +12,8 @@ import yaml
 from taco_jax.models.transformer import REMAT_POLICIES
 from taco_jax.spec import PRESETS, QuantSpec
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The preset YAML files (the repository's configs/, installed as package data).
+PRESET_FILES = resources.files("taco_jax.configs")
 CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
 # What `--resume` lets differ from the checkpoint's configuration: how long and how
 # often, not what is trained. Turning the data-parallel compression on or off is also
@@ -220,16 +222,24 @@ def apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
     return dataclasses.replace(config, **values)
 
 
+def preset_names() -> list[str]:
+    """The names of the shipped preset configurations."""
+    return sorted(entry.name.removesuffix(".yaml") for entry in PRESET_FILES.iterdir() if entry.name.endswith(".yaml"))
+
+
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping of config fields (a name without a path looks in configs/)."""
-    if str(path) == "default" and not (CONFIG_DIR / "default.yaml").exists():
-        return {}  # installed without the repository's configs/: the dataclass defaults are the same
-    path = Path(path)
-    if not path.exists() and not path.suffix:
-        path = CONFIG_DIR / f"{path}.yaml"
-    if not path.exists():
-        raise ValueError(f"config file {path} does not exist (presets: {sorted(p.stem for p in CONFIG_DIR.glob('*.yaml'))})")
-    values = yaml.safe_load(path.read_text()) or {}
+    """Read a YAML mapping of config fields: a file, or the name of a shipped preset
+    (`preset_names`).
+
+    Raises:
+      ValueError: no such file or preset, or a file that is not a mapping.
+    """
+    source = Path(path)
+    if not source.exists() and not source.suffix:
+        source = PRESET_FILES / f"{path}.yaml"
+    if not source.is_file():
+        raise ValueError(f"config file {path} does not exist (presets: {preset_names()})")
+    values = yaml.safe_load(source.read_text()) or {}
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of field: value")
     return values

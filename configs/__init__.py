@@ -1,0 +1,1 @@
+"""The trainer's preset configurations (YAML), shipped as package data."""
