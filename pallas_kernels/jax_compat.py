@@ -40,19 +40,25 @@ def checks_vma(axis_name: str) -> bool:
     return axis_name in jax.typeof(probe).mat.varying
 
 
-@functools.cache
-def _shard_map_transpose_code():
-    """The code object of the rule JAX transposes a whole `shard_map` with (private:
-    `jax._src.shard_map`; a plain transpose rule up to jax 0.11, a "fancy" one in 0.12)."""
+def _shard_map_transpose_rules() -> list:
+    """The transpose rules JAX has registered for `shard_map` (private: `jax._src`; a
+    plain transpose rule up to jax 0.11, a "fancy" one in 0.12); empty where none is
+    found."""
     try:
         from jax._src import shard_map as shard_map_internals
         from jax._src.interpreters import ad
-    except ImportError as error:
-        raise _unsupported("tell whether a shard_map is differentiated from outside") from error
+    except ImportError:
+        return []
     primitive = getattr(shard_map_internals, "shard_map_p", None)
-    for table in ("primitive_transposes", "fancy_transposes"):
-        rule = getattr(ad, table, {}).get(primitive)
-        if rule is not None and hasattr(rule, "__code__"):
+    tables = (getattr(ad, table, {}) for table in ("primitive_transposes", "fancy_transposes"))
+    return [table[primitive] for table in tables if primitive in table]
+
+
+@functools.cache
+def _shard_map_transpose_code():
+    """The code object of the rule JAX transposes a whole `shard_map` with."""
+    for rule in _shard_map_transpose_rules():
+        if hasattr(rule, "__code__"):
             return rule.__code__
     raise _unsupported("tell whether a shard_map is differentiated from outside")
 
@@ -80,7 +86,7 @@ def gpu_triton():
         from jax._src.lib import gpu_triton as module
     except ImportError:
         return None
-    return module if hasattr(module, "TritonKernelCall") and hasattr(module, "get_compute_capability") else None
+    return module if hasattr(module, "TritonKernelCall") else None
 
 
 def gluon_source(kernel, signature: dict, constexprs: dict, attrs: dict):

@@ -60,12 +60,17 @@ class KernelConfig:
 
 
 @functools.cache
+def cuda_devices() -> tuple:
+    """This process's CUDA devices (none without a CUDA backend)."""
+    try:
+        return tuple(jax.local_devices(backend="cuda"))
+    except RuntimeError:
+        return ()
+
+
 def has_cuda() -> bool:
     """Whether this process has a CUDA backend, so a program may be lowered for one."""
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
+    return bool(cuda_devices())
 
 
 def on_cuda(cuda_fn, default_fn, *args):

@@ -19,20 +19,13 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from taco_jax.kernels import jax_compat
+from taco_jax.kernels import jax_compat, launch
 
 gpu_triton = jax_compat.gpu_triton()
 
 # Every buffer XLA hands a custom call is aligned to at least 16 bytes; telling Triton
 # lets it vectorize the loads and stores.
 POINTER_ATTRS = [["tt.divisibility", 16]]
-
-
-def _cuda_devices() -> list:
-    try:
-        return jax.local_devices(backend="cuda")
-    except RuntimeError:
-        return []
 
 
 @functools.cache
@@ -43,7 +36,7 @@ def local_capability() -> int:
     Raises:
       NotImplementedError: the GPUs differ (one PTX build would not fit them all).
     """
-    capabilities = {int(device.compute_capability.replace(".", "")) for device in _cuda_devices()}
+    capabilities = {int(device.compute_capability.replace(".", "")) for device in launch.cuda_devices()}
     if len(capabilities) != 1:
         raise NotImplementedError(f"the Gluon kernels are built for one compute capability, but this process's "
                                   f"CUDA GPUs have {sorted(capabilities) or 'none'}")
@@ -54,7 +47,7 @@ def local_capability() -> int:
 def available() -> bool:
     """Whether Gluon kernels can run here: a CUDA GPU, jaxlib's Triton custom call, and a
     Triton with Gluon (3.6 or newer)."""
-    if gpu_triton is None or not _cuda_devices():
+    if gpu_triton is None or not launch.has_cuda():
         return False  # no CUDA GPU, or a jaxlib without the Triton custom call
     try:
         from triton.experimental import gluon  # noqa: F401  (the import is the check)

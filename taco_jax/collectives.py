@@ -229,8 +229,15 @@ def gather_and_received(x, axis_name, config, direction, axis, tiled, site,
     wire, spec, inverse = _wire_view(x, config, direction, "all_gather", site, calibration, route)
     if spec is None:
         record_collective(site, "all_gather", direction, x, axis_name, None, plain_sent, plain_sent)
-        gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled) if x.size else _gathered_empty(x, ranks, axis,
-                                                                                                    tiled, axis_name)
+        if x.size:
+            gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        else:
+            shape = list(x.shape)
+            if tiled:
+                shape[axis] *= ranks
+            else:
+                shape.insert(axis, ranks)
+            gathered = _empty_result(x, shape, axis_name)
         return gathered, gathered
     rows = _to_rows(wire, spec.group_size, 0)
     received = tuple(gather_stacked(encode(rows[a:b], spec, config.kernels), axis_name)
@@ -240,14 +247,9 @@ def gather_and_received(x, axis_name, config, direction, axis, tiled, site,
     return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse, config.kernels), received
 
 
-def _gathered_empty(x: jax.Array, ranks: int, axis: int, tiled: bool, axis_name: str) -> jax.Array:
-    """The all-gather of an empty `x` (XLA refuses to lower a collective of zero-size
-    operands): an empty array of the gathered shape, varying as lax's result."""
-    shape = list(x.shape)
-    if tiled:
-        shape[axis] *= ranks
-    else:
-        shape.insert(axis, ranks)
+def _empty_result(x: jax.Array, shape, axis_name: str) -> jax.Array:
+    """What a collective over `axis_name` returns for an empty `x` (XLA refuses to lower
+    one of zero-size operands): an empty array of `shape`, varying as lax's result."""
     return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
 
 
@@ -285,9 +287,9 @@ def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, ca
                                      dim == x.ndim - 1)
     if spec is None:
         record_collective(site, "reduce_scatter", direction, x, axis_name, None, plain_sent, plain_sent)
-        if not x.size:  # XLA refuses to lower a collective of zero-size operands
-            shape = (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1:])
-            return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
+        if not x.size:
+            return _empty_result(x, (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1:]),
+                                 axis_name)
         return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(wire, dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]

@@ -151,11 +151,8 @@ def test_check_vma_is_read_from_public_api():
 
 def test_gradient_outside_detection_raises_where_jax_lacks_the_rule(monkeypatch):
     """A check that cannot run raises; it never quietly reports "not transposing"."""
-    from jax._src.interpreters import ad
-
     jax_compat._shard_map_transpose_code.cache_clear()
-    monkeypatch.setattr(ad, "primitive_transposes", {})
-    monkeypatch.setattr(ad, "fancy_transposes", {}, raising=False)
+    monkeypatch.setattr(jax_compat, "_shard_map_transpose_rules", lambda: [])
     try:
         with pytest.raises(jax_compat.UnsupportedJaxError, match="tested on jax"):
             jax_compat.transposing_whole_shard_map()
@@ -196,7 +193,7 @@ def test_gluon_kernels_are_built_for_the_local_gpus(monkeypatch):
     def devices(*capabilities):
         triton_launch.local_capability.cache_clear()
         fakes = [types.SimpleNamespace(compute_capability=c) for c in capabilities]
-        monkeypatch.setattr(triton_launch, "_cuda_devices", lambda: fakes)
+        monkeypatch.setattr(launch, "cuda_devices", lambda: fakes)
 
     try:
         devices("9.0", "9.0")
