@@ -37,8 +37,11 @@ train: $(STAMP)
 
 test: lint test-oldest test-newest
 
+# Formatting, lint rules and types (configured in pyproject.toml).
 lint: $(STAMP)
-	$(PY) -m ruff check --select F,E9 taco_jax pallas_kernels models train benchmarks tests
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 test-oldest: $(STAMP)
 	$(PY) -c "import jax; print('jax', jax.__version__, '(oldest supported)')"

@@ -21,16 +21,21 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import models
 import taco_jax as tj
+from taco_jax import models
 
 
 def temp_bytes(config, mesh, tokens_shape, par: models.Parallelism) -> int:
     specs = models.partition_specs(config)
     params = models.abstract_params(config, mesh)
     tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32, sharding=NamedSharding(mesh, P("data")))
-    fn = jax.shard_map(lambda p, t: models.shard_loss_and_grads(config, p, t, par), mesh=mesh,
-                       in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
+    fn = jax.shard_map(
+        lambda p, t: models.shard_loss_and_grads(config, p, t, par),
+        mesh=mesh,
+        in_specs=(specs, P("data")),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )
     return jax.jit(fn).lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -51,8 +56,15 @@ def main() -> None:
     }
     shape = (args.batch, args.seq + 1)
     rows = [{"variant": name, "temp_bytes": temp_bytes(config, mesh, shape, par)} for name, par in variants.items()]
-    meta = {"model": "GPT d=1024 L=4 H=16", "tensor": args.tensor, "batch": args.batch, "seq": args.seq,
-            "compute_dtype": "bfloat16", "backend": jax.default_backend(), "jax": jax.__version__}
+    meta = {
+        "model": "GPT d=1024 L=4 H=16",
+        "tensor": args.tensor,
+        "batch": args.batch,
+        "seq": args.seq,
+        "compute_dtype": "bfloat16",
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"{meta['model']}, batch {args.batch} x seq {args.seq}, TP={args.tensor} with sequence parallelism, bf16")

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 import taco_jax as tj
 from benchmarks import corpora
 from taco_jax import calibration
-from taco_jax.training import trainer
-from taco_jax.training.config import TrainConfig
+from taco_jax.train import trainer
+from taco_jax.train.config import TrainConfig
 
 SPECS = {
     "e4m3 (fp8)": "e4m3:128:-:single",
@@ -52,8 +52,11 @@ SPECS = {
     "int8 + H, G=64": "int8:64:H:bf16",
     "int8 + H, G=256": "int8:256:H:bf16",
 }
-CALIBRATED = {"e4m3 calibrated": "e4m3:128:H:dual", "int8 calibrated": "int8:128:H:bf16",
-              "int4 calibrated": "int4:128:H:bf16"}
+CALIBRATED = {
+    "e4m3 calibrated": "e4m3:128:H:dual",
+    "int8 calibrated": "int8:128:H:bf16",
+    "int4 calibrated": "int4:128:H:bf16",
+}
 
 
 def capture(args: argparse.Namespace, model: str) -> tj.calibration.Collector:
@@ -61,11 +64,25 @@ def capture(args: argparse.Namespace, model: str) -> tj.calibration.Collector:
     compressing."""
     run_dir = args.runs / f"{args.corpus}_{model}_off"
     data = corpora.build(args.corpus, args.runs / "corpora")
-    common = dict(model=model, data=str(data), val_fraction=corpora.VAL_FRACTION, mesh=(1, 1, args.tensor),
-                  simulate_mesh=args.simulate, taco_min_bytes=0,
-                  steps=args.steps, seed=0, batch_size=16, seq_len=256, lr=1e-3, warmup_steps=args.steps // 10,
-                  eval_every=args.steps, checkpoint_every=args.steps, keep_checkpoints=1, compute_dtype="bfloat16",
-                  out=str(run_dir))
+    common = dict(
+        model=model,
+        data=str(data),
+        val_fraction=corpora.VAL_FRACTION,
+        mesh=(1, 1, args.tensor),
+        simulate_mesh=args.simulate,
+        taco_min_bytes=0,
+        steps=args.steps,
+        seed=0,
+        batch_size=16,
+        seq_len=256,
+        lr=1e-3,
+        warmup_steps=args.steps // 10,
+        eval_every=args.steps,
+        checkpoint_every=args.steps,
+        keep_checkpoints=1,
+        compute_dtype="bfloat16",
+        out=str(run_dir),
+    )
     trained = TrainConfig(**common, taco="off")
     if not (run_dir / "summary.json").exists():
         trainer.train(trained, progress=False)
@@ -89,11 +106,20 @@ def errors(collector: tj.calibration.Collector) -> list[dict]:
             error = calibration.codec_error(sample, spec, np.arange(sample.shape[-1]))
             rows.append({"site": site, "direction": direction, "spec": label, **error})
         for label, text in CALIBRATED.items():
-            plan, report = calibration.calibrate_site(sample, tj.QuantSpec.parse(text), rms=collector.rms((site, direction)),
-                                                      min_gain=0.0)
+            plan, report = calibration.calibrate_site(
+                sample, tj.QuantSpec.parse(text), rms=collector.rms((site, direction)), min_gain=0.0
+            )
             best = min(report, key=lambda r: (r["channel_median"], r["rel_rmse"]))
-            rows.append({"site": site, "direction": direction, "spec": label, "rel_rmse": best["rel_rmse"],
-                         "channel_median": best["channel_median"], "choice": f"{best['strategy']}{'+H' if best['hadamard'] else ''}"})
+            rows.append(
+                {
+                    "site": site,
+                    "direction": direction,
+                    "spec": label,
+                    "rel_rmse": best["rel_rmse"],
+                    "channel_median": best["channel_median"],
+                    "choice": f"{best['strategy']}{'+H' if best['hadamard'] else ''}",
+                }
+            )
     return rows
 
 
@@ -136,8 +162,10 @@ def main() -> None:
     text = table(results)
     name = f"captured_error_{args.tag}" if args.tag else "captured_error"
     (args.out / f"{name}.json").write_text(json.dumps(results))
-    (args.out / f"{name}.md").write_text(f"Corpus {args.corpus}. Relative RMSE / median per-channel relative error, "
-                                         "median over sites (one round trip)\n\n" + text + "\n")
+    (args.out / f"{name}.md").write_text(
+        f"Corpus {args.corpus}. Relative RMSE / median per-channel relative error, "
+        "median over sites (one round trip)\n\n" + text + "\n"
+    )
     print(text)
 
 

@@ -52,7 +52,9 @@ def _metrics(x: np.ndarray, x_hat: np.ndarray) -> dict[str, float]:
     nonzero = x64 != 0
     return {
         "rel_rmse": float(np.linalg.norm(err) / np.linalg.norm(x64)),
-        "channel_median": float(np.median(np.linalg.norm(err, axis=0)[channel_norm > 0] / channel_norm[channel_norm > 0])),
+        "channel_median": float(
+            np.median(np.linalg.norm(err, axis=0)[channel_norm > 0] / channel_norm[channel_norm > 0])
+        ),
         "underflow": float(np.mean(x_hat[nonzero] == 0)),
     }
 
@@ -89,22 +91,44 @@ def tables(rows: list[dict], group_size: int = 128) -> str:
     for mode, fmt, scales in itertools.product(MODES, FMTS, SCALES):
         by_kind = {r["tensor"]: r for r in _select(rows, mode=mode, fmt=fmt, scales=scales, group_size=group_size)}
         prefix = f"| {mode} | {fmt} | {scales} | {by_kind[kinds[0]]['wire_ratio']:.3f} | "
-        error_lines.append(prefix + " | ".join(
-            f"{100 * by_kind[k]['rel_rmse']:.2f}% / {100 * by_kind[k]['two_shot_rel_rmse']:.2f}%" for k in kinds) + " |")
-        channel_lines.append(prefix + " | ".join(
-            f"{100 * by_kind[k]['channel_median']:.2f}% ({100 * by_kind[k]['underflow']:.2f}%)" for k in kinds) + " |")
+        error_lines.append(
+            prefix
+            + " | ".join(
+                f"{100 * by_kind[k]['rel_rmse']:.2f}% / {100 * by_kind[k]['two_shot_rel_rmse']:.2f}%" for k in kinds
+            )
+            + " |"
+        )
+        channel_lines.append(
+            prefix
+            + " | ".join(
+                f"{100 * by_kind[k]['channel_median']:.2f}% ({100 * by_kind[k]['underflow']:.2f}%)" for k in kinds
+            )
+            + " |"
+        )
     sweep = ["| mode | fmt | scales | " + " | ".join(f"G={g}" for g in GROUPS) + " |", "|" + "---|" * (3 + len(GROUPS))]
-    for mode, fmt, scales in [("fp8", "e4m3", "single"), ("taco", "e4m3", "dual"), ("taco", "int8", "single"), ("taco", "int8", "bf16")]:
+    for mode, fmt, scales in [
+        ("fp8", "e4m3", "single"),
+        ("taco", "e4m3", "dual"),
+        ("taco", "int8", "single"),
+        ("taco", "int8", "bf16"),
+    ]:
         cells = []
         for g in GROUPS:
             (row,) = _select(rows, mode=mode, fmt=fmt, scales=scales, group_size=g, tensor="activation")
             cells.append(f"{100 * row['two_shot_rel_rmse']:.2f}% ({row['wire_ratio']:.3f})")
         sweep.append(f"| {mode} | {fmt} | {scales} | " + " | ".join(cells) + " |")
-    return "\n".join([
-        f"Relative RMSE, single-shot / two-shot all-reduce, G={group_size}:", *error_lines, "",
-        f"Median per-channel relative error (fraction flushed to zero), single-shot, G={group_size}:", *channel_lines, "",
-        "Group-size sweep, two-shot relative RMSE on `activation` (wire bytes / bf16):", *sweep,
-    ])
+    return "\n".join(
+        [
+            f"Relative RMSE, single-shot / two-shot all-reduce, G={group_size}:",
+            *error_lines,
+            "",
+            f"Median per-channel relative error (fraction flushed to zero), single-shot, G={group_size}:",
+            *channel_lines,
+            "",
+            "Group-size sweep, two-shot relative RMSE on `activation` (wire bytes / bf16):",
+            *sweep,
+        ]
+    )
 
 
 def main() -> None:
@@ -118,9 +142,15 @@ def main() -> None:
     print(f"codec error on {args.tokens}x{args.channels} tensors ({jax.default_backend()})", file=sys.stderr)
     rows = run(args.tokens, args.channels, args.ranks)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"tokens": args.tokens, "channels": args.channels, "ranks": args.ranks,
-            "backend": jax.default_backend(), "host": platform.machine(), "jax": jax.__version__,
-            "seconds": round(time.time() - start, 1)}
+    meta = {
+        "tokens": args.tokens,
+        "channels": args.channels,
+        "ranks": args.ranks,
+        "backend": jax.default_backend(),
+        "host": platform.machine(),
+        "jax": jax.__version__,
+        "seconds": round(time.time() - start, 1),
+    }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out} (two-shot all-reduce over TP={args.ranks} partial sums)")
     print(tables(rows))

@@ -130,8 +130,12 @@ def run(sizes_mib: list[float], presets: list[str], chunk_counts: list[int], tri
         extra = f"  x{r['speedup']:5.2f}" if "speedup" in r else ""
         extra += f"  vs parts {r['vs_parts']:.2f}" if "vs_parts" in r else ""
         extra += f"  err {100 * r['rel_error']:.2f}%" if "rel_error" in r else ""
-        print(f"  {r['op']:15s} {r['mib_per_rank']:6.1f} MiB {r['part']:8s} {r['preset']:10s} {r.get('route', ''):11s}"
-              f" {r['ms']:8.3f} ms{extra}", file=sys.stderr, flush=True)
+        print(
+            f"  {r['op']:15s} {r['mib_per_rank']:6.1f} MiB {r['part']:8s} {r['preset']:10s} {r.get('route', ''):11s}"
+            f" {r['ms']:8.3f} ms{extra}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     for size in sizes_mib:
         local_rows = max(ranks, int(round(size * rows_per_mib)) // ranks * ranks)
@@ -151,12 +155,21 @@ def run(sizes_mib: list[float], presets: list[str], chunk_counts: list[int], tri
                     per_message, messages = _message_groups(op, algorithm, groups, ranks)
                     layout = codec.message_layout(per_message, spec)
                     buffers = jax.device_put(
-                        jnp.zeros((ranks * messages, *layout.shape), jnp.uint8), NamedSharding(mesh, P(AXIS)))
+                        jnp.zeros((ranks * messages, *layout.shape), jnp.uint8), NamedSharding(mesh, P(AXIS))
+                    )
                     move = _sharded(mesh, _bytes_alone(op, algorithm, layout, ranks))
                     bytes_ms = median_ms(lambda: move(buffers), trials, calls)
                     route = algorithm or "-"
-                    add(base, op=op, part="bytes", preset=preset, route=route, ms=bytes_ms, speedup=plain_ms / bytes_ms,
-                        wire_bytes=messages * layout.nbytes)
+                    add(
+                        base,
+                        op=op,
+                        part="bytes",
+                        preset=preset,
+                        route=route,
+                        ms=bytes_ms,
+                        speedup=plain_ms / bytes_ms,
+                        wire_bytes=messages * layout.nbytes,
+                    )
                     compress, receive = _codec_alone(op, algorithm, spec, groups, ranks, jnp.bfloat16)
                     flat = lambda v: v.reshape(-1, spec.group_size)
                     compress_fn = _sharded(mesh, lambda v: compress(flat(v)))
@@ -164,8 +177,9 @@ def run(sizes_mib: list[float], presets: list[str], chunk_counts: list[int], tri
                     if messages == 1:  # an all-gather delivers every rank's message: stand in with copies
                         sent = _sharded(mesh, lambda s: jnp.broadcast_to(s[None], (ranks, *s.shape)))(sent)
                     receive_fn = _sharded(mesh, receive)
-                    codec_ms = (median_ms(lambda: compress_fn(x), trials, calls)
-                                + median_ms(lambda: receive_fn(sent), trials, calls))
+                    codec_ms = median_ms(lambda: compress_fn(x), trials, calls) + median_ms(
+                        lambda: receive_fn(sent), trials, calls
+                    )
                     add(base, op=op, part="codec", preset=preset, route=route, ms=codec_ms, speedup=plain_ms / codec_ms)
                     for chunks in chunk_counts:
                         routed = dataclasses.replace(config, chunks=chunks)
@@ -173,9 +187,19 @@ def run(sizes_mib: list[float], presets: list[str], chunk_counts: list[int], tri
                         error = _error(fn(x), reference)
                         ms = median_ms(lambda: fn(x), trials, calls)
                         label = f"{route}/{len(chunk_bounds(per_message, chunks))}"
-                        add(base, op=op, part="library", preset=preset, route=label, chunks=chunks, ms=ms,
-                            speedup=plain_ms / ms, parts_ms=bytes_ms + codec_ms, vs_parts=ms / (bytes_ms + codec_ms),
-                            rel_error=error)
+                        add(
+                            base,
+                            op=op,
+                            part="library",
+                            preset=preset,
+                            route=label,
+                            chunks=chunks,
+                            ms=ms,
+                            speedup=plain_ms / ms,
+                            parts_ms=bytes_ms + codec_ms,
+                            vs_parts=ms / (bytes_ms + codec_ms),
+                            rel_error=error,
+                        )
     return rows
 
 
@@ -194,21 +218,32 @@ def main() -> None:
     sizes = [float(s) for s in args.sizes_mib.split(",")]
     presets = [p for p in args.presets.split(",") if p]
     chunk_counts = [int(c) for c in args.chunks.split(",")]
-    print(f"{len(jax.devices())} x {jax.devices()[0].device_kind}, NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', '')}",
-          file=sys.stderr)
+    print(
+        f"{len(jax.devices())} x {jax.devices()[0].device_kind}, NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', '')}",
+        file=sys.stderr,
+    )
     rows = run(sizes, presets, chunk_counts, args.trials, args.calls)
-    meta = {"devices": len(jax.devices()), "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-            "jax": jax.__version__, "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "devices": len(jax.devices()),
+        "device_kind": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
-    print("| op | MiB/rank | preset | route | library ms | bytes + codec ms | vs parts | speed-up vs bf16 | rel. error |")
+    print(
+        "| op | MiB/rank | preset | route | library ms | bytes + codec ms | vs parts | speed-up vs bf16 | rel. error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["part"] == "library":
-            print(f"| {r['op']} | {r['mib_per_rank']:.0f} | {r['preset']} | {r['route']} | {r['ms']:.3f} | "
-                  f"{r['parts_ms']:.3f} | {r['vs_parts']:.2f} | {r['speedup']:.2f}x | {100 * r['rel_error']:.2f}% |")
+            print(
+                f"| {r['op']} | {r['mib_per_rank']:.0f} | {r['preset']} | {r['route']} | {r['ms']:.3f} | "
+                f"{r['parts_ms']:.3f} | {r['vs_parts']:.2f} | {r['speedup']:.2f}x | {100 * r['rel_error']:.2f}% |"
+            )
 
 
 if __name__ == "__main__":

@@ -68,8 +68,9 @@ def train_bpe(text: str, vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     lines = text.splitlines(keepends=True)
     tokenizer.train_from_iterator(("".join(lines[i : i + 1000]) for i in range(0, len(lines), 1000)), trainer)
     return tokenizer
@@ -88,7 +89,7 @@ def build(name: str, cache: Path) -> Path:
         return path
     cache.mkdir(parents=True, exist_ok=True)
     if name == "shakespeare":
-        from taco_jax.training.data import shakespeare_text
+        from taco_jax.train.data import shakespeare_text
 
         tokens = np.frombuffer(shakespeare_text(), np.uint8)
     elif name == "python-docs":
@@ -106,6 +107,10 @@ def build(name: str, cache: Path) -> Path:
 
 def describe(name: str, tokens: np.ndarray) -> dict:
     """What a corpus is: its size and how it was made."""
-    return {"corpus": name, "tokens": int(len(tokens)), "vocab": int(tokens.max()) + 1,
-            "tokenizer": f"byte-level BPE, {BPE_VOCAB} tokens" if name == "python-code" else "bytes",
-            "python": sys.version.split()[0]}
+    return {
+        "corpus": name,
+        "tokens": int(len(tokens)),
+        "vocab": int(tokens.max()) + 1,
+        "tokenizer": f"byte-level BPE, {BPE_VOCAB} tokens" if name == "python-code" else "bytes",
+        "python": sys.version.split()[0],
+    }

@@ -65,14 +65,22 @@ def op_kernel(name: str):
     if not shards:
         config = kc.default_config(GROUP, transform)
         x = jax.ShapeDtypeStruct((ROWS, GROUP), jnp.bfloat16)
-        return (lambda v: kc.compress(v, fmt=fmt, scale_format=scale_format, transform=transform, config=config),
-                (x,), config.block_rows * GROUP, config)
+        return (
+            lambda v: kc.compress_groups(v, fmt=fmt, scale_format=scale_format, transform=transform, config=config),
+            (x,),
+            config.block_rows * GROUP,
+            config,
+        )
     config = kd.default_config(GROUP, transform, shards, requantize=requantize)
     codes = jax.ShapeDtypeStruct((shards, ROWS // shards, GROUP), formats.wire_format(fmt).dtype)
     multipliers = jax.ShapeDtypeStruct((shards, ROWS // shards), jnp.float32)
-    decode = dict(requantize=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
-    return (lambda p, m: kd.decompress(p, m, transform=transform, config=config, **decode),
-            (codes, multipliers), config.block_rows * GROUP, config)
+    decode = dict(requantize_to=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
+    return (
+        lambda p, m: kd.decompress_groups(p, m, transform=transform, config=config, **decode),
+        (codes, multipliers),
+        config.block_rows * GROUP,
+        config,
+    )
 
 
 def compile_sass(ir: str, num_warps: int, num_stages: int) -> dict:
@@ -84,17 +92,27 @@ def compile_sass(ir: str, num_warps: int, num_stages: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ttir"
         source.write_text(ir)
-        kernel = triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        kernel = triton.compile(
+            str(source), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+        )
         (Path(tmp) / "kernel.ptx").write_text(kernel.asm["ptx"])
-        ptxas = subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", "-v", f"{tmp}/kernel.ptx", "-o",
-                                f"{tmp}/kernel.cubin"], capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{tmp}/kernel.cubin"], capture_output=True,
-                              text=True, check=True).stdout
+        ptxas = subprocess.run(
+            [str(tools / "ptxas"), "-arch=sm_90a", "-v", f"{tmp}/kernel.ptx", "-o", f"{tmp}/kernel.cubin"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+        sass = subprocess.run(
+            [str(tools / "cuobjdump"), "-sass", f"{tmp}/kernel.cubin"], capture_output=True, text=True, check=True
+        ).stdout
     opcodes = collections.Counter(m.group(1) for m in map(SASS_LINE.match, sass.splitlines()) if m)
-    return dict(registers=int(re.search(r"Used (\d+) registers", ptxas).group(1)),
-                spill_bytes=int(re.search(r"(\d+) bytes spill stores", ptxas).group(1)),
-                shared_bytes=kernel.metadata.shared, sass=sum(opcodes.values()), opcodes=dict(opcodes.most_common()))
+    return dict(
+        registers=int(re.search(r"Used (\d+) registers", ptxas).group(1)),
+        spill_bytes=int(re.search(r"(\d+) bytes spill stores", ptxas).group(1)),
+        shared_bytes=kernel.metadata.shared,
+        sass=sum(opcodes.values()),
+        opcodes=dict(opcodes.most_common()),
+    )
 
 
 def main() -> None:
@@ -116,16 +134,23 @@ def main() -> None:
     for name in ops:
         fn, inputs, elements, config = op_kernel(name)
         preset, shards, requantize = SWEEP_OPS[name]
-        transform = config.hadamard if PRESETS[preset][2] and not requantize else "none"
-        row = dict(op=name, hadamard=transform, pieces=config.pieces, block_rows=config.block_rows,
-                   num_warps=config.num_warps,
-                   **compile_sass(triton_ir(fn, *inputs), config.num_warps, config.num_stages))
+        transform = config.transform_method if PRESETS[preset][2] and not requantize else "none"
+        row = dict(
+            op=name,
+            hadamard=transform,
+            pieces=config.pieces,
+            block_rows=config.block_rows,
+            num_warps=config.num_warps,
+            **compile_sass(triton_ir(fn, *inputs), config.num_warps, config.num_stages),
+        )
         row["per_element"] = row["sass"] * 32 * config.num_warps / elements / max(1, shards)
         rows.append(row)
         top = ", ".join(f"{op} {n}" for op, n in list(row["opcodes"].items())[:6])
-        print(f"| {name} | {row['hadamard']} | {row['pieces']} | {row['block_rows']} | {row['num_warps']} | "
-              f"{row['registers']} | {row['shared_bytes']} | {row['sass']} | {row['per_element']:.1f} | {top} |",
-              flush=True)
+        print(
+            f"| {name} | {row['hadamard']} | {row['pieces']} | {row['block_rows']} | {row['num_warps']} | "
+            f"{row['registers']} | {row['shared_bytes']} | {row['sass']} | {row['per_element']:.1f} | {top} |",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"jax": jax.__version__, "shards": SHARDS, "rows": rows}, indent=1))
 

@@ -4,7 +4,7 @@ The kernels: compress by the row kernel (`row_kernels`, Gluon; the default on a 
 and by the Pallas kernel's default launch, the decodes by the Pallas kernel.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
-warps, pipelining stages, the transform method (`KernelConfig.hadamard`), the pieces a
+warps, pipelining stages, the transform method (`KernelConfig.transform_method`), the pieces a
 group is loaded in (`KernelConfig.pieces`), each timed both ways below;
 `--sweep-only` writes them alone to kernels_sweep.json, with the copy), checks
 the kernels against the jnp reference, then times
@@ -48,7 +48,7 @@ from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import group_codec, row_kernels
 from taco_jax.kernels.formats import SCALE_FORMATS
-from taco_jax.kernels.launch import HADAMARD_METHODS, KernelConfig
+from taco_jax.kernels.launch import TRANSFORM_METHODS, KernelConfig
 
 PRESETS = {  # name: (fmt, scale_format, transform)
     "taco": ("e4m3", "dual", True),
@@ -86,10 +86,13 @@ def _scales_bytes(rows: int, scale_format: str) -> int:
 def _agreement(payload, scales, ref_payload, ref_scales) -> dict:
     """The share of codes that differ from the reference's and the scales' largest
     relative difference."""
-    codes, ref_codes, entries, ref_entries = (np.asarray(a.astype(jnp.float32))
-                                              for a in (payload, ref_payload, scales, ref_scales))
-    return dict(payload_mismatch=float(np.mean(codes != ref_codes)),
-                scale_rel_diff=float(np.max(np.abs(entries - ref_entries) / np.abs(ref_entries))))
+    codes, ref_codes, entries, ref_entries = (
+        np.asarray(a.astype(jnp.float32)) for a in (payload, ref_payload, scales, ref_scales)
+    )
+    return dict(
+        payload_mismatch=float(np.mean(codes != ref_codes)),
+        scale_rel_diff=float(np.max(np.abs(entries - ref_entries) / np.abs(ref_entries))),
+    )
 
 
 def check_correctness(key) -> list[dict]:
@@ -102,16 +105,24 @@ def check_correctness(key) -> list[dict]:
             for scale_format in SCALE_FORMATS:
                 for transform in (True, False):
                     kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
-                    payload, scales = kc.compress(x, **kw)
+                    payload, scales = kc.compress_groups(x, **kw)
                     ref_payload, ref_scales = jax.jit(lambda v, kw=kw: kc.compress_reference(v, **kw))(x)
                     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
-                    out = kd.decompress(payload[None], multiplier, transform=transform, out_dtype=jnp.float32)
+                    out = kd.decompress_groups(payload[None], multiplier, transform=transform, out_dtype=jnp.float32)
                     ref_out = kd.decompress_reference(payload[None], multiplier, transform=transform)
                     decode_diff = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
                     error = float(jnp.linalg.norm(out - x.astype(jnp.float32)) / jnp.linalg.norm(x.astype(jnp.float32)))
-                    rows.append(dict(dtype=jnp.dtype(dtype).name, fmt=fmt, scales=scale_format, transform=transform,
-                                     **_agreement(payload, scales, ref_payload, ref_scales),
-                                     decode_rel_diff=decode_diff, round_trip_rel_error=error))
+                    rows.append(
+                        dict(
+                            dtype=jnp.dtype(dtype).name,
+                            fmt=fmt,
+                            scales=scale_format,
+                            transform=transform,
+                            **_agreement(payload, scales, ref_payload, ref_scales),
+                            decode_rel_diff=decode_diff,
+                            round_trip_rel_error=error,
+                        )
+                    )
     return rows
 
 
@@ -123,17 +134,24 @@ def check_requantize(key) -> list[dict]:
     rows_n = SHARDS * 8192
     x = jax.random.normal(key, (rows_n, GROUP), jnp.float32) * jnp.exp(jax.random.normal(key, (rows_n, 1)))
     for preset, (fmt, scale_format, transform) in PRESETS.items():
-        (payloads,), (multipliers,) = _as_shards([kc.compress(x, fmt=fmt, scale_format=scale_format,
-                                                              transform=transform)], scale_format, SHARDS)
-        kw = dict(transform=transform, requantize=(fmt, scale_format))
-        got = kd.decompress(payloads, multipliers, **kw)
+        (payloads,), (multipliers,) = _as_shards(
+            [kc.compress_groups(x, fmt=fmt, scale_format=scale_format, transform=transform)], scale_format, SHARDS
+        )
+        kw = dict(transform=transform, requantize_to=(fmt, scale_format))
+        got = kd.decompress_groups(payloads, multipliers, **kw)
         want = jax.jit(lambda p, m: kd.decompress_reference(p, m, **kw))(payloads, multipliers)
         got_scales, want_scales = (np.asarray(s.astype(jnp.float32)).reshape(s.shape[0], -1) for s in (got[1], want[1]))
         same_scale = (got_scales == want_scales).all(axis=1)
         codes = [np.asarray(c.astype(jnp.float32)) for c in (got[0], want[0])]
         steps = np.abs(codes[0] - codes[1])[same_scale] / np.maximum(np.abs(codes[1][same_scale]), 1.0)
-        rows.append(dict(preset=preset, **_agreement(*got, *want), max_step_same_scale=float(steps.max(initial=0.0)),
-                         groups_same_scale=float(same_scale.mean())))
+        rows.append(
+            dict(
+                preset=preset,
+                **_agreement(*got, *want),
+                max_step_same_scale=float(steps.max(initial=0.0)),
+                groups_same_scale=float(same_scale.mean()),
+            )
+        )
     return rows
 
 
@@ -146,7 +164,7 @@ def check_rounding_under_jit(key) -> dict:
     plain = jax.jit(lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32))
     plain_on_grid = np.array_equal(np.asarray(plain(x)), np.asarray(x).astype(jnp.float8_e4m3fn).astype(np.float32))
     spec = tj.QuantSpec(fmt="e4m3", hadamard=False, scales="single")
-    round_trip = lambda v: tj.decompress(tj.compress(v, spec, kernels="jnp"), kernels="jnp")
+    round_trip = lambda v: tj.decompress(tj.compress(v, spec, kernel_mode="jnp"), kernel_mode="jnp")
     jitted = np.asarray(jax.jit(round_trip)(x))
     eager = np.asarray(round_trip(x))
     return {
@@ -199,8 +217,10 @@ SWEEP_OPS = {  # op name: (preset, k shards, requantize)
 def _as_shards(compressed: list, scale_format: str, shards: int) -> tuple[list, list]:
     """Payloads and multipliers of compressed (N, G) tensors as k shards of N / k rows each:
     what a reduce-scatter receives (k = 1: one all-gathered shard)."""
-    return ([p.reshape(shards, -1, GROUP) for p, _ in compressed],
-            [group_codec.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed])
+    return (
+        [p.reshape(shards, -1, GROUP) for p, _ in compressed],
+        [group_codec.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed],
+    )
 
 
 def _compress_bytes(rows: int, scale_format: str) -> int:
@@ -223,44 +243,70 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
     kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
     rows_n = xs[0].shape[0]
     if not shards:
-        fn = jax.jit(lambda vs: [kc.compress(v, config=config, **kw) for v in vs])
+        fn = jax.jit(lambda vs: [kc.compress_groups(v, config=config, **kw) for v in vs])
         return fn, (xs,), _compress_bytes(rows_n, scale_format)
-    payloads, multipliers = _as_shards([kc.compress(v, **kw) for v in xs], scale_format, shards)
-    decode = dict(requantize=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
-    fn = jax.jit(lambda ps, ms: [kd.decompress(p, m, transform=transform, config=config, **decode)
-                                 for p, m in zip(ps, ms)])
+    payloads, multipliers = _as_shards([kc.compress_groups(v, **kw) for v in xs], scale_format, shards)
+    decode = dict(requantize_to=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
+    fn = jax.jit(
+        lambda ps, ms: [
+            kd.decompress_groups(p, m, transform=transform, config=config, **decode) for p, m in zip(ps, ms)
+        ]
+    )
     return fn, (payloads, multipliers), _decode_bytes(rows_n, shards, scale_format, requantize)
 
 
 # (block rows, blocks per program, warps, stages) swept for the methods other than "matmul",
 # whole groups and groups loaded in pieces
-TILE_FREE_LAUNCHES = ((16, 1, 2, 1), (16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (64, 1, 8, 1), (128, 1, 8, 1),
-                      (64, 4, 4, 3))
+TILE_FREE_LAUNCHES = (
+    (16, 1, 2, 1),
+    (16, 1, 4, 1),
+    (32, 1, 4, 1),
+    (64, 1, 4, 1),
+    (64, 1, 8, 1),
+    (128, 1, 8, 1),
+    (64, 4, 4, 3),
+)
 PIECES_LAUNCHES = ((16, 1, 2, 1), (16, 1, 4, 1), (32, 1, 4, 1), (64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1))
 
 
-def _sweep_launches(methods: list[str], pieces: list[int], default: KernelConfig,
-                    transformed: bool) -> list[KernelConfig]:
+def _sweep_launches(
+    methods: list[str], pieces: list[int], default: KernelConfig, transformed: bool
+) -> list[KernelConfig]:
     """The op's `default` configuration (the baseline, timed in the same run), then the
     launch configurations swept for each transform method. The methods other than
     "matmul" need no tensor-core tile, so they also try blocks below wgmma's 64 rows, and
     groups loaded in `pieces`; an op without the transform tries those launches once."""
     configs = [default]
     if "matmul" in methods:
-        configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
-                    for r in (64, 128) for b in (1, 4, 16) for w in (4, 8) for st in (1, 3) if not (b == 1 and st > 1)]
+        configs += [
+            KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st)
+            for r in (64, 128)
+            for b in (1, 4, 16)
+            for w in (4, 8)
+            for st in (1, 3)
+            if not (b == 1 and st > 1)
+        ]
     # Without the transform the method field is unused: those launches are swept once.
-    swept = [m for m in ("lanes", "pairs") if m in methods] if transformed else [default.hadamard]
+    swept = [m for m in ("lanes", "pairs") if m in methods] if transformed else [default.transform_method]
     for method in swept:
         for count in pieces:
-            configs += [KernelConfig(block_rows=r, blocks_per_program=b, num_warps=w, num_stages=st, hadamard=method,
-                                     pieces=count)
-                        for r, b, w, st in (TILE_FREE_LAUNCHES if count == 1 else PIECES_LAUNCHES)]
+            configs += [
+                KernelConfig(
+                    block_rows=r,
+                    blocks_per_program=b,
+                    num_warps=w,
+                    num_stages=st,
+                    transform_method=method,
+                    pieces=count,
+                )
+                for r, b, w, st in (TILE_FREE_LAUNCHES if count == 1 else PIECES_LAUNCHES)
+            ]
     return list(dict.fromkeys(configs))
 
 
-def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: list[str], pieces: list[int],
-                  ops: list[str]) -> list[dict]:
+def sweep_configs(
+    key, tokens: int, channels: int, budget_s: float, methods: list[str], pieces: list[int], ops: list[str]
+) -> list[dict]:
     """Time each of `ops` over launch configurations: block rows, blocks per program (the
     kernel's loop), warps, pipelining stages, the transform method (`methods`;
     methods other than "matmul" only for the ops that apply the transform) and the
@@ -271,19 +317,34 @@ def sweep_configs(key, tokens: int, channels: int, budget_s: float, methods: lis
     for name in ops:
         preset, shards, requantize = SWEEP_OPS[name]
         transformed = PRESETS[preset][2] and not requantize
-        default = (kd.default_config(GROUP, transformed, shards, requantize=requantize) if shards
-                   else kc.default_config(GROUP, transformed))
+        default = (
+            kd.default_config(GROUP, transformed, shards, requantize=requantize)
+            if shards
+            else kc.default_config(GROUP, transformed)
+        )
         for config in _sweep_launches(methods, pieces, default, transformed):
             if time.perf_counter() - start > budget_s:
                 return results
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             ms, gpu_ms = time_ms(fn, inputs, trials=5, calls=3), device_ms(fn, inputs)
-            results.append(dict(op=name, **dataclasses.asdict(config), default=config == default, ms=ms,
-                                tb_per_s=nbytes / ms / 1e9, device_ms=gpu_ms, device_tb_per_s=nbytes / gpu_ms / 1e9))
-            print(f"  {name:22s} {config.hadamard:9s} p{config.pieces} {config.block_rows:4d} "
-                  f"x{config.blocks_per_program:<3d} w{config.num_warps} s{config.num_stages} {ms:7.3f} ms "
-                  f"{nbytes / ms / 1e9:5.2f} TB/s (GPU {gpu_ms:7.3f} ms {nbytes / gpu_ms / 1e9:5.2f} TB/s)",
-                  file=sys.stderr, flush=True)
+            results.append(
+                dict(
+                    op=name,
+                    **dataclasses.asdict(config),
+                    default=config == default,
+                    ms=ms,
+                    tb_per_s=nbytes / ms / 1e9,
+                    device_ms=gpu_ms,
+                    device_tb_per_s=nbytes / gpu_ms / 1e9,
+                )
+            )
+            print(
+                f"  {name:22s} {config.transform_method:9s} p{config.pieces} {config.block_rows:4d} "
+                f"x{config.blocks_per_program:<3d} w{config.num_warps} s{config.num_stages} {ms:7.3f} ms "
+                f"{nbytes / ms / 1e9:5.2f} TB/s (GPU {gpu_ms:7.3f} ms {nbytes / gpu_ms / 1e9:5.2f} TB/s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
@@ -313,8 +374,16 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
 
     def add(op, preset, impl, fn, inputs, nbytes):
         ms = time_ms(fn, inputs)
-        row = dict(tokens=tokens, channels=channels, op=op, preset=preset, impl=impl, ms=ms, bytes=nbytes,
-                   tb_per_s=nbytes / ms / 1e9)
+        row = dict(
+            tokens=tokens,
+            channels=channels,
+            op=op,
+            preset=preset,
+            impl=impl,
+            ms=ms,
+            bytes=nbytes,
+            tb_per_s=nbytes / ms / 1e9,
+        )
         if impl != "jnp":
             row["device_ms"] = device_ms(fn, inputs)
             row["device_tb_per_s"] = nbytes / row["device_ms"] / 1e9
@@ -324,28 +393,59 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
     copy_bw = torch_copy_tb_per_s(elements)
     if copy_bw is not None:
         torch_ms = 4 * elements / copy_bw / 1e9  # CUDA events: already GPU time
-        results.append(dict(tokens=tokens, channels=channels, op="copy", preset="-", impl="torch", ms=torch_ms,
-                            bytes=4 * elements, tb_per_s=copy_bw, device_ms=torch_ms, device_tb_per_s=copy_bw))
+        results.append(
+            dict(
+                tokens=tokens,
+                channels=channels,
+                op="copy",
+                preset="-",
+                impl="torch",
+                ms=torch_ms,
+                bytes=4 * elements,
+                tb_per_s=copy_bw,
+                device_ms=torch_ms,
+                device_tb_per_s=copy_bw,
+            )
+        )
     for preset, (fmt, scale_format, transform) in PRESETS.items():
         kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
         compress_bytes = _compress_bytes(rows_n, scale_format)
         for impl, config in _compress_kernels(fmt, kc.default_config(GROUP, transform)):
-            add("compress", preset, impl, _over_list(lambda v, config=config: kc.compress(v, config=config, **kw)), (xs,),
-                compress_bytes)
+            add(
+                "compress",
+                preset,
+                impl,
+                _over_list(lambda v, config=config: kc.compress_groups(v, config=config, **kw)),
+                (xs,),
+                compress_bytes,
+            )
         add("compress", preset, "jnp", _over_list(lambda v: kc.compress_reference(v, **kw)), (xs,), compress_bytes)
-        compressed = [kc.compress(v, **kw) for v in xs]
+        compressed = [kc.compress_groups(v, **kw) for v in xs]
         one_shard, k_shards = _as_shards(compressed, scale_format, 1), _as_shards(compressed, scale_format, SHARDS)
-        for op, shards, requantize in (("decompress", 1, False), ("decompress_sum", SHARDS, False),
-                                       ("requantize_sum", SHARDS, True)):
-            extra = dict(requantize=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
+        for op, shards, requantize in (
+            ("decompress", 1, False),
+            ("decompress_sum", SHARDS, False),
+            ("requantize_sum", SHARDS, True),
+        ):
+            extra = dict(requantize_to=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
             for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
                 run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, **extra) for p, m in zip(ps, ms)])
-                add(op, preset, impl, run, one_shard if shards == 1 else k_shards,
-                    _decode_bytes(rows_n, shards, scale_format, requantize))
+                add(
+                    op,
+                    preset,
+                    impl,
+                    run,
+                    one_shard if shards == 1 else k_shards,
+                    _decode_bytes(rows_n, shards, scale_format, requantize),
+                )
     for r in results:
         device = f" (GPU {r['device_tb_per_s']:5.2f} TB/s)" if "device_ms" in r else ""
-        print(f"  {tokens}x{channels} {r['op']:15s} {r['preset']:6s} {r['impl']:6s} {r['ms']:8.3f} ms "
-              f"{r['tb_per_s']:5.2f} TB/s{device}", file=sys.stderr, flush=True)
+        print(
+            f"  {tokens}x{channels} {r['op']:15s} {r['preset']:6s} {r['impl']:6s} {r['ms']:8.3f} ms "
+            f"{r['tb_per_s']:5.2f} TB/s{device}",
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
@@ -355,16 +455,22 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
-    parser.add_argument("--sweep-hadamard", default=",".join(HADAMARD_METHODS),
-                        help="transform methods the sweep tries (KernelConfig.hadamard), comma-separated")
-    parser.add_argument("--sweep-pieces", default="1,2,4,8",
-                        help="pieces a group is loaded in (KernelConfig.pieces) for the sweep, comma-separated")
+    parser.add_argument(
+        "--sweep-hadamard",
+        default=",".join(TRANSFORM_METHODS),
+        help="transform methods the sweep tries (KernelConfig.transform_method), comma-separated",
+    )
+    parser.add_argument(
+        "--sweep-pieces",
+        default="1,2,4,8",
+        help="pieces a group is loaded in (KernelConfig.pieces) for the sweep, comma-separated",
+    )
     parser.add_argument("--sweep-ops", default=",".join(SWEEP_OPS), help="ops the sweep times, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     methods, ops = args.sweep_hadamard.split(","), args.sweep_ops.split(",")
     pieces = [int(count) for count in args.sweep_pieces.split(",")]
-    for flag, given, known in (("--sweep-hadamard", methods, HADAMARD_METHODS), ("--sweep-ops", ops, SWEEP_OPS)):
+    for flag, given, known in (("--sweep-hadamard", methods, TRANSFORM_METHODS), ("--sweep-ops", ops, SWEEP_OPS)):
         unknown = sorted(set(given) - set(known))
         if unknown:
             parser.error(f"unknown {flag} {unknown}; choose from {list(known)}")
@@ -373,20 +479,29 @@ def main() -> None:
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
-    sweep = ([] if args.quick or args.no_sweep
-             else sweep_configs(key, *SWEEP_SHAPE, args.sweep_budget, methods, pieces, ops))
+    sweep = (
+        [] if args.quick or args.no_sweep else sweep_configs(key, *SWEEP_SHAPE, args.sweep_budget, methods, pieces, ops)
+    )
     if args.sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
         copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
-        (args.out / "kernels_sweep.json").write_text(json.dumps(
-            {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": sweep}, indent=1))
+        (args.out / "kernels_sweep.json").write_text(
+            json.dumps(
+                {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": sweep},
+                indent=1,
+            )
+        )
         return
     correctness = check_correctness(key)
     rounding = check_rounding_under_jit(key)
     requantized = check_requantize(key)
     worst = max(r["scale_rel_diff"] for r in correctness)
-    print(f"correctness: worst payload mismatch {max(r['payload_mismatch'] for r in correctness):.2e}, "
-          f"worst scale diff {worst:.2e}, rounding {rounding}", file=sys.stderr, flush=True)
+    print(
+        f"correctness: worst payload mismatch {max(r['payload_mismatch'] for r in correctness):.2e}, "
+        f"worst scale diff {worst:.2e}, rounding {rounding}",
+        file=sys.stderr,
+        flush=True,
+    )
     print(f"requantized sums against the reference: {requantized}", file=sys.stderr, flush=True)
     shapes = [(16384, 8192)] if args.quick else [(4096, 4096, 16), (16384, 8192, 4), (32768, 16384, 2)]
     timings = []
@@ -394,16 +509,30 @@ def main() -> None:
         tokens, channels, repeats = shape if len(shape) == 3 else (*shape, 4)
         timings += time_shape(key, tokens, channels, repeats)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-            "default_kernel": "gluon" if row_kernels.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
-            "row_default": dataclasses.asdict(row_kernels.RowConfig()),
-            "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
-            "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),
-            "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS)),
-            "requantize_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS, requantize=True))}
-    (args.out / "kernels.json").write_text(json.dumps(
-        {"meta": meta, "correctness": correctness, "requantize_correctness": requantized, "rounding": rounding,
-         "block_sweep": sweep, "timings": timings}, indent=1))
+    meta = {
+        "device": device,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "default_kernel": "gluon" if row_kernels.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
+        "row_default": dataclasses.asdict(row_kernels.RowConfig()),
+        "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
+        "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),
+        "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS)),
+        "requantize_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS, requantize=True)),
+    }
+    (args.out / "kernels.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "correctness": correctness,
+                "requantize_correctness": requantized,
+                "rounding": rounding,
+                "block_sweep": sweep,
+                "timings": timings,
+            },
+            indent=1,
+        )
+    )
     copy = {}
     for r in timings:  # the ceiling: the faster device copy, torch's or XLA's, in GPU time
         if r["op"] == "copy":
@@ -415,12 +544,20 @@ def main() -> None:
         if r["impl"] in ("jnp", "torch", "xla"):
             continue
         shape = (r["tokens"], r["channels"])
-        jnp_row = next((j for j in timings if j["impl"] == "jnp"
-                        and all(j[k] == r[k] for k in ("tokens", "channels", "op", "preset"))), None)
+        jnp_row = next(
+            (
+                j
+                for j in timings
+                if j["impl"] == "jnp" and all(j[k] == r[k] for k in ("tokens", "channels", "op", "preset"))
+            ),
+            None,
+        )
         speedup = f"{jnp_row['ms'] / r['ms']:.1f}x" if jnp_row else "-"
-        print(f"| {shape[0]}x{shape[1]} | {r['op']} | {r['preset']} | {r['impl']} | {r['ms']:.3f} | "
-              f"{r['device_ms']:.3f} | {r['device_tb_per_s']:.2f} | {100 * r['device_tb_per_s'] / copy[shape]:.0f}% | "
-              f"{jnp_row['ms'] if jnp_row else float('nan'):.3f} | {speedup} |")
+        print(
+            f"| {shape[0]}x{shape[1]} | {r['op']} | {r['preset']} | {r['impl']} | {r['ms']:.3f} | "
+            f"{r['device_ms']:.3f} | {r['device_tb_per_s']:.2f} | {100 * r['device_tb_per_s'] / copy[shape]:.0f}% | "
+            f"{jnp_row['ms'] if jnp_row else float('nan'):.3f} | {speedup} |"
+        )
     for shape, bw in copy.items():
         print(f"copy {shape[0]}x{shape[1]}: {bw:.2f} TB/s")
 

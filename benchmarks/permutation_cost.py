@@ -47,10 +47,14 @@ def measure(tokens: int, channels: int, preset: str) -> dict:
     row["compress_perm_ms"] = time_ms(jax.jit(lambda a, p: tj.compress(a, spec, perm=p)), (x, perm))
     row["decompress_ms"] = time_ms(jax.jit(tj.decompress), (compressed,))
     row["decompress_perm_ms"] = time_ms(jax.jit(tj.decompress), (compressed, perm))
-    row["gather_overhead_pct_of_codec"] = 100 * (row["compress_perm_ms"] + row["decompress_perm_ms"]) / (
-        row["compress_ms"] + row["decompress_ms"]) - 100
-    row["gather_overhead_pct_of_matmul"] = 100 * (row["compress_perm_ms"] - row["compress_ms"]
-                                                  + row["decompress_perm_ms"] - row["decompress_ms"]) / row["matmul_ms"]
+    row["gather_overhead_pct_of_codec"] = (
+        100 * (row["compress_perm_ms"] + row["decompress_perm_ms"]) / (row["compress_ms"] + row["decompress_ms"]) - 100
+    )
+    row["gather_overhead_pct_of_matmul"] = (
+        100
+        * (row["compress_perm_ms"] - row["compress_ms"] + row["decompress_perm_ms"] - row["decompress_ms"])
+        / row["matmul_ms"]
+    )
     return row
 
 
@@ -61,12 +65,16 @@ def main() -> None:
     rows = [measure(t, c, preset) for t, c in SHAPES for preset in ("taco", "taco+")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
-    print(f"{'shape':>12} {'preset':6} {'matmul':>8} {'compress':>9} {'+gather':>8} {'decomp':>8} {'+gather':>8} "
-          f"{'codec +%':>9} {'vs GEMM %':>9}")
+    print(
+        f"{'shape':>12} {'preset':6} {'matmul':>8} {'compress':>9} {'+gather':>8} {'decomp':>8} {'+gather':>8} "
+        f"{'codec +%':>9} {'vs GEMM %':>9}"
+    )
     for r in rows:
-        print(f"{r['tokens']:>6}x{r['channels']:<5} {r['preset']:6} {r['matmul_ms']:8.3f} {r['compress_ms']:9.3f} "
-              f"{r['compress_perm_ms']:8.3f} {r['decompress_ms']:8.3f} {r['decompress_perm_ms']:8.3f} "
-              f"{r['gather_overhead_pct_of_codec']:9.1f} {r['gather_overhead_pct_of_matmul']:9.1f}")
+        print(
+            f"{r['tokens']:>6}x{r['channels']:<5} {r['preset']:6} {r['matmul_ms']:8.3f} {r['compress_ms']:9.3f} "
+            f"{r['compress_perm_ms']:8.3f} {r['decompress_ms']:8.3f} {r['decompress_perm_ms']:8.3f} "
+            f"{r['gather_overhead_pct_of_codec']:9.1f} {r['gather_overhead_pct_of_matmul']:9.1f}"
+        )
 
 
 if __name__ == "__main__":

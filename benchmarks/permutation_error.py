@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 import taco_jax as tj
-from taco_jax import calibration
 from benchmarks import tp_tensors
+from taco_jax import calibration
 
 SPECS = {
     "fp8 (E4M3)": tj.QuantSpec("e4m3", 128, False, "single"),
@@ -39,7 +39,9 @@ def main() -> None:
         for strategy in calibration.STRATEGIES:
             perm = calibration.permutation(rms, 128, strategy)
             for mode, spec in SPECS.items():
-                rows.append({"tensor": kind, "strategy": strategy, "mode": mode, **calibration.codec_error(x, spec, perm)})
+                rows.append(
+                    {"tensor": kind, "strategy": strategy, "mode": mode, **calibration.codec_error(x, spec, perm)}
+                )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
     print("| tensor | mode | identity | cluster | interleave |")

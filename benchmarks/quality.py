@@ -81,25 +81,49 @@ VARIANTS: dict[str, dict] = {
 
 def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int) -> dict:
     """One run in this process; returns its result row."""
-    from taco_jax.training.config import TrainConfig
-    from taco_jax.training.trainer import train
+    from taco_jax.train.config import TrainConfig
+    from taco_jax.train.trainer import train
 
     out = args.runs / f"{corpus}_{model}_{variant}_seed{seed}"
     data = corpora.build(corpus, args.runs / "corpora")
-    settings = dict(model=model, data=str(data), val_fraction=corpora.VAL_FRACTION, mesh=args.mesh,
-                    microbatches=args.microbatches, simulate_mesh=args.simulate, taco_min_bytes=0,
-                    steps=args.steps, seed=seed, data_seed=0, batch_size=args.batch_size, seq_len=args.seq_len,
-                    lr=args.lr, warmup_steps=args.steps // 10, eval_every=args.steps, eval_batches=args.eval_batches,
-                    checkpoint_every=args.steps, keep_checkpoints=1, calibration_steps=args.calibration_steps,
-                    compute_dtype=args.compute_dtype, out=str(out))
+    settings = dict(
+        model=model,
+        data=str(data),
+        val_fraction=corpora.VAL_FRACTION,
+        mesh=args.mesh,
+        microbatches=args.microbatches,
+        simulate_mesh=args.simulate,
+        taco_min_bytes=0,
+        steps=args.steps,
+        seed=seed,
+        data_seed=0,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=args.steps // 10,
+        eval_every=args.steps,
+        eval_batches=args.eval_batches,
+        checkpoint_every=args.steps,
+        keep_checkpoints=1,
+        calibration_steps=args.calibration_steps,
+        compute_dtype=args.compute_dtype,
+        out=str(out),
+    )
     cfg = TrainConfig(**{**settings, **VARIANTS[variant]})
     summary = train(cfg, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    result = {"corpus": corpus, "model": model, "variant": variant, "seed": seed,
-              "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])), "val_loss": summary["final_val_loss"],
-              "curve": [r["loss"] for r in rows], "seconds": summary["seconds"],
-              "wire_bytes_by_axis": summary["wire_bytes_by_axis"],
-              "wire_bytes_bf16_by_axis": summary["wire_bytes_bf16_by_axis"]}
+    result = {
+        "corpus": corpus,
+        "model": model,
+        "variant": variant,
+        "seed": seed,
+        "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
+        "val_loss": summary["final_val_loss"],
+        "curve": [r["loss"] for r in rows],
+        "seconds": summary["seconds"],
+        "wire_bytes_by_axis": summary["wire_bytes_by_axis"],
+        "wire_bytes_bf16_by_axis": summary["wire_bytes_bf16_by_axis"],
+    }
     calibration = out / "calibration.json"
     if calibration.exists():
         result["calibration_report"] = json.loads(calibration.read_text())["report"]
@@ -116,8 +140,10 @@ def _check_budget(args: argparse.Namespace, corpus: str) -> dict:
     train_tokens = int(len(tokens) * (1 - corpora.VAL_FRACTION))
     epochs = args.steps * args.batch_size * args.seq_len / train_tokens
     if epochs > 1:
-        raise ValueError(f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens are {epochs:.2f} epochs of "
-                         f"{corpus} ({train_tokens} train tokens): take fewer steps")
+        raise ValueError(
+            f"{args.steps} steps x {args.batch_size} x {args.seq_len} tokens are {epochs:.2f} epochs of "
+            f"{corpus} ({train_tokens} train tokens): take fewer steps"
+        )
     return corpora.describe(corpus, tokens) | {"steps": args.steps, "epochs_per_run": round(epochs, 3)}
 
 
@@ -126,8 +152,13 @@ def _spawn(args: argparse.Namespace, corpus: str, model: str, variant: str, seed
     if args.jobs > 1:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.2f}")
     forwarded = [a for a in sys.argv[1:] if a != "--report-only"]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.quality", *forwarded, "--one", corpus, model, variant, str(seed)],
-                          env=env, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.quality", *forwarded, "--one", corpus, model, variant, str(seed)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise RuntimeError(f"{corpus} {model} {variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -140,8 +171,11 @@ def _corpus(run: dict) -> str:
 def report(results: list[dict], models: list[str], variants: list[str], out: Path, name: str, mesh: str) -> str:
     """Markdown table per corpus x model x variant; writes NAME.md and NAME.png next to
     the JSON. Paired val-loss gaps above +0.3% are in bold."""
-    lines = ["| corpus | model | variant | seeds | train loss | val loss | val gap vs off | paired val gap | "
-             "paired train gap | bytes vs bf16 per axis |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| corpus | model | variant | seeds | train loss | val loss | val gap vs off | paired val gap | "
+        "paired train gap | bytes vs bf16 per axis |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     panels = []
     for corpus in dict.fromkeys(_corpus(r) for r in results):
         for model in models:
@@ -154,13 +188,23 @@ def report(results: list[dict], models: list[str], variants: list[str], out: Pat
                 if not runs:
                     continue
                 train_l, val_l = [r["train_loss"] for r in runs], [r["val_loss"] for r in runs]
-                gap = f"{100 * (np.mean(val_l) / np.mean([r['val_loss'] for r in base.values()]) - 1):+.2f}%" if base else "n/a"
-                lines.append(f"| {corpus} | {model} | {variant} | {len(runs)} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
-                             f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {_paired(runs, base, 'val_loss', flag=0.3)} | "
-                             f"{_paired(runs, base, 'train_loss')} | {_bytes(runs[0])} |")
+                gap = (
+                    f"{100 * (np.mean(val_l) / np.mean([r['val_loss'] for r in base.values()]) - 1):+.2f}%"
+                    if base
+                    else "n/a"
+                )
+                lines.append(
+                    f"| {corpus} | {model} | {variant} | {len(runs)} | {np.mean(train_l):.4f} ± {np.ptp(train_l):.4f} | "
+                    f"{np.mean(val_l):.4f} ± {np.ptp(val_l):.4f} | {gap} | {_paired(runs, base, 'val_loss', flag=0.3)} | "
+                    f"{_paired(runs, base, 'train_loss')} | {_bytes(runs[0])} |"
+                )
             if len(base) > 1:
-                spread = np.ptp([r["val_loss"] for r in base.values()]) / np.mean([r["val_loss"] for r in base.values()])
-                lines.append(f"| {corpus} | {model} | off seed spread (max - min) | | | {100 * spread:.2f}% of the mean | | | | |")
+                spread = np.ptp([r["val_loss"] for r in base.values()]) / np.mean(
+                    [r["val_loss"] for r in base.values()]
+                )
+                lines.append(
+                    f"| {corpus} | {model} | off seed spread (max - min) | | | {100 * spread:.2f}% of the mean | | | | |"
+                )
     table = "\n".join(lines)
     (out / f"{name}.md").write_text(table + "\n")
     _plot(results, panels, variants, out / f"{name}.png", mesh)
@@ -203,8 +247,9 @@ def _plot(results: list[dict], panels: list[tuple[str, str]], variants: list[str
             runs = [r for r in mine if r["variant"] == variant]
             if not runs:
                 continue
-            style = dict(label=variant, lw=1, color=plt.get_cmap("tab20")(index % 20),
-                         ls="--" if "int4" in variant else "-")
+            style = dict(
+                label=variant, lw=1, color=plt.get_cmap("tab20")(index % 20), ls="--" if "int4" in variant else "-"
+            )
             curve = smooth(np.mean([r["curve"] for r in runs], axis=0))
             steps = np.arange(len(curve)) + 20
             axes[0, column].plot(steps, curve, **style)
@@ -239,8 +284,9 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=32)
     parser.add_argument("--calibration-steps", type=int, default=50)
     parser.add_argument("--compute-dtype", default="bfloat16")
-    parser.add_argument("--mesh", type=lambda s: tuple(int(d) for d in s.split(",")), default=(1, 1, 4),
-                        help="DATA,PIPE,TENSOR")
+    parser.add_argument(
+        "--mesh", type=lambda s: tuple(int(d) for d in s.split(",")), default=(1, 1, 4), help="DATA,PIPE,TENSOR"
+    )
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--tag", default="", help="write quality_TAG.{json,md,png}")
     parser.add_argument("--simulate", action="store_true", help="simulate the mesh on one device (named vmaps)")
@@ -263,8 +309,14 @@ def main() -> None:
     earlier = json.loads(path.read_text()) if path.exists() else {"settings": {}, "runs": []}
     results = earlier["runs"]
     done = {(_corpus(r), r["model"], r["variant"], r["seed"]) for r in results}
-    todo = [(c, m, v, s) for c in names for s in range(args.seeds) for m in models for v in variants
-            if (c, m, v, s) not in done]
+    todo = [
+        (c, m, v, s)
+        for c in names
+        for s in range(args.seeds)
+        for m in models
+        for v in variants
+        if (c, m, v, s) not in done
+    ]
     if not args.report_only:
         try:
             described = {c: _check_budget(args, c) for c in names}
@@ -272,7 +324,9 @@ def main() -> None:
             parser.error(str(error))
         # Corpora measured by earlier invocations keep their own description (steps, epochs).
         described = earlier["settings"].get("corpora", {}) | described
-        settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")} | {"corpora": described}
+        settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")} | {
+            "corpora": described
+        }
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(_spawn, args, *key) for key in todo]
             for future in as_completed(futures):
@@ -283,8 +337,12 @@ def main() -> None:
                     continue
                 results.append(result)
                 path.write_text(json.dumps({"settings": settings, "runs": results}))
-                print(f"  {result['corpus']} {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
-                      f"val {result['val_loss']:.4f} ({result['seconds']:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"  {result['corpus']} {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
+                    f"val {result['val_loss']:.4f} ({result['seconds']:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     print(report(results, models, variants, args.out, name, ",".join(map(str, args.mesh))))
 
 

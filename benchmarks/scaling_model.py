@@ -61,8 +61,14 @@ class Codec:
 
 def _kernel_codecs(results: Path) -> list[Codec]:
     """Codec throughputs at the largest measured shape (falls back to the recorded ones)."""
-    measured = {("taco", "compress"): 1.70, ("taco", "requantize_sum"): 3.17, ("taco", "decompress"): 2.52,
-                ("taco+", "compress"): 1.52, ("taco+", "requantize_sum"): 1.83, ("taco+", "decompress"): 2.51}
+    measured = {
+        ("taco", "compress"): 1.70,
+        ("taco", "requantize_sum"): 3.17,
+        ("taco", "decompress"): 2.52,
+        ("taco+", "compress"): 1.52,
+        ("taco+", "requantize_sum"): 1.83,
+        ("taco+", "decompress"): 2.51,
+    }
     path = results / "kernels.json"
     if path.exists():
         rows = json.loads(path.read_text())["timings"]
@@ -71,10 +77,20 @@ def _kernel_codecs(results: Path) -> list[Codec]:
             if (r["tokens"], r["channels"]) == largest and r["impl"] == "pallas" and r["preset"] in ("taco", "taco+"):
                 measured[(r["preset"], r["op"])] = r["tb_per_s"]
     return [
-        Codec("taco (E4M3, dual scales)", 0.531, measured[("taco", "compress")], measured[("taco", "requantize_sum")],
-              measured[("taco", "decompress")]),
-        Codec("taco+ (INT8, bf16 scales)", 0.508, measured[("taco+", "compress")], measured[("taco+", "requantize_sum")],
-              measured[("taco+", "decompress")]),
+        Codec(
+            "taco (E4M3, dual scales)",
+            0.531,
+            measured[("taco", "compress")],
+            measured[("taco", "requantize_sum")],
+            measured[("taco", "decompress")],
+        ),
+        Codec(
+            "taco+ (INT8, bf16 scales)",
+            0.508,
+            measured[("taco+", "compress")],
+            measured[("taco+", "requantize_sum")],
+            measured[("taco+", "decompress")],
+        ),
     ]
 
 
@@ -84,10 +100,14 @@ def allreduce_bf16_s(message_bytes: float, k: int, link: Link) -> float:
 
 def allreduce_taco_s(message_bytes: float, k: int, link: Link, codec: Codec) -> float:
     elements = message_bytes / 2
-    wire = 2 * (k - 1) / k * codec.wire_ratio * message_bytes / (link.bus_gb_s * 1e9) + 2 * (k - 1) * link.alpha_us * 1e-6
-    codec_s = (3 * elements / (codec.compress_tb_s * 1e12)
-               + elements * (1 + 1 / k) / (codec.requantize_tb_s * 1e12)
-               + 3 * elements / (codec.decompress_tb_s * 1e12))
+    wire = (
+        2 * (k - 1) / k * codec.wire_ratio * message_bytes / (link.bus_gb_s * 1e9) + 2 * (k - 1) * link.alpha_us * 1e-6
+    )
+    codec_s = (
+        3 * elements / (codec.compress_tb_s * 1e12)
+        + elements * (1 + 1 / k) / (codec.requantize_tb_s * 1e12)
+        + 3 * elements / (codec.decompress_tb_s * 1e12)
+    )
     return wire + codec_s
 
 
@@ -116,8 +136,14 @@ def validate(links: list[Link]) -> list[dict]:
     rows = []
     for link, measured_ms in [(links[0], 2.36), (links[-1], 7.57)]:
         predicted = 1e3 * allreduce_taco_s(256 * MIB, 2, link, jnp_codec)
-        rows.append({"link": link.name, "measured_ms": measured_ms, "predicted_ms": predicted,
-                     "error": predicted / measured_ms - 1})
+        rows.append(
+            {
+                "link": link.name,
+                "measured_ms": measured_ms,
+                "predicted_ms": predicted,
+                "error": predicted / measured_ms - 1,
+            }
+        )
     return rows
 
 
@@ -134,8 +160,10 @@ def main() -> None:
     tokens = meta["batch"] * meta["seq"]
     flops = 3 * (24 * tokens * d * d + 4 * tokens * meta["seq"] * d) * 16 / (off["step_ms"] * 1e-3)  # 16 layers
     codecs = _kernel_codecs(results)
-    models = [Model("GPT 1.3B-like (d=2048, L=24, s=2048, 8K tokens)", 2048, 24, 2048, 8192),
-              Model("GPT 13B-like (d=5120, L=40, s=2048, 8K tokens)", 5120, 40, 2048, 8192)]
+    models = [
+        Model("GPT 1.3B-like (d=2048, L=24, s=2048, 8K tokens)", 2048, 24, 2048, 8192),
+        Model("GPT 13B-like (d=5120, L=40, s=2048, 8K tokens)", 5120, 40, 2048, 8192),
+    ]
     rows = []
     for model in models:
         for link in LINKS:
@@ -143,19 +171,39 @@ def main() -> None:
                 base = step_s(model, k, link, flops, None, args.overlap)
                 for codec in codecs:
                     ours = step_s(model, k, link, flops, codec, args.overlap)
-                    rows.append({"model": model.name, "link": link.name, "tp": k, "codec": codec.name,
-                                 "step_ms_bf16": 1e3 * base, "step_ms_taco": 1e3 * ours, "speedup": base / ours})
+                    rows.append(
+                        {
+                            "model": model.name,
+                            "link": link.name,
+                            "tp": k,
+                            "codec": codec.name,
+                            "step_ms_bf16": 1e3 * base,
+                            "step_ms_taco": 1e3 * ours,
+                            "speedup": base / ours,
+                        }
+                    )
     validation = validate(LINKS)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scaling_model.json").write_text(json.dumps(
-        {"achieved_tflops": flops / 1e12, "links": [dataclasses.asdict(l) for l in LINKS],
-         "codecs": [dataclasses.asdict(c) for c in codecs], "overlap": args.overlap, "rows": rows,
-         "validation": validation}, indent=1))
+    (args.out / "scaling_model.json").write_text(
+        json.dumps(
+            {
+                "achieved_tflops": flops / 1e12,
+                "links": [dataclasses.asdict(link) for link in LINKS],
+                "codecs": [dataclasses.asdict(c) for c in codecs],
+                "overlap": args.overlap,
+                "rows": rows,
+                "validation": validation,
+            },
+            indent=1,
+        )
+    )
     _plot(rows, args.out / "scaling_model.png")
     print(f"achieved bf16 compute (0.91B GPT, one H200): {flops / 1e12:.0f} TFLOP/s; overlap {args.overlap}")
     print("validation (2 GPUs, 256 MiB, plain-jnp FP8 two-shot):")
     for v in validation:
-        print(f"  {v['link']}: predicted {v['predicted_ms']:.2f} ms, measured {v['measured_ms']:.2f} ms ({100 * v['error']:+.0f}%)")
+        print(
+            f"  {v['link']}: predicted {v['predicted_ms']:.2f} ms, measured {v['measured_ms']:.2f} ms ({100 * v['error']:+.0f}%)"
+        )
     print("| model | link | TP | speed-up taco | speed-up taco+ |")
     print("|---|---|---|---|---|")
     for i in range(0, len(rows), 2):

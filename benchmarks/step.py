@@ -38,32 +38,59 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import models
 import taco_jax as tj
 from benchmarks import profiling
-from taco_jax.training import trainer
-from taco_jax.training.config import TrainConfig
+from taco_jax import models
+from taco_jax.train import trainer
+from taco_jax.train.config import TrainConfig
 
 
-def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, sequence_parallel: bool,
-            profile: bool = False, remat: str = "none") -> dict:
+def measure(
+    config,
+    mesh_shape,
+    mode: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    sequence_parallel: bool,
+    profile: bool = False,
+    remat: str = "none",
+) -> dict:
     # "default": the trainer's defaults (preset and taco_policy, which probes the link);
     # a preset name: that preset with every tensor message compressed; "pipe:PRESET" or
     # "data:PRESET": tensor traffic plain, that axis's traffic with the preset.
     axis, _, name = mode.rpartition(":")
-    preset = ({} if mode == "default" else {"taco": mode, "taco_policy": "always"}) if not axis else {
-        "taco": "off", f"taco_{axis}": name}
-    cfg = TrainConfig(model="custom", mesh=mesh_shape, taco_min_bytes=0, batch_size=batch, seq_len=seq,
-                      compute_dtype="bfloat16", sequence_parallel=sequence_parallel, steps=1000, warmup_steps=1,
-                      remat=remat, out=tempfile.mkdtemp(prefix="step_"), **preset)
+    preset = (
+        ({} if mode == "default" else {"taco": mode, "taco_policy": "always"})
+        if not axis
+        else {"taco": "off", f"taco_{axis}": name}
+    )
+    cfg = TrainConfig(
+        model="custom",
+        mesh=mesh_shape,
+        taco_min_bytes=0,
+        batch_size=batch,
+        seq_len=seq,
+        compute_dtype="bfloat16",
+        sequence_parallel=sequence_parallel,
+        steps=1000,
+        warmup_steps=1,
+        remat=remat,
+        out=tempfile.mkdtemp(prefix="step_"),
+        **preset,
+    )
     mesh = tj.make_mesh(*mesh_shape)
     tx, _ = trainer.make_optimizer(cfg, config)
     params, opt_state = trainer.init_state(config, 0, mesh, tx)
     feedback = trainer.init_error_feedback(cfg, config, params, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, feedback))
     rng = np.random.default_rng(0)
-    batches = [jax.device_put(rng.integers(0, config.vocab_size, (batch, seq + 1)).astype(np.int32),
-                              NamedSharding(mesh, P("data"))) for _ in range(2)]
+    batches = [
+        jax.device_put(
+            rng.integers(0, config.vocab_size, (batch, seq + 1)).astype(np.int32), NamedSharding(mesh, P("data"))
+        )
+        for _ in range(2)
+    ]
     cfg = trainer.resolve_taco_policy(cfg, config, mesh, params, batches[0], Path(cfg.out))
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
     start = time.perf_counter()
@@ -76,17 +103,27 @@ def measure(config, mesh_shape, mode: str, batch: int, seq: int, steps: int, seq
     for trial in range(3):
         start = time.perf_counter()
         for i in range(steps):
-            params, opt_state, feedback, metrics = train_step(params, opt_state, feedback, batches[i % 2],
-                                                              jnp.bool_(False))
+            params, opt_state, feedback, metrics = train_step(
+                params, opt_state, feedback, batches[i % 2], jnp.bool_(False)
+            )
             if sync_each:
                 jax.block_until_ready(metrics)
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - start) / steps)
     step_s = statistics.median(times)
-    row = {"family": config.family, "mode": mode, "taco": cfg.taco, "taco_policy": cfg.taco_policy, "remat": remat,
-           "mesh": list(mesh_shape), "step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s,
-           "compile_s": compile_s, "loss": float(np.asarray(metrics["loss"].addressable_shards[0].data)),
-           "temp_gib": None if memory is None else memory.temp_size_in_bytes / 2**30}
+    row = {
+        "family": config.family,
+        "mode": mode,
+        "taco": cfg.taco,
+        "taco_policy": cfg.taco_policy,
+        "remat": remat,
+        "mesh": list(mesh_shape),
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": batch * seq / step_s,
+        "compile_s": compile_s,
+        "loss": float(np.asarray(metrics["loss"].addressable_shards[0].data)),
+        "temp_gib": None if memory is None else memory.temp_size_in_bytes / 2**30,
+    }
     if cfg.taco_policy.endswith(".json"):
         row["policy_decisions"] = json.loads(Path(cfg.taco_policy).read_text())["decisions"]
     if profile:
@@ -104,8 +141,12 @@ def model_flops_per_token(config, seq: int) -> float:
     """Training FLOPs per token: 6 x parameters in matmuls (the input embedding lookup
     and positions excluded; a tied table counts once, as the head) + attention's
     12 x layers x d_model x seq (nanoGPT's estimate)."""
-    sizes = {jax.tree_util.keystr(path): int(np.prod(leaf[0])) for path, leaf in jax.tree_util.tree_flatten_with_path(
-        models.layout(config), is_leaf=models.params.is_layout_leaf)[0]}
+    sizes = {
+        jax.tree_util.keystr(path): int(np.prod(leaf[0]))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            models.layout(config), is_leaf=models.params.is_layout_leaf
+        )[0]
+    }
     lookups = sizes.get("['embed']['positions']", 0) + (0 if config.tie_embeddings else sizes["['embed']['tokens']"])
     return 6 * (sum(sizes.values()) - lookups) + 12 * config.n_layers * config.d_model * seq
 
@@ -113,20 +154,53 @@ def model_flops_per_token(config, seq: int) -> float:
 def custom_model(family: str, args) -> models.ModelConfig:
     """The benchmark's GPT or Qwen2 shape (Qwen2: grouped queries, SwiGLU, untied head)."""
     if family == "gpt2":
-        return models.GPT2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
-                                 n_layers=args.layers, n_heads=args.heads, d_ff=4 * args.d_model)
-    return models.Qwen2Config(vocab_size=args.vocab, max_positions=args.seq, d_model=args.d_model,
-                              n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                              d_ff=args.qwen2_d_ff, tie_embeddings=False)
+        return models.GPT2Config(
+            vocab_size=args.vocab,
+            max_positions=args.seq,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            d_ff=4 * args.d_model,
+        )
+    return models.Qwen2Config(
+        vocab_size=args.vocab,
+        max_positions=args.seq,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_ff=args.qwen2_d_ff,
+        tie_embeddings=False,
+    )
 
 
 def torch_reference(config, args) -> dict:
     """The PyTorch step of the same shape (benchmarks/torch_reference.py) in a subprocess."""
     script = Path(__file__).resolve().parent / "torch_reference.py"
-    command = [sys.executable, str(script), "--family", config.family, "--vocab", str(config.vocab_size),
-               "--d-model", str(config.d_model), "--layers", str(config.n_layers), "--heads", str(config.n_heads),
-               "--kv-heads", str(config.n_kv_heads), "--d-ff", str(config.d_ff), "--seq", str(args.seq),
-               "--batch", str(args.batch), "--steps", str(args.steps)]
+    command = [
+        sys.executable,
+        str(script),
+        "--family",
+        config.family,
+        "--vocab",
+        str(config.vocab_size),
+        "--d-model",
+        str(config.d_model),
+        "--layers",
+        str(config.n_layers),
+        "--heads",
+        str(config.n_heads),
+        "--kv-heads",
+        str(config.n_kv_heads),
+        "--d-ff",
+        str(config.d_ff),
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+    ]
     result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     return {"family": config.family, "mode": "torch", **result}
 
@@ -144,9 +218,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--modes", default="off,taco,taco+,default",
-                        help="presets (every tensor message compressed), 'default' (the trainer's default "
-                             "policy), and pipe:PRESET / data:PRESET (that axis's traffic compressed)")
+    parser.add_argument(
+        "--modes",
+        default="off,taco,taco+,default",
+        help="presets (every tensor message compressed), 'default' (the trainer's default "
+        "policy), and pipe:PRESET / data:PRESET (that axis's traffic compressed)",
+    )
     parser.add_argument("--remat", default="none", help="activation checkpointing (models.transformer.REMAT_POLICIES)")
     parser.add_argument("--reference", choices=("torch",), help="also time the PyTorch reference step")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the card, for MFU")
@@ -161,32 +238,65 @@ def main() -> None:
     references = {c.family: torch_reference(c, args) for c in configs} if args.reference else {}
     rows = []
     for config in configs:
-        n_params = sum(int(np.prod(leaf[0])) for leaf in jax.tree.leaves(
-            models.layout(config), is_leaf=models.params.is_layout_leaf))
-        print(f"{config.family} {n_params / 1e9:.2f}B params, seq {args.seq}, batch {args.batch}, mesh {mesh_shape}, "
-              f"{jax.devices()[0].device_kind} x {jax.device_count()}", file=sys.stderr, flush=True)
+        n_params = sum(
+            int(np.prod(leaf[0]))
+            for leaf in jax.tree.leaves(models.layout(config), is_leaf=models.params.is_layout_leaf)
+        )
+        print(
+            f"{config.family} {n_params / 1e9:.2f}B params, seq {args.seq}, batch {args.batch}, mesh {mesh_shape}, "
+            f"{jax.devices()[0].device_kind} x {jax.device_count()}",
+            file=sys.stderr,
+            flush=True,
+        )
         family_rows = [references[config.family]] if config.family in references else []
         for mode in args.modes.split(","):
-            family_rows.append(measure(config, mesh_shape, mode, args.batch, args.seq, args.steps,
-                                       args.sequence_parallel, args.profile, args.remat))
+            family_rows.append(
+                measure(
+                    config,
+                    mesh_shape,
+                    mode,
+                    args.batch,
+                    args.seq,
+                    args.steps,
+                    args.sequence_parallel,
+                    args.profile,
+                    args.remat,
+                )
+            )
         flops = model_flops_per_token(config, args.seq)
         for row in family_rows:
-            row.update(params=n_params, mfu=flops * row["tokens_per_s"] / (args.peak_tflops * 1e12 * jax.device_count()))
-            print(f"  {row['mode']:6s} {row['step_ms']:9.1f} ms/step {row['tokens_per_s']:10.0f} tok/s "
-                  f"MFU {100 * row['mfu']:.1f}% (compile {row['compile_s']:.0f} s, loss {row['loss']:.3f})",
-                  file=sys.stderr, flush=True)
+            row.update(
+                params=n_params, mfu=flops * row["tokens_per_s"] / (args.peak_tflops * 1e12 * jax.device_count())
+            )
+            print(
+                f"  {row['mode']:6s} {row['step_ms']:9.1f} ms/step {row['tokens_per_s']:10.0f} tok/s "
+                f"MFU {100 * row['mfu']:.1f}% (compile {row['compile_s']:.0f} s, loss {row['loss']:.3f})",
+                file=sys.stderr,
+                flush=True,
+            )
         rows += family_rows
-    meta = {"seq": args.seq, "batch": args.batch, "mesh": list(mesh_shape), "remat": args.remat,
-            "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "jax": jax.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_tflops": args.peak_tflops,
-            "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""), "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "seq": args.seq,
+        "batch": args.batch,
+        "mesh": list(mesh_shape),
+        "remat": args.remat,
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "peak_tflops": args.peak_tflops,
+        "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print("| family | mode | step ms | tokens/s | MFU | vs first |\n|---|---|---|---|---|---|")
     for r in rows:
         base = next(b for b in rows if b["family"] == r["family"])["step_ms"]
-        print(f"| {r['family']} | {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
-              f"{r['step_ms'] / base:.3f}x |")
+        print(
+            f"| {r['family']} | {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | "
+            f"{r['step_ms'] / base:.3f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -67,9 +67,17 @@ class GPT(nn.Module):
 def qwen2(vocab: int, seq: int, d: int, layers: int, heads: int, kv_heads: int, d_ff: int) -> nn.Module:
     import transformers
 
-    config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=d, intermediate_size=d_ff, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                      max_position_embeddings=seq, rope_theta=10000.0, tie_word_embeddings=False)
+    config = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=d_ff,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     model = transformers.Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.float32)
     model.config.use_cache = False
     return _LogitsOnly(model)
@@ -89,8 +97,12 @@ def measure(model: nn.Module, vocab: int, batch: int, seq: int, steps: int) -> d
     model = model.cuda().train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95), fused=True)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
     compiled = torch.compile(model)
     generator = torch.Generator(device="cuda").manual_seed(0)
     batches = [torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=generator) for _ in range(2)]
@@ -118,8 +130,14 @@ def measure(model: nn.Module, vocab: int, batch: int, seq: int, steps: int) -> d
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) / steps)
     step_s = statistics.median(times)
-    return {"step_ms": 1e3 * step_s, "tokens_per_s": batch * seq / step_s, "compile_s": compile_s,
-            "loss": float(loss), "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "torch": torch.__version__}
+    return {
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": batch * seq / step_s,
+        "compile_s": compile_s,
+        "loss": float(loss),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "torch": torch.__version__,
+    }
 
 
 def main() -> None:

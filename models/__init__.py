@@ -5,11 +5,11 @@ logical axis names that map to the (data, pipe, tensor) mesh in one place
 (`models.params.LOGICAL_RULES`); layers are stacked for `lax.scan`.
 """
 
-from taco_jax.models.api import logits, loss_and_grads, shard_loss_and_grads
-from taco_jax.models.config import PRESETS, GPT2Config, ModelConfig, Qwen2Config, check_tensor_parallel, preset
-from taco_jax.models.hf import load_hf
-from taco_jax.models.params import LOGICAL_RULES, abstract_params, init_params, layout, partition_specs, shard_params
-from taco_jax.models.transformer import Parallelism
+from .api import logits, loss_and_grads, shard_loss_and_grads
+from .config import PRESETS, GPT2Config, ModelConfig, Qwen2Config, check_tensor_parallel, preset
+from .hf import load_hf
+from .params import LOGICAL_RULES, abstract_params, init_params, layout, partition_specs, shard_params
+from .transformer import Parallelism
 
 __all__ = [
     "LOGICAL_RULES",

@@ -9,29 +9,42 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax.models.config import ModelConfig, check_tensor_parallel
-from taco_jax.models.params import partition_specs, shard_params
-from taco_jax.models.transformer import AXIS, Parallelism, cross_entropy, local_logits
+from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+
+from .config import ModelConfig, check_tensor_parallel
+from .params import partition_specs, shard_params
+from .transformer import Parallelism, cross_entropy, local_logits
 
 
 def _mesh_or_default(mesh: Mesh | None) -> Mesh:
     mesh = mesh if mesh is not None else tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    if mesh.shape["pipe"] != 1:
-        raise ValueError(f"models.logits / loss_and_grads run without a pipeline (pipe=1), got pipe={mesh.shape['pipe']}; "
-                         "the trainer (train.pipeline) runs pipelined meshes")
+    if mesh.shape[PIPE_AXIS] != 1:
+        raise ValueError(
+            f"models.logits / loss_and_grads run without a pipeline (pipe=1), got pipe={mesh.shape['pipe']}; "
+            "the trainer (train.pipeline) runs pipelined meshes"
+        )
     return mesh
 
 
-def _prepare(config: ModelConfig, mesh: Mesh | None, taco, sequence_parallel: bool, calibration) -> tuple[Mesh, Parallelism]:
+def _prepare(
+    config: ModelConfig, mesh: Mesh | None, taco, sequence_parallel: bool, calibration
+) -> tuple[Mesh, Parallelism]:
     mesh = _mesh_or_default(mesh)
-    check_tensor_parallel(config, mesh.shape[AXIS])
+    check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
     calibration = calibration if calibration is not None else tj.calibration.Calibration()
     return mesh, Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel, calibration=calibration)
 
 
-def logits(config: ModelConfig, params: dict, tokens: jax.Array, *, mesh: Mesh | None = None,
-           taco: tj.TacoConfig | None = None, sequence_parallel: bool = False,
-           calibration: tj.calibration.Calibration | None = None) -> jax.Array:
+def logits(
+    config: ModelConfig,
+    params: dict,
+    tokens: jax.Array,
+    *,
+    mesh: Mesh | None = None,
+    taco: tj.TacoConfig | None = None,
+    sequence_parallel: bool = False,
+    calibration: tj.calibration.Calibration | None = None,
+) -> jax.Array:
     """Next-token logits for evaluation.
 
     Args:
@@ -53,8 +66,11 @@ def logits(config: ModelConfig, params: dict, tokens: jax.Array, *, mesh: Mesh |
     mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)
     batch = P(tj.mesh.data_axis(mesh, tokens.shape[0]))
     fn = jax.shard_map(
-        lambda p, t: local_logits(config, p, t, par), mesh=mesh,
-        in_specs=(partition_specs(config), batch), out_specs=P(*batch, None, AXIS), check_vma=False,
+        lambda p, t: local_logits(config, p, t, par),
+        mesh=mesh,
+        in_specs=(partition_specs(config), batch),
+        out_specs=P(*batch, None, TENSOR_AXIS),
+        check_vma=False,
     )
     out = jax.jit(fn)(shard_params(params, config, mesh), jnp.asarray(tokens))
     return out[..., : config.vocab_size]
@@ -80,12 +96,19 @@ def sequence_parallel_grads(config: ModelConfig, grads: dict, par: Parallelism) 
     parallelism; identity without."""
     if not par.sequence_parallel:
         return grads
-    return tj.tp.sum_sequence_parallel_grads(grads, partition_specs(config), AXIS)
+    return tj.tp.sum_sequence_parallel_grads(grads, partition_specs(config), TENSOR_AXIS)
 
 
-def loss_and_grads(config: ModelConfig, params: dict, tokens: jax.Array, *, mesh: Mesh | None = None,
-                   taco: tj.TacoConfig | None = None, sequence_parallel: bool = False,
-                   calibration: tj.calibration.Calibration | None = None):
+def loss_and_grads(
+    config: ModelConfig,
+    params: dict,
+    tokens: jax.Array,
+    *,
+    mesh: Mesh | None = None,
+    taco: tj.TacoConfig | None = None,
+    sequence_parallel: bool = False,
+    calibration: tj.calibration.Calibration | None = None,
+):
     """Mean next-token loss and its gradients, averaged over the data axis.
 
     Args:
@@ -105,7 +128,7 @@ def loss_and_grads(config: ModelConfig, params: dict, tokens: jax.Array, *, mesh
 
     def body(p, t):
         loss, grads = shard_loss_and_grads(config, p, t, par)
-        return lax.pmean(loss, "data"), jax.tree.map(lambda g: lax.pmean(g, "data"), grads)
+        return lax.pmean(loss, DATA_AXIS), jax.tree.map(lambda g: lax.pmean(g, DATA_AXIS), grads)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data")), out_specs=(P(), specs), check_vma=False)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA_AXIS)), out_specs=(P(), specs), check_vma=False)
     return jax.block_until_ready(jax.jit(fn)(shard_params(params, config, mesh), jnp.asarray(tokens)))

@@ -24,18 +24,30 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax.models import layers
-from taco_jax.models.config import ModelConfig, check_tensor_parallel, head_dim, padded_vocab
 from taco_jax.flax import ColumnParallelLinear, ParallelDotGeneral, RowParallelLinear
+from taco_jax.mesh import TENSOR_AXIS
 
-AXIS = "tensor"
+from . import layers
+from .config import ModelConfig, Qwen2Config, check_tensor_parallel, head_dim, padded_vocab
+
 _INIT_STD = 0.02
 
 
-def _param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple, mesh: Mesh, fill: float | None = None,
-           std: float = _INIT_STD) -> nnx.Param:
+def _param(
+    rngs: nnx.Rngs | None,
+    shape: tuple[int, ...],
+    axes: tuple,
+    mesh: Mesh,
+    fill: float | None = None,
+    std: float = _INIT_STD,
+) -> nnx.Param:
     """A float32 parameter partitioned by `axes` on `mesh`: constant `fill`, or normal."""
-    value = jnp.full(shape, fill, jnp.float32) if fill is not None else std * jax.random.normal(rngs.params(), shape)
+    if fill is not None:
+        value = jnp.full(shape, fill, jnp.float32)
+    elif rngs is None:
+        raise ValueError("a randomly initialized parameter needs rngs")
+    else:
+        value = std * jax.random.normal(rngs.params(), shape)
     return nnx.Param(value, out_sharding=axes, mesh=mesh)
 
 
@@ -62,20 +74,36 @@ class Block(nnx.Module):
     """Pre-norm transformer block: attention and MLP, each a column-parallel input
     projection and a row-parallel output projection (sites as in the trainer)."""
 
-    def __init__(self, config: ModelConfig, *, mesh: Mesh, taco: tj.TacoConfig, rngs: nnx.Rngs,
-                 sequence_parallel: bool, dtype: Any, calibration: tj.calibration.Calibration | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        mesh: Mesh,
+        taco: tj.TacoConfig,
+        rngs: nnx.Rngs,
+        sequence_parallel: bool,
+        dtype: Any,
+        calibration: tj.calibration.Calibration | None,
+    ):
         self.config = config
         gpt2 = config.family == "gpt2"
-        common = dict(mesh=mesh, config=taco, rngs=rngs, sequence_parallel=sequence_parallel, dtype=dtype,
-                      calibration=calibration, kernel_init=jax.nn.initializers.normal(_INIT_STD))
+        common = dict(
+            mesh=mesh,
+            config=taco,
+            rngs=rngs,
+            sequence_parallel=sequence_parallel,
+            dtype=dtype,
+            calibration=calibration,
+            kernel_init=jax.nn.initializers.normal(_INIT_STD),
+        )
         residual = dict(common, kernel_init=jax.nn.initializers.normal(_INIT_STD / np.sqrt(2 * config.n_layers)))
         heads_width, d = config.n_heads * head_dim(config), config.d_model
         self.norm1, self.norm2 = Norm(config, mesh), Norm(config, mesh)
-        self.attn_in = ColumnParallelLinear(d, attention_width(config), site="layers.attn.in", **common)
-        self.attn_out = RowParallelLinear(heads_width, d, site="layers.attn.out", use_bias=gpt2, **residual)
+        self.attn_in = ColumnParallelLinear(d, attention_width(config), site=layers.SITE_ATTN_IN, **common)
+        self.attn_out = RowParallelLinear(heads_width, d, site=layers.SITE_ATTN_OUT, use_bias=gpt2, **residual)
         mlp_width = config.d_ff if gpt2 else 2 * config.d_ff
-        self.mlp_in = ColumnParallelLinear(d, mlp_width, site="layers.mlp.in", use_bias=gpt2, **common)
-        self.mlp_out = RowParallelLinear(config.d_ff, d, site="layers.mlp.out", use_bias=gpt2, **residual)
+        self.mlp_in = ColumnParallelLinear(d, mlp_width, site=layers.SITE_MLP_IN, use_bias=gpt2, **common)
+        self.mlp_out = RowParallelLinear(config.d_ff, d, site=layers.SITE_MLP_OUT, use_bias=gpt2, **residual)
 
     def _heads(self, fused: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Split the fused projection (B, S, width) into q (B, S, H, hd), k and v."""
@@ -90,8 +118,9 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         q, k, v = self._heads(self.attn_in(self.norm1(x)))
-        if self.config.family == "qwen2":
-            q, k = layers.rotary(q, positions, self.config.rope_theta), layers.rotary(k, positions, self.config.rope_theta)
+        if isinstance(self.config, Qwen2Config):
+            theta = self.config.rope_theta
+            q, k = layers.rotary(q, positions, theta), layers.rotary(k, positions, theta)
         attended = layers.causal_attention(q, k, v)
         x = x + self.attn_out(attended.reshape(*attended.shape[:2], -1))
         hidden = self.mlp_in(self.norm2(x))
@@ -110,9 +139,17 @@ class Transformer(nnx.Module):
     float32 logits (B, S, vocab_size), sharded over "tensor" on the vocabulary.
     """
 
-    def __init__(self, config: ModelConfig, *, mesh: Mesh, taco: tj.TacoConfig, rngs: nnx.Rngs,
-                 sequence_parallel: bool = False, dtype: Any = jnp.float32,
-                 calibration: tj.calibration.Calibration | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        mesh: Mesh,
+        taco: tj.TacoConfig,
+        rngs: nnx.Rngs,
+        sequence_parallel: bool = False,
+        dtype: Any = jnp.float32,
+        calibration: tj.calibration.Calibration | None = None,
+    ):
         """
         Args:
           config: `models.GPT2Config` or `models.Qwen2Config`.
@@ -127,33 +164,48 @@ class Transformer(nnx.Module):
           ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
             padded vocabulary.
         """
-        check_tensor_parallel(config, mesh.shape[AXIS])
+        check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
         self.config, self.mesh, self.taco = config, mesh, taco
         self.sequence_parallel, self.dtype, self.calibration = sequence_parallel, dtype, calibration
-        self.embed = _param(rngs, (padded_vocab(config), config.d_model), (AXIS, None), mesh)
+        self.embed = _param(rngs, (padded_vocab(config), config.d_model), (TENSOR_AXIS, None), mesh)
         if config.family == "gpt2":
             self.positions = _param(rngs, (config.max_positions, config.d_model), (None, None), mesh)
-        self.blocks = nnx.List([
-            Block(config, mesh=mesh, taco=taco, rngs=rngs, sequence_parallel=sequence_parallel, dtype=dtype,
-                  calibration=calibration) for _ in range(config.n_layers)])
+        self.blocks = nnx.List(
+            [
+                Block(
+                    config,
+                    mesh=mesh,
+                    taco=taco,
+                    rngs=rngs,
+                    sequence_parallel=sequence_parallel,
+                    dtype=dtype,
+                    calibration=calibration,
+                )
+                for _ in range(config.n_layers)
+            ]
+        )
         self.final_norm = Norm(config, mesh)
         if not config.tie_embeddings:
-            self.head = _param(rngs, (padded_vocab(config), config.d_model), (AXIS, None), mesh)
+            self.head = _param(rngs, (padded_vocab(config), config.d_model), (TENSOR_AXIS, None), mesh)
 
     def _lookup(self, tokens: jax.Array) -> jax.Array:
         """Vocabulary-parallel embedding: each rank looks up its rows, the partial sums
         are all-reduced (reduce-scattered over the sequence with sequence parallelism)."""
         batch = tj.mesh.data_axis(self.mesh, tokens.shape[0])
-        out_spec = P(batch, AXIS if self.sequence_parallel else None, None)
-        leave = tj.tp.reduce_scatter_to_sp if self.sequence_parallel else tj.tp.reduce_from_tp
-        kwargs = dict(axis=1) if self.sequence_parallel else {}
+        out_spec = P(batch, TENSOR_AXIS if self.sequence_parallel else None, None)
 
         def island(table, ids):
-            rows = layers.vocab_rows(table, ids, lax.axis_index(AXIS) * table.shape[0]).astype(self.dtype)
-            return leave(rows, AXIS, self.taco, site="embed", calibration=self.calibration, **kwargs)
+            rows = layers.vocab_rows(table, ids, lax.axis_index(TENSOR_AXIS) * table.shape[0]).astype(self.dtype)
+            site, calibration = layers.SITE_EMBED, self.calibration
+            if self.sequence_parallel:
+                return tj.tp.reduce_scatter_to_sp(
+                    rows, TENSOR_AXIS, self.taco, axis=1, site=site, calibration=calibration
+                )
+            return tj.tp.reduce_from_tp(rows, TENSOR_AXIS, self.taco, site=site, calibration=calibration)
 
-        return jax.shard_map(island, mesh=self.mesh, in_specs=(P(AXIS, None), P(batch, None)), out_specs=out_spec,
-                             check_vma=True)(self.embed[...], tokens)
+        return jax.shard_map(
+            island, mesh=self.mesh, in_specs=(P(TENSOR_AXIS, None), P(batch, None)), out_specs=out_spec, check_vma=True
+        )(self.embed[...], tokens)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits of the next token.
@@ -168,7 +220,7 @@ class Transformer(nnx.Module):
         Raises:
           ValueError: a sequence too long, or not divisible with sequence parallelism.
         """
-        length, tensor = tokens.shape[1], self.mesh.shape[AXIS]
+        length, tensor = tokens.shape[1], self.mesh.shape[TENSOR_AXIS]
         if length > self.config.max_positions:
             raise ValueError(f"sequence length {length} exceeds max_positions {self.config.max_positions}")
         if self.sequence_parallel and length % tensor:
@@ -181,8 +233,9 @@ class Transformer(nnx.Module):
             x = block(x, positions)
         x = self.final_norm(x)
         table = self.embed if self.config.tie_embeddings else self.head
-        head = ParallelDotGeneral(self.mesh, self.taco, "column", "head.in", self.sequence_parallel,
-                                          calibration=self.calibration)
+        head = ParallelDotGeneral(
+            self.mesh, self.taco, "column", layers.SITE_HEAD_IN, self.sequence_parallel, calibration=self.calibration
+        )
         kernel = table[...].T.astype(self.dtype)
         logits = head(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         return logits.astype(jnp.float32)[..., : self.config.vocab_size]
@@ -211,17 +264,39 @@ def nnx_params(config: ModelConfig, params: dict) -> dict:
     else:
         hd, kv = head_dim(config), config.n_kv_heads
         grouped = lambda a, lead: jnp.reshape(a, (L, *lead, kv, -1, hd))
-        attn_kernel = flat(jnp.concatenate([grouped(stacked["q_kernel"], (d,)), grouped(stacked["k_kernel"], (d,)),
-                                            grouped(stacked["v_kernel"], (d,))], axis=-2), d)
-        attn_bias = flat(jnp.concatenate([grouped(stacked["q_bias"], ()), grouped(stacked["k_bias"], ()),
-                                          grouped(stacked["v_bias"], ())], axis=-2))
+        attn_kernel = flat(
+            jnp.concatenate(
+                [
+                    grouped(stacked["q_kernel"], (d,)),
+                    grouped(stacked["k_kernel"], (d,)),
+                    grouped(stacked["v_kernel"], (d,)),
+                ],
+                axis=-2,
+            ),
+            d,
+        )
+        attn_bias = flat(
+            jnp.concatenate(
+                [grouped(stacked["q_bias"], ()), grouped(stacked["k_bias"], ()), grouped(stacked["v_bias"], ())],
+                axis=-2,
+            )
+        )
         mlp_in = dict(kernel=flat(jnp.stack([stacked["gate_kernel"], stacked["up_kernel"]], -1), d))
         attn_out = dict(kernel=flat(stacked["out_kernel"], config.n_heads * hd))
         mlp_out = dict(kernel=stacked["down_kernel"])
-    per_layer = dict(attn_in=dict(kernel=attn_kernel, bias=attn_bias), attn_out=attn_out, mlp_in=mlp_in,
-                     mlp_out=mlp_out, norm1=_norm_params(stacked, "norm1"), norm2=_norm_params(stacked, "norm2"))
-    state = dict(embed=params["embed"]["tokens"], final_norm=_norm_params(params["final"], "norm"),
-                 blocks={i: jax.tree.map(lambda a: a[i], per_layer) for i in range(L)})
+    per_layer = dict(
+        attn_in=dict(kernel=attn_kernel, bias=attn_bias),
+        attn_out=attn_out,
+        mlp_in=mlp_in,
+        mlp_out=mlp_out,
+        norm1=_norm_params(stacked, "norm1"),
+        norm2=_norm_params(stacked, "norm2"),
+    )
+    state = dict(
+        embed=params["embed"]["tokens"],
+        final_norm=_norm_params(params["final"], "norm"),
+        blocks={i: jax.tree.map(lambda a: a[i], per_layer) for i in range(L)},
+    )
     if config.family == "gpt2":
         state["positions"] = params["embed"]["positions"]
     if not config.tie_embeddings:
@@ -245,9 +320,13 @@ def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoC
       The module, its parameters placed on `mesh` with their partitioning.
     """
     # Shapes and shardings only: no random initialization to throw away.
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, mesh=mesh, taco=taco, rngs=nnx.Rngs(0),
-                                                                    **kwargs)))
-    placed = jax.tree.map(lambda value, target: jax.device_put(jnp.asarray(value, jnp.float32), target.sharding),
-                          nnx_params(config, params), state.to_pure_dict())
+    graphdef, state = nnx.split(
+        nnx.eval_shape(lambda: Transformer(config, mesh=mesh, taco=taco, rngs=nnx.Rngs(0), **kwargs))
+    )
+    placed = jax.tree.map(
+        lambda value, target: jax.device_put(jnp.asarray(value, jnp.float32), target.sharding),
+        nnx_params(config, params),
+        state.to_pure_dict(),
+    )
     nnx.replace_by_pure_dict(state, placed)
     return nnx.merge(graphdef, state)

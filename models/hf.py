@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+from numpy.typing import DTypeLike
 from safetensors import SafetensorError, safe_open
 
-from taco_jax.models.config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
+from .config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
+
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """The tensors of one .safetensors file as numpy arrays in their stored dtype (bf16
@@ -42,27 +44,41 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         d = hf["n_embd"]
-        return GPT2Config(hf["vocab_size"], hf["n_positions"], d, hf["n_layer"], hf["n_head"],
-                          hf.get("n_inner") or 4 * d, hf.get("layer_norm_epsilon", 1e-5))
+        return GPT2Config(
+            hf["vocab_size"],
+            hf["n_positions"],
+            d,
+            hf["n_layer"],
+            hf["n_head"],
+            hf.get("n_inner") or 4 * d,
+            hf.get("layer_norm_epsilon", 1e-5),
+        )
     if kind == "qwen2":
-        return Qwen2Config(hf["vocab_size"], hf.get("max_position_embeddings", 32768), hf["hidden_size"],
-                           hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
-                           hf["intermediate_size"], hf.get("rms_norm_eps", 1e-6),
-                           float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                           bool(hf.get("tie_word_embeddings", False)))
+        return Qwen2Config(
+            hf["vocab_size"],
+            hf.get("max_position_embeddings", 32768),
+            hf["hidden_size"],
+            hf["num_hidden_layers"],
+            hf["num_attention_heads"],
+            hf["num_key_value_heads"],
+            hf["intermediate_size"],
+            hf.get("rms_norm_eps", 1e-6),
+            float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            bool(hf.get("tie_word_embeddings", False)),
+        )
     raise ValueError(f"unsupported model_type {kind!r} in config.json; expected 'gpt2' or 'qwen2'")
 
 
 class _Tensors:
     """Name lookup that strips a model prefix and collects missing names."""
 
-    def __init__(self, tensors: dict[str, np.ndarray], prefixes: tuple[str, ...], dtype: np.dtype | None):
+    def __init__(self, tensors: dict[str, np.ndarray], prefixes: tuple[str, ...], dtype: DTypeLike | None):
         self.dtype = dtype
         self.tensors = {}
         for name, value in tensors.items():
             for prefix in prefixes:
                 if name.startswith(prefix):
-                    name = name[len(prefix):]
+                    name = name[len(prefix) :]
                     break
             self.tensors[name] = value
         self.missing: list[str] = []
@@ -91,14 +107,18 @@ def _gpt2_params(t: _Tensors, c: GPT2Config) -> dict:
     return {
         "embed": {"tokens": _pad_vocab(t.get("wte.weight"), c), "positions": t.get("wpe.weight")},
         "layers": {
-            "norm1_scale": layer("ln_1.weight"), "norm1_bias": layer("ln_1.bias"),
+            "norm1_scale": layer("ln_1.weight"),
+            "norm1_bias": layer("ln_1.bias"),
             "qkv_kernel": layer("attn.c_attn.weight", lambda v: v.reshape(d, 3, h, hd)),
             "qkv_bias": layer("attn.c_attn.bias", lambda v: v.reshape(3, h, hd)),
             "out_kernel": layer("attn.c_proj.weight", lambda v: v.reshape(h, hd, d)),
             "out_bias": layer("attn.c_proj.bias"),
-            "norm2_scale": layer("ln_2.weight"), "norm2_bias": layer("ln_2.bias"),
-            "fc_kernel": layer("mlp.c_fc.weight"), "fc_bias": layer("mlp.c_fc.bias"),
-            "proj_kernel": layer("mlp.c_proj.weight"), "proj_bias": layer("mlp.c_proj.bias"),
+            "norm2_scale": layer("ln_2.weight"),
+            "norm2_bias": layer("ln_2.bias"),
+            "fc_kernel": layer("mlp.c_fc.weight"),
+            "fc_bias": layer("mlp.c_fc.bias"),
+            "proj_kernel": layer("mlp.c_proj.weight"),
+            "proj_bias": layer("mlp.c_proj.bias"),
         },
         "final": {"norm_scale": t.get("ln_f.weight"), "norm_bias": t.get("ln_f.bias")},
     }
@@ -107,7 +127,7 @@ def _gpt2_params(t: _Tensors, c: GPT2Config) -> dict:
 def _qwen2_params(t: _Tensors, c: Qwen2Config) -> dict:
     h, kv, hd, d, L = c.n_heads, c.n_kv_heads, head_dim(c), c.d_model, c.n_layers
     layer = lambda name, fn=lambda v: v: t.stack("layers.{}." + name, L, fn)
-    heads_in = lambda n: (lambda v: v.T.reshape(d, n, hd))
+    heads_in = lambda n: lambda v: v.T.reshape(d, n, hd)
     params = {
         "embed": {"tokens": _pad_vocab(t.get("embed_tokens.weight"), c)},
         "layers": {
@@ -131,7 +151,7 @@ def _qwen2_params(t: _Tensors, c: Qwen2Config) -> dict:
     return params
 
 
-def load_hf(path: str | Path, dtype: np.dtype | None = np.float32) -> tuple[ModelConfig, dict]:
+def load_hf(path: str | Path, dtype: DTypeLike | None = np.float32) -> tuple[ModelConfig, dict]:
     """Read a local HuggingFace GPT-2 or Qwen2 folder (config.json + safetensors).
 
     Args:
@@ -150,12 +170,14 @@ def load_hf(path: str | Path, dtype: np.dtype | None = np.float32) -> tuple[Mode
     if not (folder / "config.json").exists():
         raise ValueError(f"{folder}: no config.json")
     config = _config_from_hf(json.loads((folder / "config.json").read_text()))
-    if config.family == "gpt2":
+    if isinstance(config, GPT2Config):
         tensors = _Tensors(_read_folder(folder), ("transformer.",), dtype)
         params = _gpt2_params(tensors, config)
     else:
         tensors = _Tensors(_read_folder(folder), ("model.",), dtype)
         params = _qwen2_params(tensors, config)
     if tensors.missing:
-        raise ValueError(f"{folder}: {config.family} checkpoint is missing tensors: {sorted(set(tensors.missing))[:10]}")
+        raise ValueError(
+            f"{folder}: {config.family} checkpoint is missing tensors: {sorted(set(tensors.missing))[:10]}"
+        )
     return config, params

@@ -15,14 +15,24 @@ from jax import lax
 
 from taco_jax.kernels import launch
 from taco_jax.mesh import simulating
-from taco_jax.models.config import ModelConfig
 
+from .config import ModelConfig
+
+# The compressed call sites, named alike in both model implementations: calibration plans
+# and the wire ledger are keyed by them. A "layers.*" site stands for its call in every
+# (scanned) layer.
+SITE_EMBED = "embed"
+SITE_ATTN_IN = "layers.attn.in"
+SITE_ATTN_OUT = "layers.attn.out"
+SITE_MLP_IN = "layers.mlp.in"
+SITE_MLP_OUT = "layers.mlp.out"
+SITE_HEAD_IN = "head.in"
+SITE_LOSS_PEAK = "loss.peak"
 
 # The norms and the MLP activations are recomputed in the backward pass from their
 # inputs (`jax.checkpoint`), which is all the backward keeps of them, instead of saving
-# their float32 and elementwise intermediates: on an H200 the 0.9B-parameter step ran
-# 1.5-3.6% (norms) and 2.3-3.2% (activations) faster with 4.9 and 4.1-6.0 GiB less of
-# temporaries (`benchmarks/RESULTS.md`).
+# their float32 and elementwise intermediates: on an H200 the step ran faster and with
+# GiBs less of temporaries (`benchmarks/RESULTS.md`).
 
 
 @functools.partial(jax.checkpoint, static_argnums=3)
@@ -75,6 +85,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     have fewer heads (grouped queries: query head i reads kv head i // (heads / kv heads)).
     cuDNN flash attention where the program is lowered for a CUDA GPU and
     `flash_eligible` (no (B, heads, S, S) scores in memory), XLA's attention elsewhere."""
+
     def attention(implementation):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 

@@ -6,50 +6,77 @@ their own), so the same parameters and checkpoints serve every mesh.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.models.config import ModelConfig, head_dim, padded_vocab
+from taco_jax.mesh import PIPE_AXIS, TENSOR_AXIS
+
+from .config import ModelConfig, head_dim, padded_vocab
 
 # Logical axis -> mesh axis. Everything not named here is replicated. Stacked layers are
 # split over "pipe" (pipeline stages); with pipe = 1 that is no split.
-LOGICAL_RULES = {"vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "ff": "tensor", "layers": "pipe"}
+LOGICAL_RULES = {
+    "vocab": TENSOR_AXIS,
+    "heads": TENSOR_AXIS,
+    "kv_heads": TENSOR_AXIS,
+    "ff": TENSOR_AXIS,
+    "layers": PIPE_AXIS,
+}
 
 
 def _gpt2_layout(config) -> dict:
     d, f, h, hd, L = config.d_model, config.d_ff, config.n_heads, head_dim(config), config.n_layers
     return {
-        "embed": {"tokens": ((padded_vocab(config), d), ("vocab", "embed")),
-                  "positions": ((config.max_positions, d), (None, "embed"))},
+        "embed": {
+            "tokens": ((padded_vocab(config), d), ("vocab", "embed")),
+            "positions": ((config.max_positions, d), (None, "embed")),
+        },
         "layers": {
-            "norm1_scale": ((L, d), ("layers", "embed")), "norm1_bias": ((L, d), ("layers", "embed")),
+            "norm1_scale": ((L, d), ("layers", "embed")),
+            "norm1_bias": ((L, d), ("layers", "embed")),
             "qkv_kernel": ((L, d, 3, h, hd), ("layers", "embed", None, "heads", None)),
             "qkv_bias": ((L, 3, h, hd), ("layers", None, "heads", None)),
             "out_kernel": ((L, h, hd, d), ("layers", "heads", None, "embed")),
             "out_bias": ((L, d), ("layers", "embed")),
-            "norm2_scale": ((L, d), ("layers", "embed")), "norm2_bias": ((L, d), ("layers", "embed")),
-            "fc_kernel": ((L, d, f), ("layers", "embed", "ff")), "fc_bias": ((L, f), ("layers", "ff")),
-            "proj_kernel": ((L, f, d), ("layers", "ff", "embed")), "proj_bias": ((L, d), ("layers", "embed")),
+            "norm2_scale": ((L, d), ("layers", "embed")),
+            "norm2_bias": ((L, d), ("layers", "embed")),
+            "fc_kernel": ((L, d, f), ("layers", "embed", "ff")),
+            "fc_bias": ((L, f), ("layers", "ff")),
+            "proj_kernel": ((L, f, d), ("layers", "ff", "embed")),
+            "proj_bias": ((L, d), ("layers", "embed")),
         },
         "final": {"norm_scale": ((d,), ("embed",)), "norm_bias": ((d,), ("embed",))},
     }
 
 
 def _qwen2_layout(config) -> dict:
-    d, f, h, kv, hd, L = config.d_model, config.d_ff, config.n_heads, config.n_kv_heads, head_dim(config), config.n_layers
-    layout = {
+    d, f, h, kv, hd, L = (
+        config.d_model,
+        config.d_ff,
+        config.n_heads,
+        config.n_kv_heads,
+        head_dim(config),
+        config.n_layers,
+    )
+    layout: dict[str, Any] = {
         "embed": {"tokens": ((padded_vocab(config), d), ("vocab", "embed"))},
         "layers": {
             "norm1_scale": ((L, d), ("layers", "embed")),
-            "q_kernel": ((L, d, h, hd), ("layers", "embed", "heads", None)), "q_bias": ((L, h, hd), ("layers", "heads", None)),
-            "k_kernel": ((L, d, kv, hd), ("layers", "embed", "kv_heads", None)), "k_bias": ((L, kv, hd), ("layers", "kv_heads", None)),
-            "v_kernel": ((L, d, kv, hd), ("layers", "embed", "kv_heads", None)), "v_bias": ((L, kv, hd), ("layers", "kv_heads", None)),
+            "q_kernel": ((L, d, h, hd), ("layers", "embed", "heads", None)),
+            "q_bias": ((L, h, hd), ("layers", "heads", None)),
+            "k_kernel": ((L, d, kv, hd), ("layers", "embed", "kv_heads", None)),
+            "k_bias": ((L, kv, hd), ("layers", "kv_heads", None)),
+            "v_kernel": ((L, d, kv, hd), ("layers", "embed", "kv_heads", None)),
+            "v_bias": ((L, kv, hd), ("layers", "kv_heads", None)),
             "out_kernel": ((L, h, hd, d), ("layers", "heads", None, "embed")),
             "norm2_scale": ((L, d), ("layers", "embed")),
-            "gate_kernel": ((L, d, f), ("layers", "embed", "ff")), "up_kernel": ((L, d, f), ("layers", "embed", "ff")),
+            "gate_kernel": ((L, d, f), ("layers", "embed", "ff")),
+            "up_kernel": ((L, d, f), ("layers", "embed", "ff")),
             "down_kernel": ((L, f, d), ("layers", "ff", "embed")),
         },
         "final": {"norm_scale": ((d,), ("embed",))},
@@ -88,7 +115,7 @@ def _initial_value(path: str, key: jax.Array, shape: tuple, config: ModelConfig)
         std = 0.02 / np.sqrt(2 * config.n_layers)  # GPT-2's scaled init of residual projections
     value = std * jax.random.normal(key, shape, jnp.float32)
     if "tokens" in path or path.endswith("head"):
-        value = value.at[config.vocab_size:].set(0.0)  # padded vocabulary rows
+        value = value.at[config.vocab_size :].set(0.0)  # padded vocabulary rows
     return value
 
 
@@ -109,7 +136,9 @@ def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None) -
 
     def build(key):
         keys = jax.random.split(key, len(flat))
-        leaves = [_initial_value(jax.tree_util.keystr(path), keys[i], leaf[0], config) for i, (path, leaf) in enumerate(flat)]
+        leaves = [
+            _initial_value(jax.tree_util.keystr(path), keys[i], leaf[0], config) for i, (path, leaf) in enumerate(flat)
+        ]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     if mesh is None:
@@ -128,9 +157,7 @@ def abstract_params(config: ModelConfig, mesh: Mesh) -> dict:
     """ShapeDtypeStructs (float32, with shardings on `mesh`) of every parameter, for
     compiling or restoring without materializing anything."""
     return jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(
-            leaf[0], jnp.float32, sharding=NamedSharding(mesh, _spec(leaf[1]))
-        ),
+        lambda leaf: jax.ShapeDtypeStruct(leaf[0], jnp.float32, sharding=NamedSharding(mesh, _spec(leaf[1]))),
         layout(config),
         is_leaf=is_layout_leaf,
     )

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 from jax import lax
 
 import taco_jax as tj
-from taco_jax.models import layers
-from taco_jax.models.config import ModelConfig, padded_vocab
+from taco_jax.mesh import TENSOR_AXIS
 
-AXIS = "tensor"
+from . import layers
+from .config import ModelConfig, Qwen2Config, padded_vocab
+
 _UNCOMPRESSED = tj.TacoConfig.preset("off")
 
 
@@ -67,15 +68,15 @@ REMAT_POLICIES = {
 def _enter(x, par: Parallelism, site: str):
     """Full activation for a column-parallel matmul (Megatron f / SP all-gather)."""
     if par.sequence_parallel:
-        return tj.tp.gather_from_sp(x, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
-    return tj.tp.copy_to_tp(x, AXIS, par.taco, site=site, calibration=par.calibration)
+        return tj.tp.gather_from_sp(x, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
+    return tj.tp.copy_to_tp(x, TENSOR_AXIS, par.taco, site=site, calibration=par.calibration)
 
 
 def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
     """`_enter(x) @ kernel` for kernels (D, ...) sharded on their output axes."""
     flat = tuple(k.reshape(k.shape[0], -1).astype(par.compute_dtype) for k in kernels)
     if par.sequence_parallel and par.compressed_residuals:
-        outputs = tj.tp.gather_matmul(x, flat, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
+        outputs = tj.tp.gather_matmul(x, flat, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
     else:
         h = _enter(x, par, site)
         outputs = tuple(h @ k for k in flat)
@@ -85,8 +86,8 @@ def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
 def _leave(x, par: Parallelism, site: str):
     """Sum of row-parallel partial outputs (Megatron g / SP reduce-scatter)."""
     if par.sequence_parallel:
-        return tj.tp.reduce_scatter_to_sp(x, AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
-    return tj.tp.reduce_from_tp(x, AXIS, par.taco, site=site, calibration=par.calibration)
+        return tj.tp.reduce_scatter_to_sp(x, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
+    return tj.tp.reduce_from_tp(x, TENSOR_AXIS, par.taco, site=site, calibration=par.calibration)
 
 
 def _norm(config: ModelConfig, x, layer: dict, name: str):
@@ -95,13 +96,15 @@ def _norm(config: ModelConfig, x, layer: dict, name: str):
 
 def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parallelism):
     c = lambda w: w.astype(par.compute_dtype)
-    if config.family == "gpt2":
-        (qkv,) = _column_parallel(x, (layer["qkv_kernel"],), par, "layers.attn.in")
+    if not isinstance(config, Qwen2Config):
+        (qkv,) = _column_parallel(x, (layer["qkv_kernel"],), par, layers.SITE_ATTN_IN)
         qkv = qkv + c(layer["qkv_bias"])
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
         kernels = (layer["q_kernel"], layer["k_kernel"], layer["v_kernel"])
-        q, k, v = (out + c(layer[f"{n}_bias"]) for out, n in zip(_column_parallel(x, kernels, par, "layers.attn.in"), "qkv"))
+        q, k, v = (
+            out + c(layer[f"{n}_bias"]) for out, n in zip(_column_parallel(x, kernels, par, layers.SITE_ATTN_IN), "qkv")
+        )
         q, k = layers.rotary(q, positions, config.rope_theta), layers.rotary(k, positions, config.rope_theta)
     return jnp.einsum("bshe,hed->bsd", layers.causal_attention(q, k, v), c(layer["out_kernel"]))
 
@@ -109,27 +112,29 @@ def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parall
 def _mlp_block(config: ModelConfig, layer: dict, x, par: Parallelism):
     c = lambda w: w.astype(par.compute_dtype)
     if config.family == "gpt2":
-        (hidden,) = _column_parallel(x, (layer["fc_kernel"],), par, "layers.mlp.in")
+        (hidden,) = _column_parallel(x, (layer["fc_kernel"],), par, layers.SITE_MLP_IN)
         return layers.gpt2_mlp_activation(hidden + c(layer["fc_bias"])) @ c(layer["proj_kernel"])
-    gate, up = _column_parallel(x, (layer["gate_kernel"], layer["up_kernel"]), par, "layers.mlp.in")
+    gate, up = _column_parallel(x, (layer["gate_kernel"], layer["up_kernel"]), par, layers.SITE_MLP_IN)
     return layers.swiglu(gate, up) @ c(layer["down_kernel"])
 
 
 def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions):
     dtype = par.compute_dtype
-    out = _leave(_attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par), par, "layers.attn.out")
+    out = _leave(
+        _attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par), par, layers.SITE_ATTN_OUT
+    )
     if config.family == "gpt2":
         out = out + layer["out_bias"].astype(dtype)
     x = x + out
-    out = _leave(_mlp_block(config, layer, _norm(config, x, layer, "norm2"), par), par, "layers.mlp.out")
+    out = _leave(_mlp_block(config, layer, _norm(config, x, layer, "norm2"), par), par, layers.SITE_MLP_OUT)
     if config.family == "gpt2":
         out = out + layer["proj_bias"].astype(dtype)
     return x + out
 
 
 def _vocab_range(config: ModelConfig) -> tuple[jax.Array, int]:
-    local = padded_vocab(config) // lax.axis_size(AXIS)
-    return lax.axis_index(AXIS) * local, local
+    local = padded_vocab(config) // lax.axis_size(TENSOR_AXIS)
+    return lax.axis_index(TENSOR_AXIS) * local, local
 
 
 def _embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
@@ -137,7 +142,7 @@ def _embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
     reduced (the sequence-parallel variant leaves each rank its sequence shard)."""
     start, _ = _vocab_range(config)
     rows = layers.vocab_rows(params["embed"]["tokens"], tokens, start)
-    x = _leave(rows.astype(par.compute_dtype), par, "embed")
+    x = _leave(rows.astype(par.compute_dtype), par, layers.SITE_EMBED)
     if config.family == "gpt2":
         positions = _local_positions(tokens.shape[1], par)
         x = x + jnp.take(params["embed"]["positions"], positions, axis=0).astype(par.compute_dtype)
@@ -147,14 +152,16 @@ def _embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
 def _local_positions(length: int, par: Parallelism):
     if not par.sequence_parallel:
         return jnp.arange(length)
-    shard = length // lax.axis_size(AXIS)
-    return lax.axis_index(AXIS) * shard + jnp.arange(shard)
+    shard = length // lax.axis_size(TENSOR_AXIS)
+    return lax.axis_index(TENSOR_AXIS) * shard + jnp.arange(shard)
 
 
 def check_sequence(config: ModelConfig, length: int, par: Parallelism) -> None:
     """Raise ValueError unless a sequence of `length` fits the model and the mesh."""
-    if par.sequence_parallel and length % lax.axis_size(AXIS):
-        raise ValueError(f"sequence length {length} is not divisible by the tensor axis size {lax.axis_size(AXIS)}")
+    if par.sequence_parallel and length % lax.axis_size(TENSOR_AXIS):
+        raise ValueError(
+            f"sequence length {length} is not divisible by the tensor axis size {lax.axis_size(TENSOR_AXIS)}"
+        )
     if length > config.max_positions:
         raise ValueError(f"sequence length {length} exceeds max_positions {config.max_positions}")
 
@@ -167,7 +174,7 @@ def embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
 
 def run_layers(config: ModelConfig, layers: dict, x, par: Parallelism):
     """Apply the stacked `layers` (leading axis = layers) in order with `lax.scan`."""
-    positions = jnp.arange(x.shape[1] * (lax.axis_size(AXIS) if par.sequence_parallel else 1))
+    positions = jnp.arange(x.shape[1] * (lax.axis_size(TENSOR_AXIS) if par.sequence_parallel else 1))
 
     def step(carry, layer):
         return _block(config, par, carry, layer, positions), None
@@ -198,7 +205,7 @@ def logits_from_hidden(config: ModelConfig, params: dict, hidden, par: Paralleli
     """This rank's vocabulary slice of the logits in the compute dtype (B, S, V_padded /
     tp); padded vocabulary entries are the dtype's lowest value."""
     head = params["embed"]["tokens"] if config.tie_embeddings else params["final"]["head"]
-    (logits,) = _column_parallel(hidden, (head.T,), par, "head.in")
+    (logits,) = _column_parallel(hidden, (head.T,), par, layers.SITE_HEAD_IN)
     start, local = _vocab_range(config)
     valid = start + jnp.arange(local) < config.vocab_size
     return jnp.where(valid, logits, jnp.finfo(logits.dtype).min)
@@ -220,16 +227,18 @@ def loss_from_hidden(config: ModelConfig, params: dict, hidden, targets, par: Pa
     """
     logits = logits_from_hidden(config, params, hidden, par)
     peak = lax.stop_gradient(logits.max(-1)).astype(jnp.float32)
-    tj.collectives.record_plain_all_reduce(peak, AXIS, "loss.peak")
-    peak = lax.pmax(peak, AXIS)
+    tj.collectives.record_plain_all_reduce(peak, TENSOR_AXIS, site=layers.SITE_LOSS_PEAK)
+    peak = lax.pmax(peak, TENSOR_AXIS)
     # Statistics summed over the vocabulary shards; identity backward (each rank
     # differentiates its own copy of the loss).
-    sum_exp = tj.tp.reduce_from_tp(jnp.exp(logits.astype(jnp.float32) - peak[..., None]).sum(-1), AXIS, _UNCOMPRESSED)
+    sum_exp = tj.tp.reduce_from_tp(
+        jnp.exp(logits.astype(jnp.float32) - peak[..., None]).sum(-1), TENSOR_AXIS, _UNCOMPRESSED
+    )
     start, local = _vocab_range(config)
     offset = targets - start
     mine = (offset >= 0) & (offset < local)
     picked = jnp.take_along_axis(logits, jnp.where(mine, offset, 0)[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    target_logit = tj.tp.reduce_from_tp(jnp.where(mine, picked, 0.0), AXIS, _UNCOMPRESSED)
+    target_logit = tj.tp.reduce_from_tp(jnp.where(mine, picked, 0.0), TENSOR_AXIS, _UNCOMPRESSED)
     return jnp.mean(jnp.log(sum_exp) + peak - target_logit)
 
 

@@ -10,9 +10,9 @@ is the caller's choice (`taco_jax.TacoConfig.kernels`: the kernels on GPU by def
 where no kernel applies, e.g. group sizes under 16 or 4-bit formats).
 """
 
-from taco_jax.kernels.formats import SCALE_FORMATS, WIRE_FORMATS, WireFormat
-from taco_jax.kernels.group_codec import quantize_groups
-from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
+from .formats import SCALE_FORMATS, WIRE_FORMATS, WireFormat
+from .group_codec import quantize_groups
+from .hadamard import hadamard_matrix, hadamard_transform
 
 __all__ = [
     "SCALE_FORMATS",

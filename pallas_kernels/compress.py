@@ -3,15 +3,15 @@
 One pass over memory: each program takes `blocks_per_program` tiles of (block_rows, G)
 groups in turn; for each it computes the group statistics, transforms the tile, and
 stores the 8-bit payload and the per-group scales (1/sqrt(G) folded into the scale).
-The transform is `KernelConfig.hadamard`: by default log2 G exact add/subtract stages in
-float32 registers (`TILE_FREE_TRANSFORMS`, a warp shuffle where a pair spans lanes), or
-a tensor-core matmul against the +-1 Hadamard matrix loaded once per program (exact in
-bf16, FP32 accumulation; float32 inputs split into three bf16 parts).
+The transform is `KernelConfig.transform_method`: by default log2 G exact add/subtract
+stages in float32 registers (`launch.TILE_FREE_TRANSFORMS`, a warp shuffle where a pair
+spans lanes), or a tensor-core matmul against the +-1 Hadamard matrix loaded once per
+program (exact in bf16, FP32 accumulation; float32 inputs split into three bf16 parts).
 
 `compress_reference` beside the kernel is the plain-jnp definition it is tested against.
-On a CUDA GPU with Triton, `compress` and `compress_message` run the row kernel
-(`row_kernels`, a group per thread, 1.12-1.14x faster on an H200) unless a `KernelConfig`
-asks for this one; interpret mode and the groups the row kernel does not take use this.
+On a CUDA GPU with Triton, `compress_groups` and `compress_message` run the row kernel
+(`row_kernels`, a group per thread, faster on an H200: benchmarks/RESULTS.md) where
+`launch.ROW_KERNEL` takes the groups, unless a `KernelConfig` asks for this one.
 """
 
 from __future__ import annotations
@@ -23,77 +23,36 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from taco_jax.kernels import formats, group_codec, row_kernels, wire
-from taco_jax.kernels.hadamard import hadamard_across, hadamard_lanes, hadamard_matrix, hadamard_pairs
-from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups, triton_params
-
-
-BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
-TILE_FREE_TRANSFORMS = {"lanes": hadamard_lanes, "pairs": hadamard_pairs}
+from . import formats, group_codec, row_kernels, wire
+from .hadamard import hadamard_matrix
+from .launch import (
+    BF16_SPLITS,
+    KernelConfig,
+    apply_hadamard,
+    load_hadamard,
+    load_pieces,
+    output_struct,
+    program_rows,
+    row_loop,
+    split_groups,
+    store_pieces,
+    triton_params,
+)
 
 
 def default_config(group_size: int, transform: bool = True) -> KernelConfig:
     """About 8K elements per block, one block per program; with the transform, each group
-    loaded in two pieces and transformed as "lanes" (`hadamard.hadamard_lanes`, no tile).
-    Set from the H200 sweep of benchmarks/kernels.py (compress taco+ at 16384 x 8192:
-    0.153 ms, against 0.181 ms in one piece and 0.218 ms with the matmul)."""
+    loaded in two pieces and transformed as "lanes" (`hadamard.hadamard_lanes`, no tile):
+    the fastest in the H200 sweep of benchmarks/kernels.py, ahead of one piece and of the
+    matmul (figures in benchmarks/RESULTS.md)."""
     if transform:
-        return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4, hadamard="lanes", pieces=2)
+        return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4, transform_method="lanes", pieces=2)
     return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
-def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax.Array:
-    """normalized @ H with bf16 tensor-core matmuls and float32 accumulation.
-
-    The value is split into `splits` bf16 parts (hi, mid, lo); each part times the +-1
-    matrix is exact, so three parts reproduce a float32 product.
-    """
-    result, rest = None, normalized
-    for _ in range(splits):
-        part = rest.astype(jnp.bfloat16)
-        term = jnp.dot(part, hadamard, preferred_element_type=jnp.float32)
-        result = term if result is None else result + term
-        rest = rest - part.astype(jnp.float32)
-    return result
-
-
-def load_hadamard(hadamard_ref, config: KernelConfig) -> jax.Array | None:
-    """The +-1 tile for a "matmul" transform (loaded once per program, for every block);
-    None for the other methods, which need no tile."""
-    return hadamard_ref[...] if config.hadamard == "matmul" else None
-
-
-def apply_hadamard(pieces: group_codec.Pieces, hadamard: jax.Array | None, splits: int,
-                   method: str) -> group_codec.Pieces:
-    """The groups' pieces times H in float32: each piece by `method` (`KernelConfig.hadamard`),
-    against the loaded tile (`hadamard_dot`) or with one of the `TILE_FREE_TRANSFORMS`,
-    then across the pieces (`hadamard.hadamard_across`)."""
-    if method == "matmul":
-        within = [hadamard_dot(piece, hadamard, splits) for piece in pieces]
-    else:
-        within = [TILE_FREE_TRANSFORMS[method](piece) for piece in pieces]
-    return tuple(hadamard_across(within))
-
-
-def load_pieces(ref, *index) -> group_codec.Pieces:
-    """A block of groups from a (..., rows, p, G / p) ref at `index` (leading indices, then
-    the rows): one load per piece (`KernelConfig.pieces`)."""
-    return tuple(ref[(*index, piece, slice(None))] for piece in range(ref.shape[-2]))
-
-
-def store_pieces(ref, rows, pieces: group_codec.Pieces) -> None:
-    """Store a block of groups' pieces into a (rows, p, G / p) ref, as its dtype holds them."""
-    for index, piece in enumerate(pieces):
-        ref[rows, index, :] = as_stored(piece, ref.dtype)
-
-
-def as_stored(payload: jax.Array, dtype) -> jax.Array:
-    """Codes as the output buffer holds them: a message buffer is uint8, holding their bytes."""
-    return payload if payload.dtype == dtype else jax.lax.bitcast_convert_type(payload, dtype)
-
-
-def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block,
-                     config):
+def _compress_kernel(
+    x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_format, transform, splits, block, config
+):
     inv_sqrt = np.float32(1.0 / np.sqrt(x_ref.shape[-2] * x_ref.shape[-1]))
     hadamard = load_hadamard(hadamard_ref, config) if transform else None
 
@@ -102,7 +61,7 @@ def _compress_kernel(x_ref, hadamard_ref, payload_ref, *scale_refs, fmt, scale_f
         normalized, factor, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
         values = normalized
         if transform:  # the unnormalized transform: 1/sqrt(G) goes into the factor
-            values, factor = apply_hadamard(normalized, hadamard, splits, config.hadamard), factor * inv_sqrt
+            values, factor = apply_hadamard(normalized, hadamard, splits, config.transform_method), factor * inv_sqrt
         payload, entries = group_codec.quantize_scaled(values, factor, prescale, fmt, scale_format, in_kernel=True)
         store_pieces(payload_ref, rows, payload)
         for ref, entry in zip(scale_refs, entries):
@@ -128,8 +87,13 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
         x = jnp.pad(x, ((0, 0), (0, padded - rows), (0, 0)))
     entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
     kernel = functools.partial(
-        _compress_kernel, fmt=fmt, scale_format=scale_format, transform=transform,
-        splits=BF16_SPLITS[jnp.dtype(x.dtype)], block=block, config=config,
+        _compress_kernel,
+        fmt=fmt,
+        scale_format=scale_format,
+        transform=transform,
+        splits=BF16_SPLITS[jnp.dtype(x.dtype)],
+        block=block,
+        config=config,
     )
     width = group_size // config.pieces
     tile = pl.BlockSpec((None, per_program, config.pieces, width), lambda b, i: (b, i, 0, 0))
@@ -155,19 +119,33 @@ def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
     Returns:
       (payload (B, >= payload_rows, G), scales (B, N, 1, 2) for "dual", else (B, N, 1)).
     """
-    if isinstance(config, row_kernels.RowConfig) or (config is None and not interpret and row_kernels.supports(
-            x.shape[-1], x.dtype, fmt)):
-        payload, scales = row_kernels.compress(x, fmt=fmt, scale_format=scale_format, transform=transform,
-                                               payload_dtype=payload_dtype, payload_rows=payload_rows, config=config)
+    if isinstance(config, row_kernels.RowConfig) or (
+        config is None and not interpret and row_kernels.supports(x.shape[-1], x.dtype, fmt)
+    ):
+        payload, scales = row_kernels.row_compress(
+            x,
+            fmt=fmt,
+            scale_format=scale_format,
+            transform=transform,
+            payload_dtype=payload_dtype,
+            payload_rows=payload_rows,
+            config=config,
+        )
         return payload, scales[:, :, None]
     payload, entries = _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows)
     return payload, group_codec.pack_scale_entries(tuple(entries), scale_format)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
-def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool,
-             config: KernelConfig | row_kernels.RowConfig | None = None,
-             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def compress_groups(
+    x: jax.Array,
+    *,
+    fmt: str,
+    scale_format: str,
+    transform: bool,
+    config: KernelConfig | row_kernels.RowConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """Quantize rows of G elements with the fused kernel.
 
     Args:
@@ -185,24 +163,32 @@ def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool,
       (payload (N, G), scales) in the layout of `group_codec.quantize_groups` for (N, G).
     """
     rows = x.shape[0]
-    payload, scales = _encode(x[None], fmt, scale_format, transform, config, interpret, formats.wire_format(fmt).dtype,
-                              rows)
+    payload, scales = _encode(
+        x[None], fmt, scale_format, transform, config, interpret, formats.wire_format(fmt).dtype, rows
+    )
     return payload[0, :rows], scales[0]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
-def compress_message(x: jax.Array, *, fmt: str, scale_format: str, transform: bool,
-                     config: KernelConfig | row_kernels.RowConfig | None = None, interpret: bool = False) -> jax.Array:
+def compress_message(
+    x: jax.Array,
+    *,
+    fmt: str,
+    scale_format: str,
+    transform: bool,
+    config: KernelConfig | row_kernels.RowConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """Quantize rows of G elements straight into wire messages (`wire.MessageLayout`).
 
     The kernel writes the payload rows of each buffer; the scale rows are then written
-    in place. Arguments as `compress`, except
+    in place. Arguments as `compress_groups`, except
 
     Args:
       x: (B, N, G): B messages of N groups each.
 
     Returns:
-      uint8 (B, rows, G): the messages, byte for byte what `wire.pack` makes of `compress`.
+      uint8 (B, rows, G): the messages, byte for byte what `wire.pack` makes of `compress_groups`.
     """
     layout = wire.MessageLayout(x.shape[1], x.shape[2], fmt, scale_format)
     payload, scales = _encode(x, fmt, scale_format, transform, config, interpret, jnp.uint8, layout.shape[0])
@@ -212,4 +198,6 @@ def compress_message(x: jax.Array, *, fmt: str, scale_format: str, transform: bo
 
 def compress_reference(x: jax.Array, *, fmt: str, scale_format: str, transform: bool) -> tuple[jax.Array, jax.Array]:
     """The same computation in plain jnp (what the kernel is tested against)."""
-    return group_codec.quantize_groups(x, fmt=fmt, group_size=x.shape[-1], scale_format=scale_format, transform=transform)
+    return group_codec.quantize_groups(
+        x, fmt=fmt, group_size=x.shape[-1], scale_format=scale_format, transform=transform
+    )

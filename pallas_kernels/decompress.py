@@ -3,7 +3,7 @@ Walsh-Hadamard transform to the output dtype or requantize the sum.
 
 One pass over memory: each program takes `blocks_per_program` (k, block_rows, G) payload
 tiles in turn with their per-group multipliers, sums the dequantized shards in the transformed domain, and
-  - decode: transforms once (the tile-free method `KernelConfig.hadamard` names, or a
+  - decode: transforms once (the tile-free method `KernelConfig.transform_method` names, or a
     tensor-core matmul with the +-1 Hadamard matrix: a single 8-bit shard is exact in
     bf16, a float32 sum is split in two or three bf16 parts) and writes
     the output dtype — the receiving end of an all-gather (k=1 per shard),
@@ -23,24 +23,32 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from taco_jax.kernels import formats, group_codec, wire
-from taco_jax.kernels.compress import apply_hadamard, load_hadamard, load_pieces, store_pieces
-from taco_jax.kernels.launch import KernelConfig, output_struct, program_rows, row_loop, split_groups, triton_params
-from taco_jax.kernels.hadamard import hadamard_matrix, hadamard_transform
+from . import formats, group_codec, wire
+from .hadamard import hadamard_matrix, hadamard_transform
+from .launch import (
+    KernelConfig,
+    apply_hadamard,
+    load_hadamard,
+    load_pieces,
+    output_struct,
+    program_rows,
+    row_loop,
+    split_groups,
+    store_pieces,
+    triton_params,
+)
 
 
 def default_config(group_size: int, transform: bool, shards: int = 1, requantize: bool = False) -> KernelConfig:
     """Decoding through the transform: about 4K codes read per block over all `shards`
     (at least 16 rows), each group loaded in two pieces, the transform as "pairs"
     (`hadamard.hadamard_pairs`, no tile); otherwise about 8K elements per block. Set from
-    the H200 sweep of benchmarks/kernels.py (at 16384 x 8192, taco+: one shard 0.120 ms,
-    four 0.073 ms, against 0.139 and 0.085 ms in one piece and 0.148 and 0.128 ms with
-    the matmul).
+    the H200 sweep of benchmarks/kernels.py, where they beat one piece and the matmul
+    (figures in benchmarks/RESULTS.md).
 
     Requantizing the sum (which applies no transform): about 2K codes per shard per block
-    in two pieces, with two warps. In GPU kernel time on the H200 (k = 4, 16384 x 8192)
-    this ran at 85% of a device copy against 78-83% for the 8K-element blocks in one
-    piece (benchmarks/RESULTS.md).
+    in two pieces, with two warps: closer to a device copy than 8K-element blocks in one
+    piece on the H200 (benchmarks/RESULTS.md).
 
     Args:
       group_size: G, the elements of a group.
@@ -54,8 +62,9 @@ def default_config(group_size: int, transform: bool, shards: int = 1, requantize
     if requantize:
         return KernelConfig(block_rows=max(16, 2048 // group_size), num_warps=2, pieces=2)
     if transform:
-        return KernelConfig(block_rows=max(16, 4096 // (group_size * shards)), num_warps=4, hadamard="pairs",
-                            pieces=2)
+        return KernelConfig(
+            block_rows=max(16, 4096 // (group_size * shards)), num_warps=4, transform_method="pairs", pieces=2
+        )
     return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
@@ -63,7 +72,7 @@ def _codes(payload_ref, shard: int, rows, fmt: str | None) -> group_codec.Pieces
     """One shard's codes as float32 pieces; a uint8 message buffer holds their bytes."""
     pieces = load_pieces(payload_ref, shard, rows)
     if fmt is not None:
-        pieces = (jax.lax.bitcast_convert_type(piece, formats.wire_format(fmt).dtype) for piece in pieces)
+        pieces = tuple(jax.lax.bitcast_convert_type(piece, formats.wire_format(fmt).dtype) for piece in pieces)
     return tuple(piece.astype(jnp.float32) for piece in pieces)
 
 
@@ -72,12 +81,13 @@ def _scaled(pieces: group_codec.Pieces, multiplier: jax.Array) -> group_codec.Pi
     return tuple(piece * multiplier[:, None] for piece in pieces)
 
 
-def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize, message_fmt, block,
-                       config):
+def _decompress_kernel(
+    payload_ref, multiplier_ref, hadamard_ref, *out_refs, transform, requantize_to, message_fmt, block, config
+):
     shards, _, pieces, width = payload_ref.shape
     inv_sqrt = np.float32(1.0 / np.sqrt(pieces * width))
-    single = shards == 1 and transform and requantize is None
-    hadamard = load_hadamard(hadamard_ref, config) if transform and requantize is None else None
+    single = shards == 1 and transform and requantize_to is None
+    hadamard = load_hadamard(hadamard_ref, config) if transform and requantize_to is None else None
 
     def dequantized(shard, rows):
         return _scaled(_codes(payload_ref, shard, rows, message_fmt), multiplier_ref[shard, rows])
@@ -85,18 +95,21 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
     def decode_block(rows):
         if single:
             # One shard's 8-bit codes are exact in bf16: transform them, then scale.
-            values = apply_hadamard(_codes(payload_ref, 0, rows, message_fmt), hadamard, 1, config.hadamard)
+            values = apply_hadamard(_codes(payload_ref, 0, rows, message_fmt), hadamard, 1, config.transform_method)
             decoded = _scaled(values, multiplier_ref[0, rows] * inv_sqrt)
-            store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded))
+            store_pieces(
+                out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
+            )
             return
         summed = dequantized(0, rows)
         for shard in range(1, shards):
             summed = tuple(map(jnp.add, summed, dequantized(shard, rows)))
-        if requantize is not None:
-            fmt, scale_format = requantize
+        if requantize_to is not None:
+            fmt, scale_format = requantize_to
             normalized, factor, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
-            payload, entries = group_codec.quantize_scaled(normalized, factor, prescale, fmt, scale_format,
-                                                           in_kernel=True)
+            payload, entries = group_codec.quantize_scaled(
+                normalized, factor, prescale, fmt, scale_format, in_kernel=True
+            )
             store_pieces(out_refs[0], rows, payload)
             for ref, entry in zip(out_refs[1:], entries):
                 ref[rows] = entry.reshape(entry.shape[0])
@@ -104,25 +117,28 @@ def _decompress_kernel(payload_ref, multiplier_ref, hadamard_ref, *out_refs, tra
         if transform:
             # Two bf16 parts keep 16 significant bits, far below a bf16 output's rounding.
             splits = 3 if out_refs[0].dtype == jnp.float32 else 2
-            summed = tuple(piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.hadamard))
+            summed = tuple(
+                piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.transform_method)
+            )
         store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in summed))
 
     row_loop(payload_ref.shape[1], block, decode_block)
 
 
-def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, config, interpret, message_fmt,
-            extra_rows=0):
+def _launch(
+    payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
+):
     """Run the kernel on B batches of k shards: payload (B, k, rows >= N, G) (codes, or
     uint8 message buffers with `message_fmt`), multiplier (B, k, N). Requantizing takes
     B = 1; its payload comes out uint8 for messages, in an array of at least N +
     `extra_rows` rows (room for a message's scale rows).
 
     Returns:
-      decoded (B, N, G) in `out_dtype`, or with `requantize` (payload array whose first
+      decoded (B, N, G) in `out_dtype`, or with `requantize_to` (payload array whose first
       N rows hold the codes, scale entries as (N, 1, 1) arrays).
     """
     batch, shards, rows, group_size = payload.shape
-    config = config or default_config(group_size, transform, shards, requantize=requantize is not None)
+    config = config or default_config(group_size, transform, shards, requantize=requantize_to is not None)
     per_program, block = program_rows(groups, config, batch)
     padded = groups + (-groups % per_program)
     if padded > rows:  # odd sizes only: pad so every block reads inside the buffer
@@ -134,23 +150,28 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
     multiplier = multiplier.reshape(batch * shards, padded)
     tile = pl.BlockSpec((per_program, config.pieces, width), lambda b, i: (b * blocks + i, 0, 0))
     out_rows = batch * padded
-    if requantize is None:
+    if requantize_to is None:
         out_specs, out_shape = [tile], [output_struct((out_rows, config.pieces, width), out_dtype, payload)]
     else:
-        fmt, scale_format = requantize
+        fmt, scale_format = requantize_to
         group_codec.check_scale_format(scale_format)
         entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
         payload_dtype = jnp.uint8 if message_fmt is not None else formats.wire_format(fmt).dtype
         out_specs = [tile] + [pl.BlockSpec((per_program,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
         if batch != 1:
             raise ValueError(f"requantizing sums one batch of shards, got {batch}")
-        out_shape = [output_struct((max(out_rows, groups + extra_rows), config.pieces, width), payload_dtype,
-                                   payload)] + [
-            output_struct((out_rows,), dtype, payload) for dtype in entry_dtypes
-        ]
+        out_shape = [
+            output_struct((max(out_rows, groups + extra_rows), config.pieces, width), payload_dtype, payload)
+        ] + [output_struct((out_rows,), dtype, payload) for dtype in entry_dtypes]
     outs = pl.pallas_call(
-        functools.partial(_decompress_kernel, transform=transform, requantize=requantize, message_fmt=message_fmt,
-                          block=block, config=config),
+        functools.partial(
+            _decompress_kernel,
+            transform=transform,
+            requantize_to=requantize_to,
+            message_fmt=message_fmt,
+            block=block,
+            config=config,
+        ),
         grid=(batch, blocks),
         in_specs=[
             pl.BlockSpec((shards, per_program, config.pieces, width), lambda b, i: (b, i, 0, 0)),
@@ -163,16 +184,22 @@ def _launch(payload, multiplier, groups, *, transform, out_dtype, requantize, co
         interpret=interpret,
         name="taco_decompress",
     )(payload, multiplier, jnp.asarray(hadamard_matrix(width), jnp.bfloat16))
-    if requantize is None:
+    if requantize_to is None:
         return outs[0].reshape(batch, padded, group_size)[:, :groups]
     return outs[0].reshape(-1, group_size), [e[:groups, None, None] for e in outs[1:]]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("transform", "out_dtype", "requantize", "config", "interpret")
-)
-def decompress(payload: jax.Array, multiplier: jax.Array, *, transform: bool, out_dtype: jnp.dtype = jnp.float32,
-               requantize: tuple[str, str] | None = None, config: KernelConfig | None = None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("transform", "out_dtype", "requantize_to", "config", "interpret"))
+def decompress_groups(
+    payload: jax.Array,
+    multiplier: jax.Array,
+    *,
+    transform: bool,
+    out_dtype: jnp.dtype = jnp.float32,
+    requantize_to: tuple[str, str] | None = None,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+):
     """Dequantize and sum k shards of rows of G elements with the fused kernel.
 
     Args:
@@ -181,28 +208,42 @@ def decompress(payload: jax.Array, multiplier: jax.Array, *, transform: bool, ou
         (`group_codec.dequantize_scale`).
       transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
       out_dtype: dtype of the decoded output.
-      requantize: (fmt, scale_format) to requantize the sum instead of decoding it.
+      requantize_to: (fmt, scale_format) to quantize the sum into instead of decoding it.
       config: launch parameters; `default_config` if None.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
-      The decoded (N, G) array in `out_dtype`, or with `requantize` a (payload, scales)
+      The decoded (N, G) array in `out_dtype`, or with `requantize_to` a (payload, scales)
       pair in the layout of `group_codec.quantize_groups`.
     """
-    out = _launch(payload[None], multiplier[None], payload.shape[1], transform=transform, out_dtype=out_dtype,
-                  requantize=requantize, config=config, interpret=interpret, message_fmt=None)
-    if requantize is None:
+    out = _launch(
+        payload[None],
+        multiplier[None],
+        payload.shape[1],
+        transform=transform,
+        out_dtype=out_dtype,
+        requantize_to=requantize_to,
+        config=config,
+        interpret=interpret,
+        message_fmt=None,
+    )
+    if requantize_to is None:
         return out[0]
     codes, entries = out
-    return codes[: payload.shape[1]], group_codec.pack_scale_entries(tuple(entries), requantize[1])
+    return codes[: payload.shape[1]], group_codec.pack_scale_entries(tuple(entries), requantize_to[1])
 
 
-@functools.partial(
-    jax.jit, static_argnames=("layout", "transform", "out_dtype", "requantize", "config", "interpret")
-)
-def decompress_message(messages: jax.Array, layout: wire.MessageLayout, *, transform: bool,
-                       out_dtype: jnp.dtype = jnp.float32, requantize: bool = False, config: KernelConfig | None = None,
-                       interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("layout", "transform", "out_dtype", "requantize", "config", "interpret"))
+def decompress_message(
+    messages: jax.Array,
+    layout: wire.MessageLayout,
+    *,
+    transform: bool,
+    out_dtype: jnp.dtype = jnp.float32,
+    requantize: bool = False,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+):
     """Decode wire messages straight from their buffers: for each of B batches, the sum
     of its k messages (k a power of two), decoded or requantized into a new message.
 
@@ -222,8 +263,18 @@ def decompress_message(messages: jax.Array, layout: wire.MessageLayout, *, trans
     """
     multiplier = wire.multiplier(messages, layout)
     spec = (layout.fmt, layout.scale_format) if requantize else None
-    out = _launch(messages, multiplier, layout.groups, transform=transform, out_dtype=out_dtype, requantize=spec,
-                  config=config, interpret=interpret, message_fmt=layout.fmt, extra_rows=layout.scale_rows)
+    out = _launch(
+        messages,
+        multiplier,
+        layout.groups,
+        transform=transform,
+        out_dtype=out_dtype,
+        requantize_to=spec,
+        config=config,
+        interpret=interpret,
+        message_fmt=layout.fmt,
+        extra_rows=layout.scale_rows,
+    )
     if not requantize:
         return out
     codes, entries = out
@@ -231,16 +282,23 @@ def decompress_message(messages: jax.Array, layout: wire.MessageLayout, *, trans
     return wire.place_scales(buffer, group_codec.pack_scale_entries(tuple(entries), layout.scale_format), layout)
 
 
-def decompress_reference(payload: jax.Array, multiplier: jax.Array, *, transform: bool,
-                         out_dtype: jnp.dtype = jnp.float32, requantize: tuple[str, str] | None = None):
+def decompress_reference(
+    payload: jax.Array,
+    multiplier: jax.Array,
+    *,
+    transform: bool,
+    out_dtype: jnp.dtype = jnp.float32,
+    requantize_to: tuple[str, str] | None = None,
+):
     """The same computation in plain jnp (what the kernel is tested against)."""
-    if payload.shape[0] == 1 and transform and requantize is None:
+    if payload.shape[0] == 1 and transform and requantize_to is None:
         # Transform the small payload values first, then scale: no overflow near f32 max.
-        return formats.saturating_cast(hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None],
-                                       out_dtype)
+        return formats.saturating_cast(
+            hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None], out_dtype
+        )
     summed = jnp.sum(payload.astype(jnp.float32) * multiplier[..., None], axis=0)
-    if requantize is not None:
-        fmt, scale_format = requantize
+    if requantize_to is not None:
+        fmt, scale_format = requantize_to
         return group_codec.quantize_groups(
             summed, fmt=fmt, group_size=summed.shape[-1], scale_format=scale_format, transform=False
         )

@@ -77,9 +77,7 @@ def wire_format(name: str) -> WireFormat:
     try:
         return WIRE_FORMATS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown wire format {name!r}; expected one of {sorted(WIRE_FORMATS)}"
-        ) from None
+        raise ValueError(f"unknown wire format {name!r}; expected one of {sorted(WIRE_FORMATS)}") from None
 
 
 # Everything below is written with element-wise jnp and bit operations only, so the same

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.kernels import formats
-from taco_jax.kernels.hadamard import hadamard_transform
+from . import formats
+from .hadamard import hadamard_transform
 
 PRESCALE_MIN = np.float32(2.0**-100)
 PRESCALE_MAX = np.float32(2.0**100)
@@ -106,13 +106,15 @@ def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt
     so the absmax of a group holding NaN is finite, while the sum of squares of the
     normalized values (each below 8 in magnitude, so it cannot overflow) is NaN or Inf.
     """
-    prescale = jnp.clip(formats.times_pow2(np.float32(fmt_max) / jnp.sqrt(mean_square), -shift),
-                        PRESCALE_MIN, PRESCALE_MAX)
+    prescale = jnp.clip(
+        formats.times_pow2(np.float32(fmt_max) / jnp.sqrt(mean_square), -shift), PRESCALE_MIN, PRESCALE_MAX
+    )
     return jnp.where(jnp.isfinite(absmax) & jnp.isfinite(mean_square), prescale, np.float32(np.nan))
 
 
-def quantize_scaled(values: Pieces, factor: jax.Array, prescale: jax.Array, fmt: str, scale_format: str,
-                    in_kernel: bool = False) -> tuple[Pieces, tuple]:
+def quantize_scaled(
+    values: Pieces, factor: jax.Array, prescale: jax.Array, fmt: str, scale_format: str, in_kernel: bool = False
+) -> tuple[Pieces, tuple]:
     """Quantize pre-scaled (and transformed) groups y = values * factor.
 
     max|y| is max|values| * factor (exact: rounding is monotonic and factor > 0), and

@@ -20,7 +20,7 @@ def _check_power_of_two(size: int) -> None:
         raise ValueError(f"Hadamard size must be a power of two, got {size}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hadamard_matrix(size: int) -> np.ndarray:
     """The unnormalized Sylvester Hadamard matrix of +-1 entries.
 
@@ -54,9 +54,7 @@ def hadamard_transform(groups: jax.Array) -> jax.Array:
     size = groups.shape[-1]
     matrix = jnp.asarray(hadamard_matrix(size))
     # The +-1 matrix is exact; HIGHEST keeps the f32 dot out of TF32/bf16 passes.
-    transformed = jnp.einsum(
-        "...g,gh->...h", groups, matrix, precision=jax.lax.Precision.HIGHEST
-    )
+    transformed = jnp.einsum("...g,gh->...h", groups, matrix, precision=jax.lax.Precision.HIGHEST)
     return transformed * np.float32(1.0 / np.sqrt(size))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 
 import jax
 from jax import lax
@@ -25,7 +26,8 @@ class UnsupportedJaxError(RuntimeError):
 def _unsupported(what: str) -> UnsupportedJaxError:
     return UnsupportedJaxError(
         f"taco_jax cannot {what} on jax {jax.__version__}: the internal it reads is gone. taco_jax is tested on "
-        f"jax {TESTED_JAX[0]} to {TESTED_JAX[1]}.x; install a jax in that range.")
+        f"jax {TESTED_JAX[0]} to {TESTED_JAX[1]}.x; install a jax in that range."
+    )
 
 
 def checks_vma(axis_name: str) -> bool:
@@ -71,7 +73,7 @@ def transposing_whole_shard_map() -> bool:
       UnsupportedJaxError: this jax has no transpose rule where taco_jax looks for it.
     """
     code = _shard_map_transpose_code()
-    frame = sys._getframe()
+    frame: types.FrameType | None = sys._getframe()
     while frame is not None:
         if frame.f_code is code:
             return True
@@ -101,6 +103,8 @@ def gluon_source(kernel, signature: dict, constexprs: dict, attrs: dict):
     except ImportError as error:
         import triton
 
-        raise UnsupportedJaxError(f"taco_jax cannot build Gluon kernels with triton {triton.__version__}: "
-                                  "GluonASTSource is gone; taco_jax is tested on triton 3.6") from error
+        raise UnsupportedJaxError(
+            f"taco_jax cannot build Gluon kernels with triton {triton.__version__}: "
+            "GluonASTSource is gone; taco_jax is tested on triton 3.6"
+        ) from error
     return GluonASTSource(kernel, signature, constexprs, attrs)

@@ -1,6 +1,6 @@
-"""What the compress and decompress kernels share about launching: their launch
-parameters, the rows a program takes and the loop over them, and how a kernel output is
-typed."""
+"""What the codec kernels share: what each kernel takes (the one list the codec's kernel
+choice reads), their launch parameters, the rows a program takes and the loop over them,
+the tile helpers of the Pallas kernels, and how a kernel output is typed."""
 
 from __future__ import annotations
 
@@ -8,11 +8,47 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import group_codec
+from .hadamard import hadamard_across, hadamard_lanes, hadamard_pairs
 
-HADAMARD_METHODS = ("matmul", "lanes", "pairs")
+TRANSFORM_METHODS = ("matmul", "lanes", "pairs")
+KERNEL_FORMATS = ("e4m3", "e5m2", "int8")
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSupport:
+    """What one kernel takes: groups of a power-of-two size in [`min_group`,
+    `max_group`] of a float32/bfloat16/float16 tensor (`KERNEL_DTYPES`), in an 8-bit
+    element format (`KERNEL_FORMATS`), summing a power-of-two number of shards."""
+
+    max_group: int
+    min_group: int = 16
+
+    def takes(self, group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
+        """Whether the kernel takes this work (the jnp path runs what it does not)."""
+        return (
+            fmt in KERNEL_FORMATS
+            and self.min_group <= group_size <= self.max_group
+            and _power_of_two(group_size)
+            and jnp.dtype(dtype) in KERNEL_DTYPES
+            and _power_of_two(shards)
+        )
+
+
+# The Pallas compress and decompress kernels.
+PALLAS_KERNELS = KernelSupport(max_group=512)
+# The Gluon row compress kernel: a group's float32 values are one thread's registers
+# (128 of its 255).
+ROW_KERNEL = KernelSupport(max_group=128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +66,7 @@ class KernelConfig:
       min_programs: fewer blocks per program where the grid would otherwise have fewer
         programs than this, so that small messages still spread over every
         multiprocessor (132 on an H200) several times.
-      hadamard: how a kernel applies the Walsh-Hadamard transform: "matmul" (tensor-core
+      transform_method: how a kernel applies the Walsh-Hadamard transform: "matmul" (tensor-core
         matmuls against the +-1 tile, loaded into shared memory), or log2 G add/subtract
         stages without the tile: "lanes" (`hadamard.hadamard_lanes`: a butterfly within
         each 16-byte vector, then one exact pair exchange per further column bit, a warp
@@ -49,12 +85,14 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 1
     min_programs: int = 1024
-    hadamard: str = "matmul"
+    transform_method: str = "matmul"
     pieces: int = 1
 
     def __post_init__(self):
-        if self.hadamard not in HADAMARD_METHODS:
-            raise ValueError(f"KernelConfig.hadamard must be one of {HADAMARD_METHODS}, got {self.hadamard!r}")
+        if self.transform_method not in TRANSFORM_METHODS:
+            raise ValueError(
+                f"KernelConfig.transform_method must be one of {TRANSFORM_METHODS}, got {self.transform_method!r}"
+            )
         if self.pieces < 1 or self.pieces & (self.pieces - 1):
             raise ValueError(f"KernelConfig.pieces must be a power of two, got {self.pieces}")
 
@@ -138,3 +176,63 @@ def split_groups(array: jax.Array, pieces: int) -> jax.Array:
     if array.shape[-1] % pieces:
         raise ValueError(f"KernelConfig.pieces={pieces} must divide the group size {array.shape[-1]}")
     return array.reshape(*array.shape[:-1], pieces, array.shape[-1] // pieces)
+
+
+# ----------------------------------------------------------------------------- tile helpers
+# Shared by the Pallas compress and decompress kernels.
+
+# bf16 parts a value of each dtype is split into for an exact tensor-core transform.
+BF16_SPLITS = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2, jnp.dtype(jnp.float32): 3}
+TILE_FREE_TRANSFORMS = {"lanes": hadamard_lanes, "pairs": hadamard_pairs}
+
+
+def hadamard_dot(normalized: jax.Array, hadamard: jax.Array, splits: int) -> jax.Array:
+    """normalized @ H with bf16 tensor-core matmuls and float32 accumulation.
+
+    The value is split into `splits` bf16 parts (hi, mid, lo); each part times the +-1
+    matrix is exact, so three parts reproduce a float32 product.
+    """
+    terms, rest = [], normalized
+    for _ in range(splits):
+        part = rest.astype(jnp.bfloat16)
+        terms.append(jnp.dot(part, hadamard, preferred_element_type=jnp.float32))
+        rest = rest - part.astype(jnp.float32)
+    return sum(terms[1:], start=terms[0])
+
+
+def load_hadamard(hadamard_ref, config: KernelConfig) -> jax.Array | None:
+    """The +-1 tile for a "matmul" transform (loaded once per program, for every block);
+    None for the other methods, which need no tile."""
+    return hadamard_ref[...] if config.transform_method == "matmul" else None
+
+
+def apply_hadamard(
+    pieces: group_codec.Pieces, hadamard: jax.Array | None, splits: int, method: str
+) -> group_codec.Pieces:
+    """The groups' pieces times H in float32: each piece by `method` (`KernelConfig.transform_method`),
+    against the loaded tile (`hadamard_dot`) or with one of the `TILE_FREE_TRANSFORMS`,
+    then across the pieces (`hadamard.hadamard_across`)."""
+    if method == "matmul":
+        if hadamard is None:
+            raise ValueError("the matmul transform needs the loaded Hadamard tile (`load_hadamard`)")
+        within = [hadamard_dot(piece, hadamard, splits) for piece in pieces]
+    else:
+        within = [TILE_FREE_TRANSFORMS[method](piece) for piece in pieces]
+    return tuple(hadamard_across(within))
+
+
+def load_pieces(ref, *index) -> group_codec.Pieces:
+    """A block of groups from a (..., rows, p, G / p) ref at `index` (leading indices, then
+    the rows): one load per piece (`KernelConfig.pieces`)."""
+    return tuple(ref[(*index, piece, slice(None))] for piece in range(ref.shape[-2]))
+
+
+def store_pieces(ref, rows, pieces: group_codec.Pieces) -> None:
+    """Store a block of groups' pieces into a (rows, p, G / p) ref, as its dtype holds them."""
+    for index, piece in enumerate(pieces):
+        ref[rows, index, :] = as_stored(piece, ref.dtype)
+
+
+def as_stored(payload: jax.Array, dtype) -> jax.Array:
+    """Codes as the output buffer holds them: a message buffer is uint8, holding their bytes."""
+    return payload if payload.dtype == dtype else jax.lax.bitcast_convert_type(payload, dtype)

@@ -17,7 +17,7 @@ busy (measured, benchmarks/RESULTS.md).
 
 The math is `group_codec`'s, step for step (IEEE division and square root for the
 per-group scalars); `compress.compress_reference` is what this kernel is tested against.
-`compress.compress` dispatches here by default where `supports` holds; there is no
+`compress.compress_groups` dispatches here by default where `supports` holds; there is no
 interpret mode (off GPU the Pallas kernel runs in the Pallas interpreter).
 """
 
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.kernels import formats, group_codec, triton_launch
-from taco_jax.kernels.launch import output_struct
+from . import formats, group_codec, triton_launch
+from .launch import ROW_KERNEL, output_struct
 
 try:
     from triton.experimental import gluon
@@ -39,11 +39,16 @@ try:
 except ImportError:  # no Triton with Gluon: `supports` is False and nothing below is traced
     gluon = gl = None
 
-MAX_GROUP = 128  # a group's float32 values are a thread's registers: 128 of its 255
 SCALE_FORMAT_IDS = {"dual": 0, "single": 1, "bf16": 2, "e8m0": 3}
-POINTER_TYPES = {jnp.dtype(jnp.bfloat16): "*bf16", jnp.dtype(jnp.float16): "*fp16", jnp.dtype(jnp.float32): "*fp32",
-                 jnp.dtype(jnp.float8_e4m3fn): "*fp8e4nv", jnp.dtype(jnp.float8_e5m2): "*fp8e5",
-                 jnp.dtype(jnp.int8): "*i8", jnp.dtype(jnp.uint8): "*u8"}
+POINTER_TYPES = {
+    jnp.dtype(jnp.bfloat16): "*bf16",
+    jnp.dtype(jnp.float16): "*fp16",
+    jnp.dtype(jnp.float32): "*fp32",
+    jnp.dtype(jnp.float8_e4m3fn): "*fp8e4nv",
+    jnp.dtype(jnp.float8_e5m2): "*fp8e5",
+    jnp.dtype(jnp.int8): "*i8",
+    jnp.dtype(jnp.uint8): "*u8",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,21 +68,23 @@ class RowConfig:
 
 
 def supports(group_size: int, dtype, fmt: str) -> bool:
-    """Whether the row kernel takes groups of `group_size` values of `dtype` in `fmt` here:
-    Gluon on a CUDA GPU (`triton_launch.available`), G a power of two in [16, 128], an
-    8-bit element format and a float16/bfloat16/float32 tensor."""
-    return (fmt in ("e4m3", "e5m2", "int8") and 16 <= group_size <= MAX_GROUP and not group_size & (group_size - 1)
-            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-            and triton_launch.available())
+    """Whether the row kernel runs groups of `group_size` values of `dtype` in `fmt` here:
+    Gluon on a CUDA GPU (`triton_launch.available`) and work `launch.ROW_KERNEL` takes."""
+    return ROW_KERNEL.takes(group_size, dtype, fmt) and triton_launch.available()
 
 
 def _vectors(group_size: int, in_dtype, out_dtype) -> dict[str, int]:
     """The coalesced layouts of the kernel's input and output tiles, as constexprs: a
     16-byte vector (or the whole group) per thread, and the lanes that span a group."""
-    widths = {"IN": min(group_size, 16 // jnp.dtype(in_dtype).itemsize),
-              "OUT": min(group_size, 16 // jnp.dtype(out_dtype).itemsize)}
-    return {f"{side}_{key}": value for side, width in widths.items()
-            for key, value in (("VECTOR", width), ("LANES", group_size // width))}
+    widths = {
+        "IN": min(group_size, 16 // jnp.dtype(in_dtype).itemsize),
+        "OUT": min(group_size, 16 // jnp.dtype(out_dtype).itemsize),
+    }
+    return {
+        f"{side}_{key}": value
+        for side, width in widths.items()
+        for key, value in (("VECTOR", width), ("LANES", group_size // width))
+    }
 
 
 def _inverse_sqrt(group_size: int) -> float:
@@ -105,8 +112,16 @@ def _grid(groups: int, batch: int, config: RowConfig) -> tuple[int, int]:
     return (-(-groups // (32 * config.num_warps)), batch)
 
 
-def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, payload_dtype, payload_rows: int,
-             config: RowConfig | None = None) -> tuple[jax.Array, jax.Array]:
+def row_compress(
+    x: jax.Array,
+    *,
+    fmt: str,
+    scale_format: str,
+    transform: bool,
+    payload_dtype,
+    payload_rows: int,
+    config: RowConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Quantize B batches of N groups, x (B, N, G), as `group_codec.quantize_groups`.
 
     Under `jax.vmap` the mapped axes fold into the batch dimension B (the kernel's
@@ -125,8 +140,15 @@ def compress(x: jax.Array, *, fmt: str, scale_format: str, transform: bool, payl
     Returns:
       (payload (B, payload_rows, G), scales (B, N, 2) for "dual", else (B, N)).
     """
-    launch = functools.partial(_launch, fmt=fmt, scale_format=scale_format, transform=transform,
-                               payload_dtype=payload_dtype, payload_rows=payload_rows, config=config or RowConfig())
+    launch = functools.partial(
+        _launch,
+        fmt=fmt,
+        scale_format=scale_format,
+        transform=transform,
+        payload_dtype=payload_dtype,
+        payload_rows=payload_rows,
+        config=config or RowConfig(),
+    )
     batched = jax.custom_batching.custom_vmap(launch)
 
     @batched.def_vmap
@@ -142,15 +164,29 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
     """One launch of the kernel over x (B, N, G); arguments as `compress`."""
     batch, groups, group_size = x.shape
     payload_type = output_struct((batch, payload_rows, group_size), payload_dtype, x)
-    constexprs = dict(G=group_size, LOG_G=group_size.bit_length() - 1, NUM_WARPS=config.num_warps,
-                      TRANSFORM=transform, INV_SQRT=_inverse_sqrt(group_size), **_vectors(group_size, x.dtype, jnp.int8),
-                      **_quantization(fmt, scale_format))
+    constexprs = dict(
+        G=group_size,
+        LOG_G=group_size.bit_length() - 1,
+        NUM_WARPS=config.num_warps,
+        TRANSFORM=transform,
+        INV_SQRT=_inverse_sqrt(group_size),
+        **_vectors(group_size, x.dtype, jnp.int8),
+        **_quantization(fmt, scale_format),
+    )
     return triton_launch.gluon_call(
-        taco_row_compress, [x], [payload_type, _scales_struct(batch, groups, scale_format, x)],
-        pointer_types=[POINTER_TYPES[jnp.dtype(x.dtype)], POINTER_TYPES[formats.wire_format(fmt).dtype],
-                       POINTER_TYPES[scale_dtype(scale_format)]],
+        taco_row_compress,
+        [x],
+        [payload_type, _scales_struct(batch, groups, scale_format, x)],
+        pointer_types=[
+            POINTER_TYPES[jnp.dtype(x.dtype)],
+            POINTER_TYPES[formats.wire_format(fmt).dtype],
+            POINTER_TYPES[scale_dtype(scale_format)],
+        ],
         scalars=[("n_rows", "i32", groups), ("payload_rows", "i64", payload_rows)],
-        grid=_grid(groups, batch, config), num_warps=config.num_warps, constexprs=constexprs)
+        grid=_grid(groups, batch, config),
+        num_warps=config.num_warps,
+        constexprs=constexprs,
+    )
 
 
 if gluon is not None:
@@ -184,8 +220,9 @@ if gluon is not None:
         return rows[:, None] * G + cols[None, :], rows
 
     @gluon.jit
-    def _load_groups(base, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr,
-                     LANES: gl.constexpr):
+    def _load_groups(
+        base, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr, LANES: gl.constexpr
+    ):
         """Rows [start, start + 32 * NUM_WARPS) of a (n_rows, G) array at `base` as float32,
         a group per thread; rows past n_rows read as zeros."""
         offsets, rows = _tile_offsets(G, NUM_WARPS, _tile_layout(NUM_WARPS, VECTOR, LANES))
@@ -193,14 +230,18 @@ if gluon is not None:
         return gl.convert_layout(tile, _row_layout(G, NUM_WARPS)).to(gl.float32)
 
     @gluon.jit
-    def _store_groups(base, values, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr,
-                      LANES: gl.constexpr):
+    def _store_groups(
+        base, values, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr, LANES: gl.constexpr
+    ):
         """Store a tile of groups (a group per thread, already in the output dtype)
         coalesced into rows [start, ...) of an array of G-wide rows at `base`."""
         layout: gl.constexpr = _tile_layout(NUM_WARPS, VECTOR, LANES)
         offsets, rows = _tile_offsets(G, NUM_WARPS, layout)
-        gl.store(base + start.to(gl.int64) * G + offsets, gl.convert_layout(values, layout),
-                 mask=(start + rows)[:, None] < n_rows)
+        gl.store(
+            base + start.to(gl.int64) * G + offsets,
+            gl.convert_layout(values, layout),
+            mask=(start + rows)[:, None] < n_rows,
+        )
 
     @gluon.jit
     def _pow2(exponent):
@@ -254,9 +295,22 @@ if gluon is not None:
         return gl.where(gl.abs(ratio) < float("inf"), code, 255)
 
     @gluon.jit
-    def _quantize(values, factor, prescale, codes_ptr, scales_ptr, start, n_rows, G: gl.constexpr,
-                  NUM_WARPS: gl.constexpr, OUT_VECTOR: gl.constexpr, OUT_LANES: gl.constexpr,
-                  FMT_MAX: gl.constexpr, INTEGER: gl.constexpr, SCALES: gl.constexpr):
+    def _quantize(
+        values,
+        factor,
+        prescale,
+        codes_ptr,
+        scales_ptr,
+        start,
+        n_rows,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        OUT_VECTOR: gl.constexpr,
+        OUT_LANES: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
         """`group_codec.quantize_scaled` of a tile of groups y = values * factor, stored:
         the codes into rows [start, ...) at `codes_ptr`, the packed scales at `scales_ptr`."""
         scale = gl.div_rn(gl.max(gl.abs(values), axis=1) * factor, gl.full_like(factor, FMT_MAX))
@@ -285,11 +339,25 @@ if gluon is not None:
         _store_groups(codes_ptr, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
 
     @gluon.jit
-    def taco_row_compress(x_ptr, payload_ptr, scales_ptr, n_rows, payload_rows, G: gl.constexpr,
-                         LOG_G: gl.constexpr, NUM_WARPS: gl.constexpr, IN_VECTOR: gl.constexpr,
-                         IN_LANES: gl.constexpr, OUT_VECTOR: gl.constexpr, OUT_LANES: gl.constexpr,
-                         TRANSFORM: gl.constexpr, INV_SQRT: gl.constexpr, FMT_MAX: gl.constexpr,
-                         INTEGER: gl.constexpr, SCALES: gl.constexpr):
+    def taco_row_compress(
+        x_ptr,
+        payload_ptr,
+        scales_ptr,
+        n_rows,
+        payload_rows,
+        G: gl.constexpr,
+        LOG_G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        IN_VECTOR: gl.constexpr,
+        IN_LANES: gl.constexpr,
+        OUT_VECTOR: gl.constexpr,
+        OUT_LANES: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
         start = gl.program_id(0) * (32 * NUM_WARPS)
         batch = gl.program_id(1).to(gl.int64)
         groups = _load_groups(x_ptr + batch * n_rows * G, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
@@ -297,6 +365,19 @@ if gluon is not None:
         if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
             values = _hadamard(values, G, LOG_G, NUM_WARPS)
             factor = factor * INV_SQRT
-        _quantize(values, factor, prescale, payload_ptr + batch * payload_rows * G,
-                  scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1), start, n_rows, G, NUM_WARPS,
-                  OUT_VECTOR, OUT_LANES, FMT_MAX, INTEGER, SCALES)
+        _quantize(
+            values,
+            factor,
+            prescale,
+            payload_ptr + batch * payload_rows * G,
+            scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            start,
+            n_rows,
+            G,
+            NUM_WARPS,
+            OUT_VECTOR,
+            OUT_LANES,
+            FMT_MAX,
+            INTEGER,
+            SCALES,
+        )

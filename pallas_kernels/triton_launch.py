@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from taco_jax.kernels import jax_compat, launch
+from . import jax_compat, launch
 
 gpu_triton = jax_compat.gpu_triton()
 
@@ -38,8 +39,10 @@ def local_capability() -> int:
     """
     capabilities = {int(device.compute_capability.replace(".", "")) for device in launch.cuda_devices()}
     if len(capabilities) != 1:
-        raise NotImplementedError(f"the Gluon kernels are built for one compute capability, but this process's "
-                                  f"CUDA GPUs have {sorted(capabilities) or 'none'}")
+        raise NotImplementedError(
+            f"the Gluon kernels are built for one compute capability, but this process's "
+            f"CUDA GPUs have {sorted(capabilities) or 'none'}"
+        )
     return capabilities.pop()
 
 
@@ -72,10 +75,10 @@ def compile_kernel(kernel, signature: tuple, constexprs: tuple, num_warps: int, 
     import triton
     from triton.backends.compiler import GPUTarget
 
-    signature = dict(signature)
-    attrs = {(index,): POINTER_ATTRS for index, kind in enumerate(signature.values()) if kind.startswith("*")}
-    signature.update({name: "constexpr" for name, _ in constexprs})
-    source = jax_compat.gluon_source(kernel, signature, dict(constexprs), attrs)
+    types = dict(signature)
+    attrs = {(index,): POINTER_ATTRS for index, kind in enumerate(types.values()) if kind.startswith("*")}
+    types.update({name: "constexpr" for name, _ in constexprs})
+    source = jax_compat.gluon_source(kernel, types, dict(constexprs), attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=num_warps))
     if compiled.metadata.global_scratch_size or compiled.metadata.profile_scratch_size:
         raise NotImplementedError(f"{compiled.metadata.name} needs Triton scratch memory, which this launch lacks")
@@ -86,13 +89,22 @@ def compile_kernel(kernel, signature: tuple, constexprs: tuple, num_warps: int, 
 def _loaded(kernel, signature: tuple, constexprs: tuple, num_warps: int, capability: int):
     """jaxlib's handle on the compiled kernel (cached per specialization)."""
     compiled = compile_kernel(kernel, signature, constexprs, num_warps, capability)
-    return gpu_triton.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared,
-                                   compiled.asm["ptx"], "", capability)
+    return gpu_triton.TritonKernel(
+        compiled.metadata.name, num_warps, 1, compiled.metadata.shared, compiled.asm["ptx"], "", capability
+    )
 
 
-def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.ShapeDtypeStruct], *,
-               pointer_types: Sequence[str], scalars: Sequence[tuple[str, str, int]], grid: tuple[int, int],
-               num_warps: int, constexprs: dict[str, Any]) -> list[jax.Array]:
+def gluon_call(
+    kernel,
+    inputs: Sequence[jax.Array],
+    out_types: Sequence[jax.ShapeDtypeStruct],
+    *,
+    pointer_types: Sequence[str],
+    scalars: Sequence[tuple[str, str, int]],
+    grid: tuple[int, int],
+    num_warps: int,
+    constexprs: dict[str, Any],
+) -> list[jax.Array]:
     """Run a Gluon kernel on device arrays inside the XLA program.
 
     The kernel's arguments are, in order: a pointer per input, a pointer per output, then
@@ -116,10 +128,12 @@ def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.Shap
     pointers = len(inputs) + len(out_types)
     if len(pointer_types) != pointers:
         raise ValueError(f"{len(pointer_types)} pointer types for {pointers} inputs and outputs")
-    runtime_args = kernel.arg_names[:pointers + len(scalars)]
+    runtime_args = kernel.arg_names[: pointers + len(scalars)]
     if [name for name, _, _ in scalars] != runtime_args[pointers:]:
-        raise ValueError(f"scalars {[name for name, _, _ in scalars]} do not follow the pointers of "
-                         f"{kernel.fn.__name__}{tuple(kernel.arg_names)}")
+        raise ValueError(
+            f"scalars {[name for name, _, _ in scalars]} do not follow the pointers of "
+            f"{kernel.fn.__name__}{tuple(kernel.arg_names)}"
+        )
     signature = tuple(zip(runtime_args, [*pointer_types, *(kind for _, kind, _ in scalars)]))
     loaded = _loaded(kernel, signature, tuple(sorted(constexprs.items())), num_warps, local_capability())
     params = [gpu_triton.create_array_parameter(0, 16) for _ in range(pointers)]
@@ -127,13 +141,23 @@ def gluon_call(kernel, inputs: Sequence[jax.Array], out_types: Sequence[jax.Shap
     call = gpu_triton.TritonKernelCall(loaded, grid[0], grid[1], 1, params)
     backend_config = zlib.compress(call.to_proto(kernel.fn.__name__, b""))
     mesh = jax.typeof(inputs[0]).sharding.mesh
-    return jax.ffi.ffi_call("triton_kernel_call", [_on_mesh(out_type, mesh) for out_type in out_types],
-                            custom_call_api_version=2, legacy_backend_config=backend_config)(*inputs)
+    # The Triton custom call takes its (compressed proto) backend config as bytes, where
+    # jax's annotation says str.
+    return jax.ffi.ffi_call(  # type: ignore[call-overload]
+        "triton_kernel_call",
+        [_on_mesh(out_type, mesh) for out_type in out_types],
+        custom_call_api_version=2,
+        legacy_backend_config=backend_config,
+    )(*inputs)
 
 
 def _on_mesh(out_type: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
     """`out_type` placed on the (abstract) mesh the inputs live on: `ffi_call` takes the
     manual axes an output varies over (`launch.output_struct`) only with a mesh that has
     them, inside `shard_map`."""
-    return jax.ShapeDtypeStruct(out_type.shape, out_type.dtype, sharding=NamedSharding(mesh, PartitionSpec()),
-                                manual_axis_type=out_type.manual_axis_type)
+    return jax.ShapeDtypeStruct(
+        out_type.shape,
+        out_type.dtype,
+        sharding=NamedSharding(mesh, PartitionSpec()),
+        manual_axis_type=out_type.manual_axis_type,
+    )

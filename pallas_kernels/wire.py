@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax.kernels import formats, group_codec
+from . import formats, group_codec
+
 
 @dataclasses.dataclass(frozen=True)
 class MessageLayout:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
-_active_ledgers: list[WireLedger] = []
-_PAUSED = contextvars.ContextVar("paused", default=False)
+from taco_jax.tracing import TraceScope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +65,11 @@ class WireLedger:
         return dict(sums)
 
 
+# The ledgers of the enclosing `record_wire` blocks; whether `paused` is in effect.
+_LEDGERS: TraceScope[tuple[WireLedger, ...]] = TraceScope("wire ledgers", ())
+_PAUSED = TraceScope("wire recording paused", False)
+
+
 @contextlib.contextmanager
 def record_wire() -> Iterator[WireLedger]:
     """Record the wire bytes of every collective traced inside the block.
@@ -79,11 +82,8 @@ def record_wire() -> Iterator[WireLedger]:
       The `WireLedger` being filled.
     """
     ledger = WireLedger()
-    _active_ledgers.append(ledger)
-    try:
+    with _LEDGERS.set((*_LEDGERS.get(), ledger)):
         yield ledger
-    finally:
-        _active_ledgers.remove(ledger)
 
 
 @contextlib.contextmanager
@@ -91,16 +91,13 @@ def paused() -> Iterator[None]:
     """Record nothing traced inside the block: for work traced again that the compiler
     performs once (an identical recomputation, merged by common-subexpression
     elimination), so that the ledger counts what the compiled program sends."""
-    token = _PAUSED.set(True)
-    try:
+    with _PAUSED.set(True):
         yield
-    finally:
-        _PAUSED.reset(token)
 
 
 def record(entry: WireRecord) -> None:
     """Add a record to every active ledger (none while `paused`)."""
     if _PAUSED.get():
         return
-    for ledger in _active_ledgers:
+    for ledger in _LEDGERS.get():
         ledger.records.append(entry)

@@ -27,14 +27,17 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from taco_jax.codec import compress, decompress
 from taco_jax.spec import QuantSpec, TacoConfig
+from taco_jax.tracing import TraceScope
 
 STRATEGIES = ("identity", "cluster", "interleave")
 METRICS = ("channel_median", "rel_rmse")
@@ -120,8 +123,11 @@ class Calibration:
 
     def to_json(self) -> dict:
         """A JSON-serializable form (for checkpoints)."""
-        return {"plans": [{"site": s, "direction": d, "perm": list(p.perm), "hadamard": p.hadamard}
-                          for s, d, p in self.plans]}
+        return {
+            "plans": [
+                {"site": s, "direction": d, "perm": list(p.perm), "hadamard": p.hadamard} for s, d, p in self.plans
+            ]
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> Calibration:
@@ -131,8 +137,12 @@ class Calibration:
           ValueError: malformed data.
         """
         try:
-            return cls(tuple((e["site"], e["direction"], ChannelPlan(tuple(int(i) for i in e["perm"]), bool(e["hadamard"])))
-                             for e in data["plans"]))
+            return cls(
+                tuple(
+                    (e["site"], e["direction"], ChannelPlan(tuple(int(i) for i in e["perm"]), bool(e["hadamard"])))
+                    for e in data["plans"]
+                )
+            )
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed calibration data: {error!r}") from None
 
@@ -185,7 +195,7 @@ class Collector:
             return np.concatenate(self.samples[key])[-MAX_SAMPLE_ROWS:]
 
 
-_collector: Collector | None = None
+_COLLECTOR: TraceScope[Collector | None] = TraceScope("calibration collector", None)
 
 
 @contextlib.contextmanager
@@ -195,30 +205,27 @@ def observing(collector: Collector) -> Iterator[Collector]:
     Like `record_wire`, this acts at trace time: trace (or jit) the step inside the block,
     then run it; every execution adds its statistics.
     """
-    global _collector
-    previous, _collector = _collector, collector
-    try:
+    with _COLLECTOR.set(collector):
         yield collector
-    finally:
-        _collector = previous
 
 
 def observe(x: jax.Array, site: str, direction: str) -> None:
     """Report `x` (..., C), about to be compressed at `site`, to the active collector."""
-    collector = _collector
+    collector = _COLLECTOR.get()
     if collector is None:
         return
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     stride = max(1, rows.shape[0] // SAMPLE_ROWS)
     sample = rows[::stride][:SAMPLE_ROWS]
-    jax.debug.callback(functools.partial(collector.add, (site, direction)), jnp.sum(jnp.square(rows), axis=0),
-                       rows.shape[0], sample)
+    jax.debug.callback(
+        functools.partial(collector.add, (site, direction)), jnp.sum(jnp.square(rows), axis=0), rows.shape[0], sample
+    )
 
 
 # ----------------------------------------------------------------------------- decision
 
 
-def channel_rms(x: jax.Array) -> np.ndarray:
+def channel_rms(x: ArrayLike) -> np.ndarray:
     """float64 RMS of each channel (last axis) over all other axes."""
     values = np.asarray(x, np.float64).reshape(-1, np.shape(x)[-1])
     return np.sqrt(np.mean(np.square(values), axis=0))
@@ -251,19 +258,21 @@ def permutation(rms: np.ndarray, group_size: int, strategy: str) -> np.ndarray:
     return order.reshape(group_size, channels // group_size).T.reshape(-1)
 
 
-def codec_error(x: jax.Array, spec: QuantSpec, perm: np.ndarray) -> dict[str, float]:
+def codec_error(x: ArrayLike, spec: QuantSpec, perm: np.ndarray) -> dict[str, float]:
     """Relative RMSE and median per-channel relative error of one round trip."""
     x64 = np.asarray(x, np.float64)
     y = np.asarray(decompress(compress(jnp.asarray(x), spec, perm=perm), perm=perm), np.float64)
     err = (y - x64).reshape(-1, x64.shape[-1])
     norms = np.linalg.norm(x64.reshape(-1, x64.shape[-1]), axis=0)
     live = norms > 0
-    return {"rel_rmse": float(np.linalg.norm(err) / max(np.linalg.norm(x64), 1e-300)),
-            "channel_median": float(np.median(np.linalg.norm(err, axis=0)[live] / norms[live])) if live.any() else 0.0}
+    return {
+        "rel_rmse": float(np.linalg.norm(err) / max(float(np.linalg.norm(x64)), 1e-300)),
+        "channel_median": float(np.median(np.linalg.norm(err, axis=0)[live] / norms[live])) if live.any() else 0.0,
+    }
 
 
 def calibrate_site(
-    samples: jax.Array,
+    samples: ArrayLike,
     spec: QuantSpec,
     *,
     rms: np.ndarray | None = None,
@@ -296,7 +305,7 @@ def calibrate_site(
         raise ValueError(f"unknown calibration metric {metric!r}; expected one of {list(METRICS)}")
     rms = channel_rms(samples) if rms is None else rms
     other = METRICS[1 - METRICS.index(metric)]
-    report = []
+    report: list[dict[str, Any]] = []
     for strategy in strategies:
         perm = permutation(rms, spec.group_size, strategy)
         for hadamard in (False, True):
@@ -347,8 +356,9 @@ def calibrate(
         rms = collector.rms((site, direction))
         if len(rms) % spec.group_size:
             continue
-        plan, rows = calibrate_site(collector.sample((site, direction)), spec, rms=rms, strategies=strategies,
-                                    metric=metric, min_gain=min_gain)
+        plan, rows = calibrate_site(
+            collector.sample((site, direction)), spec, rms=rms, strategies=strategies, metric=metric, min_gain=min_gain
+        )
         plans.append((site, direction, plan))
         report += [{"site": site, "direction": direction, **row} for row in rows]
     return _agreed(Calibration(tuple(plans))), report
@@ -363,5 +373,9 @@ def _agreed(calibration: Calibration) -> Calibration:
     flags = np.array([plan.hadamard for _, _, plan in calibration.plans], np.int32)
     perms = tuple(plan.indices for _, _, plan in calibration.plans)
     flags, perms = multihost_utils.broadcast_one_to_all((flags, perms))
-    return Calibration(tuple((s, d, ChannelPlan(tuple(int(i) for i in p), bool(f)))
-                             for (s, d, _), p, f in zip(calibration.plans, np.asarray(perms), np.asarray(flags))))
+    return Calibration(
+        tuple(
+            (s, d, ChannelPlan(tuple(int(i) for i in p), bool(f)))
+            for (s, d, _), p, f in zip(calibration.plans, np.asarray(perms), np.asarray(flags))
+        )
+    )

@@ -2,7 +2,7 @@
 
 The math lives in `pallas_kernels` (group codec reference and fused kernels); this module
 validates, handles permutations and shapes, and is the one place that chooses between the
-GPU kernels and the jnp path (the `kernels` argument, `TacoConfig.kernels` in the
+GPU kernels and the jnp path (the `kernel_mode` argument, `TacoConfig.kernel_mode` in the
 collectives; "auto" lets the platform a program is lowered for choose).
 """
 
@@ -11,35 +11,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
 from taco_jax.kernels import group_codec, launch, wire
 from taco_jax.spec import KERNEL_MODES, QuantSpec
 
-_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-
-def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernels: str, size: int, shards: int = 1) -> str:
-    """How this call runs under kernel mode `kernels`: "jnp", "interpret", "pallas", or
-    "auto" (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere)."""
-    if kernels not in KERNEL_MODES:
-        raise ValueError(f"unknown kernel mode {kernels!r}; expected one of {list(KERNEL_MODES)}")
-    supported = (size > 0 and 16 <= spec.group_size <= 512 and jnp.dtype(dtype) in _KERNEL_DTYPES
-                 and shards & (shards - 1) == 0 and spec.element_bits == 8)
-    if not supported or kernels == "jnp" or (kernels == "auto" and not launch.has_cuda()):
+def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, size: int, shards: int = 1) -> str:
+    """How this call runs under `kernel_mode`: "jnp", "interpret", "pallas", or "auto"
+    (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere). Work the
+    kernels do not take (`launch.PALLAS_KERNELS`) and empty arrays run the jnp path."""
+    if kernel_mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {kernel_mode!r}; expected one of {list(KERNEL_MODES)}")
+    supported = size > 0 and launch.PALLAS_KERNELS.takes(spec.group_size, dtype, spec.fmt, shards)
+    if not supported or kernel_mode == "jnp" or (kernel_mode == "auto" and not launch.has_cuda()):
         return "jnp"
-    return kernels
+    return kernel_mode
 
 
 def _dispatch(mode: str, kernel_fn, reference_fn, *args):
     """`kernel_fn(*args, interpret=...)` or `reference_fn(*args)` as `mode` (`_kernel_mode`)
-    says; "auto" lets the platform the program is lowered for choose (`launch.on_cuda`)."""
+    says, the one place the codec chooses between a kernel and the jnp path; "auto" lets
+    the platform the program is lowered for choose (`launch.on_cuda`)."""
     if mode == "jnp":
         return reference_fn(*args)
     if mode == "auto":
@@ -74,7 +74,7 @@ class Compressed:
         """Bytes on the wire: payload plus scales."""
         return int(self.payload.size * self.spec.element_bits // 8 + self.scales.size * self.scales.dtype.itemsize)
 
-    def dequantize(self, perm: jax.Array | None = None) -> jax.Array:
+    def dequantize(self, perm: ArrayLike | None = None) -> jax.Array:
         """Same as `decompress(self, perm)`."""
         return decompress(self, perm)
 
@@ -88,12 +88,11 @@ def check_groupable(shape: Sequence[int], spec: QuantSpec) -> None:
         raise ValueError("compress needs an array with at least one axis, got a scalar")
     if shape[-1] % spec.group_size:
         raise ValueError(
-            f"last axis of shape {tuple(shape)} has {shape[-1]} elements, "
-            f"not divisible by group_size {spec.group_size}"
+            f"last axis of shape {tuple(shape)} has {shape[-1]} elements, not divisible by group_size {spec.group_size}"
         )
 
 
-def check_permutation(perm: jax.Array, channels: int) -> jax.Array:
+def check_permutation(perm: ArrayLike, channels: int) -> jax.Array:
     """Return `perm` as an array; raise ValueError unless it permutes range(channels).
 
     The values are checked when `perm` is concrete; under tracing only its shape and dtype.
@@ -112,38 +111,52 @@ def check_permutation(perm: jax.Array, channels: int) -> jax.Array:
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _quantize(values: jax.Array, spec: QuantSpec, kernels: str) -> tuple[jax.Array, jax.Array]:
+def _quantize(values: jax.Array, spec: QuantSpec, kernel_mode: str) -> tuple[jax.Array, jax.Array]:
     """Payload and wire scales of `values` (..., C), kernel or jnp."""
     groups = (*values.shape[:-1], values.shape[-1] // spec.group_size)
 
     def kernel(values, interpret):
-        payload, scales = compress_kernel.compress(values.reshape(-1, spec.group_size), fmt=spec.fmt,
-                                                   scale_format=spec.scales, transform=spec.hadamard,
-                                                   interpret=interpret)
+        payload, scales = compress_kernel.compress_groups(
+            values.reshape(-1, spec.group_size),
+            fmt=spec.fmt,
+            scale_format=spec.scales,
+            transform=spec.hadamard,
+            interpret=interpret,
+        )
         return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
 
     def reference(values):
-        return group_codec.quantize_groups(values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales,
-                                           transform=spec.hadamard)
+        return group_codec.quantize_groups(
+            values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard
+        )
 
-    return _dispatch(_kernel_mode(spec, values.dtype, kernels, values.size), kernel, reference, values)
+    return _dispatch(_kernel_mode(spec, values.dtype, kernel_mode, values.size), kernel, reference, values)
 
 
-def _dequantize_sum(shards: Compressed, kernels: str, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
+def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
     """Sum of the shards along axis 0, decoded to `dtype` or requantized; kernel or jnp."""
     spec = shards.spec
     count, group = shards.payload.shape[0], spec.group_size
     payload = shards.payload.reshape(count, -1, group)
     multiplier = group_codec.dequantize_scale(shards.scales, spec.scales).reshape(count, -1)
-    kwargs = dict(transform=spec.hadamard, requantize=(spec.fmt, spec.scales) if requantize else None)
+    requantize_to = (spec.fmt, spec.scales) if requantize else None
 
     def kernel(payload, multiplier, interpret):
-        return decompress_kernel.decompress(payload, multiplier, out_dtype=dtype, interpret=interpret, **kwargs)
+        return decompress_kernel.decompress_groups(
+            payload,
+            multiplier,
+            transform=spec.hadamard,
+            out_dtype=dtype,
+            requantize_to=requantize_to,
+            interpret=interpret,
+        )
 
     def reference(payload, multiplier):
-        return decompress_kernel.decompress_reference(payload, multiplier, out_dtype=dtype, **kwargs)
+        return decompress_kernel.decompress_reference(
+            payload, multiplier, transform=spec.hadamard, out_dtype=dtype, requantize_to=requantize_to
+        )
 
-    mode = _kernel_mode(spec, dtype, kernels, payload.size, count)
+    mode = _kernel_mode(spec, dtype, kernel_mode, payload.size, count)
     return _dispatch(mode, kernel, reference, payload, multiplier)
 
 
@@ -155,14 +168,14 @@ def message_layout(groups: int, spec: QuantSpec) -> wire.MessageLayout:
     return wire.MessageLayout(groups, spec.group_size, spec.fmt, spec.scales)
 
 
-def encode(rows: jax.Array, spec: QuantSpec, kernels: str = "auto") -> jax.Array:
+def encode(rows: jax.Array, spec: QuantSpec, kernel_mode: str = "auto") -> jax.Array:
     """Compress rows straight into wire messages (`pallas_kernels.wire`), one per
     leading index.
 
     Args:
       rows: float (..., N, G), G = spec.group_size, in wire channel order.
       spec: the `QuantSpec` (its `hadamard` decides the transform).
-      kernels: kernel mode (`KERNEL_MODES`).
+      kernel_mode: kernel mode (`KERNEL_MODES`).
 
     Returns:
       uint8 (..., *message_layout(N, spec).shape).
@@ -171,19 +184,24 @@ def encode(rows: jax.Array, spec: QuantSpec, kernels: str = "auto") -> jax.Array
 
     def kernel(rows, interpret):
         messages = compress_kernel.compress_message(
-            rows.reshape(-1, groups, group_size), fmt=spec.fmt, scale_format=spec.scales, transform=spec.hadamard,
-            interpret=interpret)
+            rows.reshape(-1, groups, group_size),
+            fmt=spec.fmt,
+            scale_format=spec.scales,
+            transform=spec.hadamard,
+            interpret=interpret,
+        )
         return messages.reshape(*lead, *messages.shape[1:])
 
     def reference(rows):
         payload, scales = group_codec.quantize_groups(
-            rows, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard)
+            rows, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard
+        )
         return wire.pack(payload, scales, message_layout(groups, spec))
 
-    return _dispatch(_kernel_mode(spec, rows.dtype, kernels, rows.size), kernel, reference, rows)
+    return _dispatch(_kernel_mode(spec, rows.dtype, kernel_mode, rows.size), kernel, reference, rows)
 
 
-def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, kernels: str = "auto") -> jax.Array:
+def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str = "auto") -> jax.Array:
     """Decode messages: for each of B batches the sum of its k messages, in float32 in
     the transformed domain, transformed back once.
 
@@ -192,7 +210,7 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
       groups: N.
       spec: the `QuantSpec` they were compressed with.
       dtype: output dtype.
-      kernels: kernel mode (`KERNEL_MODES`).
+      kernel_mode: kernel mode (`KERNEL_MODES`).
 
     Returns:
       (B, N, G) in `dtype`.
@@ -200,23 +218,23 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
     layout = message_layout(groups, spec)
 
     def kernel(messages, interpret):
-        return decompress_kernel.decompress_message(messages, layout, transform=spec.hadamard, out_dtype=dtype,
-                                                    interpret=interpret)
+        return decompress_kernel.decompress_message(
+            messages, layout, transform=spec.hadamard, out_dtype=dtype, interpret=interpret
+        )
 
     def reference(messages):
         batch, shards = messages.shape[:2]
         # The batches side by side as one (k, B * N, G) sum.
-        payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups,
-                                                                               spec.group_size)
+        payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
         multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
         decoded = decompress_kernel.decompress_reference(payload, multiplier, transform=spec.hadamard, out_dtype=dtype)
         return decoded.reshape(batch, groups, spec.group_size)
 
-    mode = _kernel_mode(spec, dtype, kernels, groups * messages.shape[0], messages.shape[1])
+    mode = _kernel_mode(spec, dtype, kernel_mode, groups * messages.shape[0], messages.shape[1])
     return _dispatch(mode, kernel, reference, messages)
 
 
-def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernels: str = "auto") -> jax.Array:
+def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernel_mode: str = "auto") -> jax.Array:
     """Sum k messages (k, rows, W) in float32 and quantize the sum into one message with
     the same spec, staying in the transformed domain (the two-shot all-reduce's middle).
 
@@ -226,16 +244,20 @@ def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernels: str =
     layout = message_layout(groups, spec)
 
     def kernel(messages, interpret):
-        return decompress_kernel.decompress_message(messages[None], layout, transform=spec.hadamard, requantize=True,
-                                                    interpret=interpret)
+        return decompress_kernel.decompress_message(
+            messages[None], layout, transform=spec.hadamard, requantize=True, interpret=interpret
+        )
 
     def reference(messages):
         payload, scales = decompress_kernel.decompress_reference(
-            wire.payload_of(messages, layout), wire.multiplier(messages, layout), transform=spec.hadamard,
-            requantize=(spec.fmt, spec.scales))
+            wire.payload_of(messages, layout),
+            wire.multiplier(messages, layout),
+            transform=spec.hadamard,
+            requantize_to=(spec.fmt, spec.scales),
+        )
         return wire.pack(payload, scales, layout)
 
-    mode = _kernel_mode(spec, jnp.float32, kernels, groups, messages.shape[0])
+    mode = _kernel_mode(spec, jnp.float32, kernel_mode, groups, messages.shape[0])
     return _dispatch(mode, kernel, reference, messages)
 
 
@@ -255,19 +277,26 @@ def _underivable(name: str, fn):
         raise ValueError(
             f"taco_jax.{name} is not differentiable: the quantizer's derivative is zero almost everywhere. "
             "Differentiate through taco_jax.all_gather / reduce_scatter / all_reduce / ppermute or taco_jax.tp, "
-            "whose gradients are straight-through (an explicit compressed transpose collective).")
+            "whose gradients are straight-through (an explicit compressed transpose collective)."
+        )
 
     return op
 
 
-def _decoded_sum(name: str, shards: Compressed, kernels: str) -> jax.Array:
+def _decoded_sum(name: str, shards: Compressed, kernel_mode: str) -> jax.Array:
     """The decoded sum of `shards` along axis 0 in their dtype (public `name`'s work)."""
-    return _underivable(name, lambda payload, scales: _dequantize_sum(
-        dataclasses.replace(shards, payload=payload, scales=scales), kernels, requantize=False,
-        dtype=shards.dtype))(shards.payload, shards.scales)
+    return _underivable(
+        name,
+        lambda payload, scales: _dequantize_sum(
+            dataclasses.replace(shards, payload=payload, scales=scales),
+            kernel_mode,
+            requantize=False,
+            dtype=shards.dtype,
+        ),
+    )(shards.payload, shards.scales)
 
 
-def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None, *, kernels: str = "auto") -> Compressed:
+def compress(x: jax.Array, spec: QuantSpec, perm: ArrayLike | None = None, *, kernel_mode: str = "auto") -> Compressed:
     """Compress a tensor to an 8-bit payload with per-group scales.
 
     Args:
@@ -276,7 +305,7 @@ def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None, *, ke
       spec: the `QuantSpec`.
       perm: optional channel permutation of the last axis, applied before grouping
         (`x[..., perm]`), e.g. from calibration.
-      kernels: kernel mode, one of `KERNEL_MODES` ("auto": Pallas on GPU, jnp elsewhere).
+      kernel_mode: kernel mode, one of `KERNEL_MODES` ("auto": Pallas on GPU, jnp elsewhere).
 
     Returns:
       A `Compressed` pytree. NaN or Inf in a group make that group decode to NaN.
@@ -293,17 +322,17 @@ def compress(x: jax.Array, spec: QuantSpec, perm: jax.Array | None = None, *, ke
     check_groupable(x.shape, spec)
     if perm is not None:
         x = jnp.take(x, check_permutation(perm, x.shape[-1]), axis=-1)
-    payload, scales = _underivable("compress", lambda values: _quantize(values, spec, kernels))(x)
+    payload, scales = _underivable("compress", lambda values: _quantize(values, spec, kernel_mode))(x)
     return Compressed(payload, scales, tuple(x.shape), np.dtype(x.dtype), spec)
 
 
-def decompress(c: Compressed, perm: jax.Array | None = None, *, kernels: str = "auto") -> jax.Array:
+def decompress(c: Compressed, perm: ArrayLike | None = None, *, kernel_mode: str = "auto") -> jax.Array:
     """Reconstruct the tensor from a `Compressed`.
 
     Args:
       c: the output of `compress`.
       perm: the permutation given to `compress` (None if none was).
-      kernels: kernel mode (see `compress`).
+      kernel_mode: kernel mode (see `compress`).
 
     Returns:
       Array of `c.shape` and `c.dtype`.
@@ -314,13 +343,13 @@ def decompress(c: Compressed, perm: jax.Array | None = None, *, kernels: str = "
     if not isinstance(c, Compressed):
         raise ValueError(f"decompress needs a Compressed, got {type(c).__name__}")
     single = jax.tree_util.tree_map(lambda leaf: leaf[None], c)
-    values = _decoded_sum("decompress", single, kernels).reshape(c.payload.shape)
+    values = _decoded_sum("decompress", single, kernel_mode).reshape(c.payload.shape)
     if perm is not None:
         values = jnp.take(values, jnp.argsort(check_permutation(perm, c.shape[-1])), axis=-1)
     return values
 
 
-def decompress_sum(shards: Compressed, *, kernels: str = "auto") -> jax.Array:
+def decompress_sum(shards: Compressed, *, kernel_mode: str = "auto") -> jax.Array:
     """Dequantize k shards (stacked on axis 0) and return their sum.
 
     The sum is taken in float32 in the transformed domain and transformed back once (one
@@ -329,30 +358,33 @@ def decompress_sum(shards: Compressed, *, kernels: str = "auto") -> jax.Array:
     Args:
       shards: a `Compressed` whose arrays have a leading shard axis (e.g. what an
         all-to-all of compressed chunks delivers).
-      kernels: kernel mode (see `compress`).
+      kernel_mode: kernel mode (see `compress`).
 
     Returns:
       The sum, shape `shards.payload.shape[1:]`, dtype `shards.dtype`.
     """
-    return _decoded_sum("decompress_sum", shards, kernels).reshape(shards.payload.shape[1:])
+    return _decoded_sum("decompress_sum", shards, kernel_mode).reshape(shards.payload.shape[1:])
 
 
-def requantize_sum(shards: Compressed, *, kernels: str = "auto") -> Compressed:
+def requantize_sum(shards: Compressed, *, kernel_mode: str = "auto") -> Compressed:
     """Sum k shards (stacked on axis 0) in float32 in the transformed domain and
     quantize the sum again with the same spec, without leaving the transformed domain
     (the middle step of the two-shot all-reduce). `decompress` of the result decodes it.
 
     Args:
       shards: a `Compressed` with a leading shard axis.
-      kernels: kernel mode (see `compress`).
+      kernel_mode: kernel mode (see `compress`).
 
     Returns:
       A `Compressed` of shape `shards.payload.shape[1:]`.
     """
     shape = shards.payload.shape[1:]
-    payload, scales = _underivable("requantize_sum", lambda payload, scales: _dequantize_sum(
-        dataclasses.replace(shards, payload=payload, scales=scales), kernels, requantize=True))(shards.payload,
-                                                                                               shards.scales)
+    payload, scales = _underivable(
+        "requantize_sum",
+        lambda payload, scales: _dequantize_sum(
+            dataclasses.replace(shards, payload=payload, scales=scales), kernel_mode, requantize=True
+        ),
+    )(shards.payload, shards.scales)
     groups = (*shape[:-1], shape[-1] // shards.spec.group_size)
     return Compressed(
         payload.reshape(shape), scales.reshape(*groups, *scales.shape[2:]), tuple(shape), shards.dtype, shards.spec

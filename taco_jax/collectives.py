@@ -11,32 +11,41 @@ the received buffer), so every backend moves one byte per element and nothing is
 between the stages. Reductions dequantize to float32 and sum in the transformed domain;
 the inverse transform runs once.
 
-Layout: a message is viewed as rows of G elements of its last axis (the last axis is
-zero-padded to a multiple of G), so any shape the lax collective accepts works and the
-groups are the codec's groups. How each message travels (compressed or not, the
-all-reduce algorithm, pipelined chunks) is `taco_jax.policy`'s decision.
+Each message is planned once, before it moves: `plan_message` asks `taco_jax.policy` how
+it travels (compressed or not, the all-reduce algorithm, pipelined chunks), reports it to
+an active calibration collector, and applies the site's calibration (transform decision,
+channel permutation), giving a `WirePlan`, or None for the plain collective. The data
+path is then plan -> compress -> move -> decode. A message is laid out as rows of G
+elements of its last axis (zero-padded to a multiple of G), so any shape the lax
+collective accepts works and the groups are the codec's groups.
+
+`Call` holds one call's fixed arguments (axis, config, site, calibration). The `run_*`
+functions are one direction of a collective as traced, without a gradient rule (the
+tensor-parallel mappings in `taco_jax.tp` compose them); the public `all_gather`,
+`reduce_scatter`, `all_reduce` and `ppermute` add the straight-through rules.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from taco_jax import accounting
+from taco_jax import accounting, policy
 from taco_jax import calibration as calibration_lib
-from taco_jax import policy
 from taco_jax.calibration import Calibration
 from taco_jax.codec import decode, encode, message_layout, requantize
 from taco_jax.kernels.jax_compat import checks_vma
 from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
+from taco_jax.tracing import TraceScope
 
 # Chunks of a pipelined message start at multiples of this many groups, so the kernels
 # split every chunk (the last one aside) into whole row blocks without padding.
@@ -48,12 +57,12 @@ CHUNK_ALIGN = 64
 # of a gradient taken outside a shard_map, which has no public form.
 
 
-def varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset[str]:
     """The manual mesh axes `x` varies over (empty under `check_vma=False`)."""
     return frozenset(jax.typeof(x).mat.varying)
 
 
-def vary(x: jax.Array, axes) -> jax.Array:
+def vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """`x` marked as varying over `axes` where `check_vma` tracks it (`lax.pcast`; its
     transpose sums over the axes the mark added, as JAX's implicit casts do)."""
     missing = tuple(a for a in axes if checks_vma(a) and a not in varying_axes(x))
@@ -94,60 +103,95 @@ def per_rank(x: jax.Array, axis_name: str) -> jax.Array:
     return x + (lax.axis_index(axis_name) * 0).astype(x.dtype)
 
 
-# ----------------------------------------------------------------------------- layout
+# ----------------------------------------------------------------------------- one call, one plan
 
 
-def _to_rows(x: jax.Array, group_size: int, lead: int) -> jax.Array:
-    """(*lead_dims, *chunk) -> (*lead_dims, n, G), padding the chunk's last axis with zeros."""
-    lead_shape, chunk = x.shape[:lead], x.shape[lead:]
-    last = chunk[-1] if chunk else 1
-    x = x.reshape(*lead_shape, math.prod(chunk[:-1]), last)
-    pad = -last % group_size
-    if pad:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(*lead_shape, -1, group_size)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Call:
+    """One collective call's fixed arguments (hashable: a static argument of the
+    collectives' gradient rules).
+
+    Attributes:
+      axis_name: the mesh axis the collective runs over.
+      config: the `TacoConfig` (forward messages use `config.forward`, backward ones
+        `config.backward`).
+      site: call-site name for wire-byte accounting and calibration; None names the
+        site after the op ("all_gather", ...).
+      calibration: per-site channel permutations and transform decisions; None = the
+        identity and the config's transform.
+
+    Raises:
+      ValueError: `config` is not a `TacoConfig`, or `calibration` not a `Calibration`.
+    """
+
+    axis_name: str
+    config: TacoConfig
+    site: str | None = None
+    calibration: Calibration | None = None
+
+    def __post_init__(self) -> None:
+        check_config(self.config, self.calibration)
+
+    def site_of(self, op: str) -> str:
+        """The name `op`'s messages are recorded and calibrated under."""
+        return self.site or op
+
+    def spec(self, direction: str) -> QuantSpec:
+        """The quantizer of `direction`'s messages ("forward" or "backward")."""
+        return self.config.forward if direction == "forward" else self.config.backward
 
 
-def _from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
-    """Invert `_to_rows` for a chunk shape (the padded tail of the last axis is dropped)."""
-    lead_shape = rows.shape[:lead]
-    last = chunk[-1] if chunk else 1
-    rows = rows.reshape(*lead_shape, math.prod(chunk[:-1]), -1)[..., :last]
-    return rows.reshape(*lead_shape, *chunk)
+def check_config(config: TacoConfig, calibration: Calibration | None = None) -> None:
+    """Raise ValueError unless `config` is a `TacoConfig` and `calibration` None or a
+    `Calibration`."""
+    if not isinstance(config, TacoConfig):
+        raise ValueError(f"config must be a TacoConfig, got {type(config).__name__}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration must be a taco_jax.calibration.Calibration, got {type(calibration).__name__}")
 
 
-def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
-    """Split `groups` rows into at most `chunks` pieces starting at multiples of
-    `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
-    per_chunk = -(-groups // chunks)
-    step = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
-    edges = list(range(0, groups, step)) + [groups]
-    return list(zip(edges[:-1], edges[1:]))
+def check_algorithm(algorithm: str) -> None:
+    """Raise ValueError unless `algorithm` is one of `ALGORITHMS`."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
 
 
-def _message_bytes(groups: int, spec: QuantSpec, chunks: int) -> int:
-    """Bytes of the messages carrying `groups` groups in `chunks` pipelined pieces."""
-    return sum(message_layout(b - a, spec).nbytes for a, b in chunk_bounds(groups, chunks))
+@dataclasses.dataclass(frozen=True)
+class WirePlan:
+    """How one compressed message travels, decided before it moves (`plan_message`).
+
+    Attributes:
+      spec: the quantizer, with the site's calibrated transform decision.
+      chunks: pieces the message is pipelined in.
+      algorithm: "one_shot" or "two_shot" (all-reduce only).
+      permutation: the site's channel permutation; None for the identity.
+    """
+
+    spec: QuantSpec
+    chunks: int = 1
+    algorithm: str = "one_shot"
+    permutation: calibration_lib.ChannelPlan | None = None
+
+    def to_wire_order(self, x: jax.Array) -> jax.Array:
+        """`x` with its channels (last axis) in the order they are grouped on the wire."""
+        return x if self.permutation is None else jnp.take(x, self.permutation.indices, axis=-1)
+
+    def from_wire_order(self, x: jax.Array) -> jax.Array:
+        """Invert `to_wire_order`."""
+        return x if self.permutation is None else jnp.take(x, self.permutation.inverse, axis=-1)
+
+    def chunk_bounds(self, groups: int) -> list[tuple[int, int]]:
+        """The group ranges of the pipelined chunks of a message of `groups` groups."""
+        return chunk_bounds(groups, self.chunks)
+
+    def message_bytes(self, groups: int) -> int:
+        """Bytes of the chunk messages carrying `groups` groups."""
+        return sum(message_layout(b - a, self.spec).nbytes for a, b in self.chunk_bounds(groups))
 
 
-# ----------------------------------------------------------------------------- policy
-
-
-def _route(x: jax.Array, config: TacoConfig, op: str, axis_name: str, algorithm: str = "auto") -> policy.Route:
-    """How `x` travels (`taco_jax.policy`); integer and empty arrays always go plain."""
-    nbytes = x.size * x.dtype.itemsize
-    return policy.route_for(op, lax.axis_size(axis_name), nbytes, link=config.link, chunks=config.chunks,
-                            algorithm=algorithm, compresses=_compressible(x, config))
-
-
-def _compressible(x: jax.Array, config: TacoConfig) -> bool:
-    """Whether `config` compresses `x`: a non-empty float array of at least `min_bytes`
-    (an empty one has nothing to send, so it takes the plain collective)."""
-    return x.size > 0 and jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(x.size * x.dtype.itemsize)
-
-
-def planned_spec(spec: QuantSpec, calibration: Calibration | None, site: str, direction: str,
-                 channels: int) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
+def planned_spec(
+    spec: QuantSpec, calibration: Calibration | None, site: str, direction: str, channels: int
+) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
     """`spec` with the site's calibrated transform decision, and the site's permutation
     plan (None when it has none or it is the identity).
 
@@ -158,181 +202,93 @@ def planned_spec(spec: QuantSpec, calibration: Calibration | None, site: str, di
     if plan is None:
         return spec, None
     if len(plan.perm) != channels:
-        raise ValueError(f"calibration of site {site!r} permutes {len(plan.perm)} channels, "
-                         f"but the message has {channels}")
+        raise ValueError(
+            f"calibration of site {site!r} permutes {len(plan.perm)} channels, but the message has {channels}"
+        )
     return plan.spec(spec), None if plan.is_identity else plan
 
 
-def _wire_view(x, config, direction, op, site, calibration, route, channel_axis_used=False):
-    """(x in wire channel order, spec, inverse permutation or None); spec None = send
-    `x` uncompressed. Reports `x` to an active calibration collector."""
-    if not route.compressed:
-        return x, None, None
-    spec = config.forward if direction == "forward" else config.backward
-    calibration_lib.observe(x, site or op, direction)
-    spec, plan = planned_spec(spec, calibration, site or op, direction, x.shape[-1])
-    if plan is None:
-        return x, spec, None
-    if channel_axis_used:
-        raise ValueError(f"site {site or op!r} has a channel permutation, so it cannot gather or scatter along "
-                         f"the last (channel) axis of shape {x.shape}")
-    return jnp.take(x, plan.indices, axis=-1), spec, plan.inverse
+def compressible(x: jax.Array, config: TacoConfig) -> bool:
+    """Whether `config` compresses `x`: a non-empty float array of at least `min_bytes`
+    (an empty one has nothing to send, so it takes the plain collective)."""
+    return x.size > 0 and jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(x.size * x.dtype.itemsize)
 
 
-def _unpermute(x: jax.Array, inverse) -> jax.Array:
-    return x if inverse is None else jnp.take(x, inverse, axis=-1)
+def plan_message(
+    x: jax.Array, call: Call, *, op: str, direction: str, algorithm: str = "auto", moves_channels: bool = False
+) -> WirePlan | None:
+    """How `x` travels in `op` (`taco_jax.policy`): None for the plain collective, else
+    its `WirePlan`. A compressed message is reported to an active calibration collector.
 
+    Args:
+      x: the message, channels on its last axis.
+      call: the call it belongs to.
+      op: "all_gather", "reduce_scatter" or "all_reduce".
+      direction: "forward" or "backward".
+      algorithm: the caller's all-reduce algorithm ("auto": the policy's choice).
+      moves_channels: the op gathers or scatters along the channel axis.
 
-def record_collective(site, op, direction, x, axis_name, spec, sent, plain_sent) -> None:
-    """Record a collective's wire bytes; `plain_sent` is what the uncompressed collective
-    sends in x's dtype, and scaled to 2-byte elements it is the bf16 figure."""
-    accounting.record(
-        accounting.WireRecord(
-            site=site or op, op=op, direction=direction, shape=tuple(x.shape), dtype=jnp.dtype(x.dtype).name,
-            ranks=lax.axis_size(axis_name), compressed=spec is not None, sent_bytes=int(sent),
-            uncompressed_sent_bytes=int(plain_sent), axis=str(axis_name),
-            bf16_sent_bytes=int(plain_sent) * 2 // jnp.dtype(x.dtype).itemsize,
-        )
+    Raises:
+      ValueError: a channel permutation on a site whose op moves the channel axis, or
+        one of the wrong length.
+    """
+    route = policy.route_for(
+        op,
+        lax.axis_size(call.axis_name),
+        x.size * x.dtype.itemsize,
+        link=call.config.link,
+        chunks=call.config.chunks,
+        algorithm=algorithm,
+        compresses=compressible(x, call.config),
     )
+    if not route.compressed:
+        return None
+    site = call.site_of(op)
+    calibration_lib.observe(x, site, direction)
+    spec, permutation = planned_spec(call.spec(direction), call.calibration, site, direction, x.shape[-1])
+    if permutation is not None and moves_channels:
+        raise ValueError(
+            f"site {site!r} has a channel permutation, so it cannot gather or scatter along "
+            f"the last (channel) axis of shape {x.shape}"
+        )
+    return WirePlan(spec, route.chunks, route.algorithm, permutation)
 
 
-def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
-    """Bytes each rank sends in a ring all-reduce of `nbytes`: 2 (k-1)/k of them."""
-    return 2 * (ranks - 1) * nbytes // ranks
+# ----------------------------------------------------------------------------- layout
 
 
-def record_plain_all_reduce(x: jax.Array, axis_name: str, site: str, direction: str = "forward") -> None:
-    """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
-    with `jax.lax` directly."""
-    plain = ring_all_reduce_bytes(x.size * jnp.dtype(x.dtype).itemsize, lax.axis_size(axis_name))
-    record_collective(site, "all_reduce", direction, x, axis_name, None, plain, plain)
+def to_rows(x: jax.Array, group_size: int, lead: int) -> jax.Array:
+    """(*lead_dims, *chunk) -> (*lead_dims, n, G), padding the chunk's last axis with zeros."""
+    lead_shape, chunk = x.shape[:lead], x.shape[lead:]
+    last = chunk[-1] if chunk else 1
+    x = x.reshape(*lead_shape, math.prod(chunk[:-1]), last)
+    pad = -last % group_size
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x.reshape(*lead_shape, -1, group_size)
 
 
-def _check_axis(axis: int, ndim: int, what: str) -> int:
-    if not -ndim <= axis < max(ndim, 1):
-        raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")
-    return axis % max(ndim, 1)
+def from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
+    """Invert `to_rows` for a chunk shape (the padded tail of the last axis is dropped)."""
+    lead_shape = rows.shape[:lead]
+    last = chunk[-1] if chunk else 1
+    rows = rows.reshape(*lead_shape, math.prod(chunk[:-1]), -1)[..., :last]
+    return rows.reshape(*lead_shape, *chunk)
 
 
-# ----------------------------------------------------------------------------- implementations
-
-
-def gather_and_received(x, axis_name, config, direction, axis, tiled, site,
-                        calibration=None) -> tuple[jax.Array, jax.Array | tuple[jax.Array, ...]]:
-    """The all-gather result and what crossed the wire: a tuple of (ranks, rows, W)
-    uint8 messages (one per pipelined chunk) when compressed (decode again with
-    `decode_gathered`), else the result."""
-    ranks = lax.axis_size(axis_name)
-    axis = _check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
-    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
-    route = _route(x, config, "all_gather", axis_name)
-    wire, spec, inverse = _wire_view(x, config, direction, "all_gather", site, calibration, route)
-    if spec is None:
-        record_collective(site, "all_gather", direction, x, axis_name, None, plain_sent, plain_sent)
-        if x.size:
-            gathered = lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-        else:
-            shape = list(x.shape)
-            if tiled:
-                shape[axis] *= ranks
-            else:
-                shape.insert(axis, ranks)
-            gathered = _empty_result(x, shape, axis_name)
-        return gathered, gathered
-    rows = _to_rows(wire, spec.group_size, 0)
-    received = tuple(gather_stacked(encode(rows[a:b], spec, config.kernels), axis_name)
-                     for a, b in chunk_bounds(rows.shape[0], route.chunks))
-    record_collective(site, "all_gather", direction, x, axis_name, spec,
-            (ranks - 1) * _message_bytes(rows.shape[0], spec, route.chunks), plain_sent)
-    return decode_gathered(received, x.shape, x.dtype, spec, axis, tiled, inverse, config.kernels), received
-
-
-def _empty_result(x: jax.Array, shape, axis_name: str) -> jax.Array:
-    """What a collective over `axis_name` returns for an empty `x` (XLA refuses to lower
-    one of zero-size operands): an empty array of `shape`, varying as lax's result."""
-    return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
-
-
-def _gather(x, axis_name, config, direction, axis, tiled, site, calibration=None):
-    return gather_and_received(x, axis_name, config, direction, axis, tiled, site, calibration)[0]
-
-
-def decode_gathered(received: tuple[jax.Array, ...], shape: tuple[int, ...], dtype: jnp.dtype, spec: QuantSpec,
-                    axis: int, tiled: bool, inverse_perm: np.ndarray | None = None, kernels: str = "auto") -> jax.Array:
-    """Decode the all-gathered messages of per-rank arrays of `shape` (the chunks of
-    `gather_and_received`) into the all-gather result (`lax.all_gather` layout),
-    undoing a channel permutation if given; `kernels` is the kernel mode."""
-    ranks = received[0].shape[0]
+def group_count(shape: tuple[int, ...], group_size: int) -> int:
+    """Rows of G that `to_rows` makes of an array of `shape`."""
     last = shape[-1] if shape else 1
-    groups = math.prod(shape[:-1]) * -(-last // spec.group_size)
-    bounds = chunk_bounds(groups, len(received))
-    rows = [decode(r[:, None], b - a, spec, dtype, kernels) for r, (a, b) in zip(received, bounds)]
-    rows = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
-    out = jnp.moveaxis(_unpermute(_from_rows(rows, shape, 1), inverse_perm), 0, axis)
-    if tiled:
-        out = out.reshape(*shape[:axis], ranks * shape[axis], *shape[axis + 1 :])
-    return out
+    return math.prod(shape[:-1]) * -(-last // group_size)
 
 
-def _scatter(x, axis_name, config, direction, scatter_dimension, tiled, site, calibration=None):
-    ranks = lax.axis_size(axis_name)
-    dim = _check_axis(scatter_dimension, x.ndim, "scatter_dimension")
-    size = x.shape[dim]
-    if (tiled and size % ranks) or (not tiled and size != ranks):
-        need = f"divisible by {ranks}" if tiled else f"equal to {ranks}"
-        raise ValueError(f"scatter_dimension {dim} of shape {x.shape} has size {size}, must be {need} (axis size)")
-    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize // ranks
-    route = _route(x, config, "reduce_scatter", axis_name)
-    wire, spec, inverse = _wire_view(x, config, direction, "reduce_scatter", site, calibration, route,
-                                     dim == x.ndim - 1)
-    if spec is None:
-        record_collective(site, "reduce_scatter", direction, x, axis_name, None, plain_sent, plain_sent)
-        if not x.size:
-            return _empty_result(x, (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1:]),
-                                 axis_name)
-        return lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=tiled)
-    moved = jnp.moveaxis(wire, dim, 0)
-    chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
-    rows = _to_rows(moved.reshape(ranks, *chunk_shape), spec.group_size, 1)
-    pieces = [_reduce_scatter_rows(rows[:, a:b], axis_name, spec, x.dtype, config.kernels)
-              for a, b in chunk_bounds(rows.shape[1], route.chunks)]
-    record_collective(site, "reduce_scatter", direction, x, axis_name, spec,
-            (ranks - 1) * _message_bytes(rows.shape[1], spec, route.chunks), plain_sent)
-    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
-    out = _unpermute(_from_rows(out, chunk_shape, 0), inverse)
-    return jnp.moveaxis(out, 0, dim) if tiled else out
-
-
-def _reduce_scatter_rows(rows, axis_name: str, spec: QuantSpec, dtype: jnp.dtype, kernels: str) -> jax.Array:
-    """(ranks, n, G) rows, one block per destination -> this rank's (n, G) block of the sum."""
-    received = exchange_blocks(encode(rows, spec, kernels), axis_name)
-    return decode(received[None], rows.shape[1], spec, dtype, kernels)[0]
-
-
-def _reduce(x, axis_name, config, direction, algorithm, site, calibration=None):
-    ranks = lax.axis_size(axis_name)
-    nbytes = x.size * x.dtype.itemsize
-    plain_sent = ring_all_reduce_bytes(nbytes, ranks)
-    route = _route(x, config, "all_reduce", axis_name, algorithm)
-    wire, spec, inverse = _wire_view(x, config, direction, "all_reduce", site, calibration, route)
-    if spec is None:
-        record_collective(site, "all_reduce", direction, x, axis_name, None, plain_sent, plain_sent)
-        return lax.psum(x, axis_name)
-    rows = _to_rows(wire, spec.group_size, 0)
-    exchange = _one_shot if route.algorithm == "one_shot" else _two_shot
-    out, sent = exchange(rows, axis_name, spec, route.chunks, x.dtype, config.kernels)
-    record_collective(site, f"all_reduce_{route.algorithm}", direction, x, axis_name, spec, (ranks - 1) * sent, plain_sent)
-    return _unpermute(_from_rows(out, x.shape, 0), inverse)
-
-
-def _one_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array, int]:
-    """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
-    pieces = []
-    for a, b in chunk_bounds(rows.shape[0], chunks):
-        received = gather_invariant(encode(rows[a:b], spec, kernels), axis_name)
-        pieces.append(decode(received[None], b - a, spec, dtype, kernels)[0])
-    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=0)
-    return out, _message_bytes(rows.shape[0], spec, chunks)
+def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
+    """Split `groups` rows into at most `chunks` pieces starting at multiples of
+    `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
+    per_chunk = -(-groups // chunks)
+    step = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
+    edges = list(range(0, groups, step)) + [groups]
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def rank_blocks(rows: jax.Array, ranks: int) -> jax.Array:
@@ -342,112 +298,384 @@ def rank_blocks(rows: jax.Array, ranks: int) -> jax.Array:
     return jnp.pad(rows, [(0, ranks * per_rank - rows.shape[0]), (0, 0)]).reshape(ranks, per_rank, rows.shape[1])
 
 
-def _two_shot(rows, axis_name, spec, chunks, dtype, kernels) -> tuple[jax.Array, int]:
+def _concatenated(pieces: list[jax.Array], axis: int) -> jax.Array:
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
+
+
+def _check_axis(axis: int, ndim: int, what: str) -> int:
+    if not -ndim <= axis < max(ndim, 1):
+        raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")
+    return axis % max(ndim, 1)
+
+
+# ----------------------------------------------------------------------------- ledger
+
+
+def record_collective(
+    x: jax.Array | jax.ShapeDtypeStruct,
+    *,
+    site: str,
+    op: str,
+    direction: str,
+    axis_name: str,
+    spec: QuantSpec | None,
+    sent: int,
+    plain_sent: int,
+) -> None:
+    """Record a collective's wire bytes per rank: `sent` as it travels (`spec` None:
+    uncompressed), `plain_sent` as the uncompressed collective in x's dtype; scaled to
+    2-byte elements that is the bf16 figure."""
+    itemsize = jnp.dtype(x.dtype).itemsize
+    accounting.record(
+        accounting.WireRecord(
+            site=site,
+            op=op,
+            direction=direction,
+            shape=tuple(x.shape),
+            dtype=jnp.dtype(x.dtype).name,
+            ranks=lax.axis_size(axis_name),
+            compressed=spec is not None,
+            sent_bytes=int(sent),
+            uncompressed_sent_bytes=int(plain_sent),
+            axis=str(axis_name),
+            bf16_sent_bytes=int(plain_sent) * 2 // itemsize,
+        )
+    )
+
+
+def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `nbytes`: 2 (k-1)/k of them."""
+    return 2 * (ranks - 1) * nbytes // ranks
+
+
+def record_plain_all_reduce(x: jax.Array, axis_name: str, *, site: str, direction: str = "forward") -> None:
+    """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
+    with `jax.lax` directly."""
+    plain = ring_all_reduce_bytes(x.size * jnp.dtype(x.dtype).itemsize, lax.axis_size(axis_name))
+    record_collective(
+        x, site=site, op="all_reduce", direction=direction, axis_name=axis_name, spec=None, sent=plain, plain_sent=plain
+    )
+
+
+def _empty_result(x: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
+    """What a collective over `axis_name` returns for an empty `x` (XLA refuses to lower
+    one of zero-size operands): an empty array of `shape`, varying as lax's result."""
+    return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
+
+
+# ----------------------------------------------------------------------------- all-gather
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatherResidual:
+    """An all-gather's result as a backward pass keeps it: the received 8-bit wire
+    messages when the gather was compressed (about half the bytes of bf16, as
+    Transformer Engine keeps FP8 residuals), else the result itself. `value()` gives
+    the result either way.
+
+    Attributes:
+      arrays: the (ranks, rows, W) uint8 chunk messages, or the one result array.
+      decoder: what decodes the messages (None: `arrays` holds the result).
+    """
+
+    arrays: tuple[jax.Array, ...]
+    decoder: _GatherDecoder | None = dataclasses.field(metadata=dict(static=True))
+
+    def value(self) -> jax.Array:
+        """The all-gather result (decoded again from the messages where compressed)."""
+        return self.arrays[0] if self.decoder is None else self.decoder(self.arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherDecoder:
+    """Decodes all-gathered chunk messages of per-rank arrays of `shape` into the
+    all-gather result (`lax.all_gather` layout)."""
+
+    plan: WirePlan
+    shape: tuple[int, ...]
+    dtype: Any
+    axis: int
+    tiled: bool
+    kernel_mode: str
+
+    def __call__(self, received: tuple[jax.Array, ...]) -> jax.Array:
+        spec, shape, axis = self.plan.spec, self.shape, self.axis
+        bounds = chunk_bounds(group_count(shape, spec.group_size), len(received))
+        rows = _concatenated(
+            [
+                decode(r[:, None], b - a, spec, self.dtype, self.kernel_mode)
+                for r, (a, b) in zip(received, bounds, strict=True)
+            ],
+            axis=1,
+        )
+        out = jnp.moveaxis(self.plan.from_wire_order(from_rows(rows, shape, 1)), 0, axis)
+        if self.tiled:
+            out = out.reshape(*shape[:axis], received[0].shape[0] * shape[axis], *shape[axis + 1 :])
+        return out
+
+
+def run_all_gather(
+    x: jax.Array, call: Call, *, direction: str, axis: int = 0, tiled: bool = True
+) -> tuple[jax.Array, GatherResidual]:
+    """One direction of `all_gather` (no gradient rule): the gathered array and what a
+    backward pass keeps of it.
+
+    Raises:
+      ValueError: `axis` out of range.
+    """
+    ranks = lax.axis_size(call.axis_name)
+    axis = _check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
+    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
+    plan = plan_message(x, call, op="all_gather", direction=direction)
+    record = functools.partial(
+        record_collective,
+        x,
+        site=call.site_of("all_gather"),
+        op="all_gather",
+        direction=direction,
+        axis_name=call.axis_name,
+        plain_sent=plain_sent,
+    )
+    if plan is None:
+        record(spec=None, sent=plain_sent)
+        gathered = _plain_all_gather(x, call.axis_name, axis, tiled)
+        return gathered, GatherResidual((gathered,), None)
+    rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
+    kernel_mode = call.config.kernel_mode
+    received = tuple(
+        gather_stacked(encode(rows[a:b], plan.spec, kernel_mode), call.axis_name)
+        for a, b in plan.chunk_bounds(rows.shape[0])
+    )
+    record(spec=plan.spec, sent=(ranks - 1) * plan.message_bytes(rows.shape[0]))
+    residual = GatherResidual(received, _GatherDecoder(plan, tuple(x.shape), x.dtype, axis, tiled, kernel_mode))
+    return residual.value(), residual
+
+
+def _plain_all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool) -> jax.Array:
+    if x.size:
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+    shape = list(x.shape)
+    if tiled:
+        shape[axis] *= lax.axis_size(axis_name)
+    else:
+        shape.insert(axis, lax.axis_size(axis_name))
+    return _empty_result(x, tuple(shape), axis_name)
+
+
+# ----------------------------------------------------------------------------- reduce-scatter
+
+
+def run_reduce_scatter(
+    x: jax.Array, call: Call, *, direction: str, dimension: int = 0, tiled: bool = True
+) -> jax.Array:
+    """One direction of `reduce_scatter` over `dimension` (no gradient rule).
+
+    Raises:
+      ValueError: the dimension does not divide by (or equal) the axis size, or a
+        channel permutation on a site that scatters along the channel axis.
+    """
+    ranks = lax.axis_size(call.axis_name)
+    dim = _check_axis(dimension, x.ndim, "scatter_dimension")
+    size = x.shape[dim]
+    if (tiled and size % ranks) or (not tiled and size != ranks):
+        need = f"divisible by {ranks}" if tiled else f"equal to {ranks}"
+        raise ValueError(f"scatter_dimension {dim} of shape {x.shape} has size {size}, must be {need} (axis size)")
+    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize // ranks
+    plan = plan_message(x, call, op="reduce_scatter", direction=direction, moves_channels=dim == x.ndim - 1)
+    record = functools.partial(
+        record_collective,
+        x,
+        site=call.site_of("reduce_scatter"),
+        op="reduce_scatter",
+        direction=direction,
+        axis_name=call.axis_name,
+        plain_sent=plain_sent,
+    )
+    block_shape = (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1 :])
+    if plan is None:
+        record(spec=None, sent=plain_sent)
+        if not x.size:
+            return _empty_result(x, block_shape, call.axis_name)
+        return lax.psum_scatter(x, call.axis_name, scatter_dimension=dim, tiled=tiled)
+    moved = jnp.moveaxis(plan.to_wire_order(x), dim, 0)
+    chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
+    rows = to_rows(moved.reshape(ranks, *chunk_shape), plan.spec.group_size, 1)
+    pieces = [_reduce_scatter_rows(rows[:, a:b], call, plan.spec, x.dtype) for a, b in plan.chunk_bounds(rows.shape[1])]
+    record(spec=plan.spec, sent=(ranks - 1) * plan.message_bytes(rows.shape[1]))
+    out = plan.from_wire_order(from_rows(_concatenated(pieces, axis=0), chunk_shape, 0))
+    return jnp.moveaxis(out, 0, dim) if tiled else out
+
+
+def _reduce_scatter_rows(rows: jax.Array, call: Call, spec: QuantSpec, dtype: Any) -> jax.Array:
+    """(ranks, n, G) rows, one block per destination -> this rank's (n, G) block of the sum."""
+    kernel_mode = call.config.kernel_mode
+    received = exchange_blocks(encode(rows, spec, kernel_mode), call.axis_name)
+    return decode(received[None], rows.shape[1], spec, dtype, kernel_mode)[0]
+
+
+# ----------------------------------------------------------------------------- all-reduce
+
+
+def run_all_reduce(x: jax.Array, call: Call, *, direction: str, algorithm: str = "auto") -> jax.Array:
+    """One direction of `all_reduce` (no gradient rule)."""
+    ranks = lax.axis_size(call.axis_name)
+    plain_sent = ring_all_reduce_bytes(x.size * x.dtype.itemsize, ranks)
+    plan = plan_message(x, call, op="all_reduce", direction=direction, algorithm=algorithm)
+    if plan is None:
+        record_collective(
+            x,
+            site=call.site_of("all_reduce"),
+            op="all_reduce",
+            direction=direction,
+            axis_name=call.axis_name,
+            spec=None,
+            sent=plain_sent,
+            plain_sent=plain_sent,
+        )
+        return lax.psum(x, call.axis_name)
+    rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
+    exchange = _one_shot if plan.algorithm == "one_shot" else _two_shot
+    out, sent = exchange(rows, call, plan, x.dtype)
+    record_collective(
+        x,
+        site=call.site_of("all_reduce"),
+        op=f"all_reduce_{plan.algorithm}",
+        direction=direction,
+        axis_name=call.axis_name,
+        spec=plan.spec,
+        sent=(ranks - 1) * sent,
+        plain_sent=plain_sent,
+    )
+    return plan.from_wire_order(from_rows(out, x.shape, 0))
+
+
+def _one_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> tuple[jax.Array, int]:
+    """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
+    spec, kernel_mode = plan.spec, call.config.kernel_mode
+    pieces = []
+    for a, b in plan.chunk_bounds(rows.shape[0]):
+        received = gather_invariant(encode(rows[a:b], spec, kernel_mode), call.axis_name)
+        pieces.append(decode(received[None], b - a, spec, dtype, kernel_mode)[0])
+    return _concatenated(pieces, axis=0), plan.message_bytes(rows.shape[0])
+
+
+def _two_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> tuple[jax.Array, int]:
     """Reduce-scatter, requantize the reduced block, all-gather it: (n, G) sum, bytes
     per peer."""
-    count = rows.shape[0]
-    blocks = rank_blocks(rows, lax.axis_size(axis_name))
+    spec, kernel_mode = plan.spec, call.config.kernel_mode
+    blocks = rank_blocks(rows, lax.axis_size(call.axis_name))
     per_rank = blocks.shape[1]
     pieces = []
-    for a, b in chunk_bounds(per_rank, chunks):
-        received = exchange_blocks(encode(blocks[:, a:b], spec, kernels), axis_name)
-        reduced = requantize(received, b - a, spec, kernels)
-        gathered = gather_invariant(reduced, axis_name)
-        pieces.append(decode(gathered[:, None], b - a, spec, dtype, kernels))
-    out = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
-    return out.reshape(-1, spec.group_size)[:count], 2 * _message_bytes(per_rank, spec, chunks)
+    for a, b in plan.chunk_bounds(per_rank):
+        received = exchange_blocks(encode(blocks[:, a:b], spec, kernel_mode), call.axis_name)
+        gathered = gather_invariant(requantize(received, b - a, spec, kernel_mode), call.axis_name)
+        pieces.append(decode(gathered[:, None], b - a, spec, dtype, kernel_mode))
+    out = _concatenated(pieces, axis=1)
+    return out.reshape(-1, spec.group_size)[: rows.shape[0]], 2 * plan.message_bytes(per_rank)
 
 
-def _permute(x, axis_name, config, direction, perm, site):
-    """`lax.ppermute` of `x`, compressed with the direction's spec where `config`
-    compresses a message of its size (no calibration plans: point-to-point sends)."""
+# ----------------------------------------------------------------------------- ppermute
+
+
+def run_ppermute(x: jax.Array, call: Call, *, direction: str, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
+    """One direction of `ppermute` (no gradient rule), compressed with the direction's
+    spec where the config compresses a message of its size (no calibration plans:
+    point-to-point sends)."""
     nbytes = x.size * x.dtype.itemsize
-    spec = config.forward if direction == "forward" else config.backward
-    if not _compressible(x, config):
-        record_collective(site, "ppermute", direction, x, axis_name, None, nbytes, nbytes)
-        return lax.ppermute(per_rank(x, axis_name), axis_name, perm)
-    rows = _to_rows(x, spec.group_size, 0)
-    received = lax.ppermute(per_rank(encode(rows, spec, config.kernels), axis_name), axis_name, perm)
-    record_collective(site, "ppermute", direction, x, axis_name, spec, message_layout(rows.shape[0], spec).nbytes, nbytes)
-    return _from_rows(decode(received[None, None], rows.shape[0], spec, x.dtype, config.kernels)[0], x.shape, 0)
-
-
-def _permute_transpose(cotangent, axis_name, config, perm, site):
-    """The cotangent goes back along the reversed pairs, with the backward spec."""
-    return _permute(cotangent, axis_name, config, "backward", tuple((dst, src) for src, dst in perm), site)
+    spec = call.spec(direction)
+    compressed = compressible(x, call.config)
+    rows = to_rows(x, spec.group_size, 0) if compressed else x
+    record_collective(
+        x,
+        site=call.site_of("ppermute"),
+        op="ppermute",
+        direction=direction,
+        axis_name=call.axis_name,
+        spec=spec if compressed else None,
+        plain_sent=nbytes,
+        sent=message_layout(rows.shape[0], spec).nbytes if compressed else nbytes,
+    )
+    if not compressed:
+        return lax.ppermute(per_rank(x, call.axis_name), call.axis_name, pairs)
+    kernel_mode = call.config.kernel_mode
+    message = per_rank(encode(rows, spec, kernel_mode), call.axis_name)
+    received = lax.ppermute(message, call.axis_name, pairs)
+    return from_rows(decode(received[None, None], rows.shape[0], spec, x.dtype, kernel_mode)[0], x.shape, 0)
 
 
 # ----------------------------------------------------------------------------- differentiable API
 
 
-_CALLING = contextvars.ContextVar("calling", default=False)
+# True while a straight-through op is being called (not re-traced by JAX later).
+_CALLING = TraceScope("straight-through op called", False)
 
 
-def straight_through(forward, backward):
-    """A differentiable op `op(x, *static)` = `forward(x, *static)` whose cotangent is
-    `backward(cotangent, *static)`: an explicit rule, so autodiff never differentiates
-    the quantizer. `static` are hashable non-array arguments (axis name, config, ...).
+def straight_through(forward: Callable[..., jax.Array], backward: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """A differentiable op `op(x, call, **options)` = `forward(x, call, **options)` whose
+    cotangent is `backward(cotangent, call, **options)`: an explicit rule, so autodiff
+    never differentiates the quantizer. `options` are hashable non-array keywords.
 
     The forward messages are recorded in the wire ledger while the op is called: JAX may
     trace the forward rule once more later (differentiating a scan traces its body's
     primal and then its forward rule), and that second trace sends nothing more."""
 
-    def counted_forward(x, static):
+    def counted_forward(x, call, options):
         with contextlib.nullcontext() if _CALLING.get() else accounting.paused():
-            return forward(x, *static)
+            return forward(x, call, **dict(options))
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-    def op(x, static):
-        return counted_forward(x, static)
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def op(x, call, options):
+        return counted_forward(x, call, options)
 
-    op.defvjp(lambda x, static: (counted_forward(x, static), None), lambda static, _, ct: (backward(ct, *static),))
+    op.defvjp(
+        lambda x, call, options: (counted_forward(x, call, options), None),
+        lambda call, options, _, ct: (backward(ct, call, **dict(options)),),
+    )
 
-    def call(x, *static):
-        token = _CALLING.set(True)
-        try:
-            return op(x, static)
-        finally:
-            _CALLING.reset(token)
+    def apply(x: jax.Array, call: Call, **options: Any) -> jax.Array:
+        with _CALLING.set(True):
+            return op(x, call, tuple(sorted(options.items())))
 
-    return call
-
-
-def _all_reduce_transpose(cotangent, axis_name, config, algorithm, site, calibration):
-    if checks_vma(axis_name):  # the transpose of an invariant sum is a broadcast (lax.psum's too)
-        return vary(cotangent, (axis_name,))
-    return _reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration)
+    return apply
 
 
-def directed(implementation, direction: str):
-    """`implementation(x, axis_name, config, direction, *rest)` as `f(x, axis_name, config,
-    *rest)`: one direction of a collective (forward messages use `config.forward`,
-    backward ones `config.backward`)."""
-
-    def one_direction(x, axis_name, config, *rest):
-        return implementation(x, axis_name, config, direction, *rest)
-
-    return one_direction
+def _all_reduce_transpose(cotangent: jax.Array, call: Call, *, algorithm: str) -> jax.Array:
+    if checks_vma(call.axis_name):  # the transpose of an invariant sum is a broadcast (lax.psum's too)
+        return vary(cotangent, (call.axis_name,))
+    return run_all_reduce(cotangent, call, direction="backward", algorithm=algorithm)
 
 
-_all_gather = straight_through(directed(_gather, "forward"), directed(_scatter, "backward"))
-_reduce_scatter = straight_through(directed(_scatter, "forward"), directed(_gather, "backward"))
-_all_reduce = straight_through(directed(_reduce, "forward"), _all_reduce_transpose)
-_ppermute = straight_through(directed(_permute, "forward"), _permute_transpose)
+_all_gather = straight_through(
+    lambda x, call, axis, tiled: run_all_gather(x, call, direction="forward", axis=axis, tiled=tiled)[0],
+    lambda ct, call, axis, tiled: run_reduce_scatter(ct, call, direction="backward", dimension=axis, tiled=tiled),
+)
+_reduce_scatter = straight_through(
+    lambda x, call, dimension, tiled: run_reduce_scatter(
+        x, call, direction="forward", dimension=dimension, tiled=tiled
+    ),
+    lambda ct, call, dimension, tiled: run_all_gather(ct, call, direction="backward", axis=dimension, tiled=tiled)[0],
+)
+_all_reduce = straight_through(
+    lambda x, call, algorithm: run_all_reduce(x, call, direction="forward", algorithm=algorithm),
+    _all_reduce_transpose,
+)
+_ppermute = straight_through(
+    lambda x, call, pairs: run_ppermute(x, call, direction="forward", pairs=pairs),
+    lambda ct, call, pairs: run_ppermute(ct, call, direction="backward", pairs=tuple((dst, src) for src, dst in pairs)),
+)
 
 
-def check_arguments(config: TacoConfig, calibration: Calibration | None, algorithm: str = "auto") -> None:
-    """Raise ValueError unless `config` is a `TacoConfig`, `calibration` None or a
-    `Calibration`, and `algorithm` one of `ALGORITHMS`."""
-    if not isinstance(config, TacoConfig):
-        raise ValueError(f"config must be a TacoConfig, got {type(config).__name__}")
-    if calibration is not None and not isinstance(calibration, Calibration):
-        raise ValueError(f"calibration must be a taco_jax.calibration.Calibration, got {type(calibration).__name__}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
-
-
-def all_gather(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, tiled: bool = True,
-               site: str | None = None, calibration: Calibration | None = None) -> jax.Array:
+def all_gather(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 0,
+    tiled: bool = True,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> jax.Array:
     """Compressed `lax.all_gather` over `axis_name` (inside `shard_map`).
 
     Args:
@@ -469,12 +697,20 @@ def all_gather(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 
     Raises:
       ValueError: bad axis, config or calibration (a permutation of the wrong length).
     """
-    check_arguments(config, calibration)
-    return _all_gather(vary(x, (axis_name,)), axis_name, config, axis, tiled, site, calibration)
+    call = Call(axis_name=axis_name, config=config, site=site, calibration=calibration)
+    return _all_gather(vary(x, (axis_name,)), call, axis=axis, tiled=tiled)
 
 
-def reduce_scatter(x: jax.Array, axis_name: str, config: TacoConfig, *, scatter_dimension: int = 0, tiled: bool = True,
-                   site: str | None = None, calibration: Calibration | None = None) -> jax.Array:
+def reduce_scatter(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = True,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> jax.Array:
     """Compressed `lax.psum_scatter`: sum over `axis_name`, each rank keeps its block.
 
     Chunks are compressed, exchanged with one all-to-all, dequantized and summed in
@@ -496,12 +732,19 @@ def reduce_scatter(x: jax.Array, axis_name: str, config: TacoConfig, *, scatter_
       ValueError: the scattered dimension does not divide by (or equal) the axis size,
         or a channel permutation on a site that scatters along the channel axis.
     """
-    check_arguments(config, calibration)
-    return _reduce_scatter(vary(x, (axis_name,)), axis_name, config, scatter_dimension, tiled, site, calibration)
+    call = Call(axis_name=axis_name, config=config, site=site, calibration=calibration)
+    return _reduce_scatter(vary(x, (axis_name,)), call, dimension=scatter_dimension, tiled=tiled)
 
 
-def all_reduce(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None,
-               calibration: Calibration | None = None) -> jax.Array:
+def all_reduce(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    algorithm: str = "auto",
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> jax.Array:
     """Compressed `lax.psum` over `axis_name`.
 
     "two_shot": compressed reduce-scatter (sum in float32 in the transformed domain),
@@ -528,11 +771,19 @@ def all_reduce(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: s
     Raises:
       ValueError: unknown algorithm, bad config or calibration.
     """
-    check_arguments(config, calibration, algorithm)
-    return _all_reduce(vary(x, (axis_name,)), axis_name, config, algorithm, site, calibration)
+    call = Call(axis_name=axis_name, config=config, site=site, calibration=calibration)
+    check_algorithm(algorithm)
+    return _all_reduce(vary(x, (axis_name,)), call, algorithm=algorithm)
 
 
-def ppermute(x: jax.Array, axis_name: str, config: TacoConfig, *, perm, site: str | None = None) -> jax.Array:
+def ppermute(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    perm: Any,
+    site: str | None = None,
+) -> jax.Array:
     """Compressed `lax.ppermute`: each (source, destination) pair of `perm` sends the
     source's `x` to the destination; ranks that receive nothing get zeros.
 
@@ -554,10 +805,10 @@ def ppermute(x: jax.Array, axis_name: str, config: TacoConfig, *, perm, site: st
     Raises:
       ValueError: bad config, or a rank appearing twice as source or destination.
     """
-    check_arguments(config, None)
-    perm = tuple((int(src), int(dst)) for src, dst in perm)
+    call = Call(axis_name=axis_name, config=config, site=site)
+    pairs = tuple((int(src), int(dst)) for src, dst in perm)
     for position, name in ((0, "source"), (1, "destination")):
-        ranks = [pair[position] for pair in perm]
+        ranks = [pair[position] for pair in pairs]
         if len(set(ranks)) != len(ranks):
-            raise ValueError(f"ppermute: a rank appears twice as a {name} in perm {perm}")
-    return _ppermute(vary(x, (axis_name,)), axis_name, config, perm, site)
+            raise ValueError(f"ppermute: a rank appears twice as a {name} in perm {pairs}")
+    return _ppermute(vary(x, (axis_name,)), call, pairs=pairs)

@@ -22,8 +22,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.codec import decode, encode, message_layout, requantize
-from taco_jax.collectives import (check_arguments, exchange_blocks, gather_invariant, rank_blocks, record_collective,
-                                  record_plain_all_reduce, ring_all_reduce_bytes)
+from taco_jax.collectives import (
+    check_config,
+    exchange_blocks,
+    gather_invariant,
+    rank_blocks,
+    record_collective,
+    record_plain_all_reduce,
+    ring_all_reduce_bytes,
+)
 from taco_jax.spec import TacoConfig
 
 
@@ -38,7 +45,7 @@ def _unbucket(rows: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
     flat, leaves, start = rows.reshape(-1), [], 0
     group_size = rows.shape[-1]
     for leaf in like:
-        leaves.append(flat[start:start + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+        leaves.append(flat[start : start + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
         start += leaf.size + (-leaf.size % group_size)
     return leaves
 
@@ -51,16 +58,16 @@ def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig)
       quantization error plus, on the block it requantized, that block's error; bytes
       each rank sends).
     """
-    spec, kernels = config.backward, config.kernels
+    spec, kernel_mode = config.backward, config.kernel_mode
     ranks, count = lax.axis_size(axis_name), rows.shape[0]
     blocks = rank_blocks(rows, ranks)
     per_rank = blocks.shape[1]
-    sent = encode(blocks, spec, kernels)
-    message_error = blocks - decode(sent[:, None], per_rank, spec, jnp.float32, kernels)
+    sent = encode(blocks, spec, kernel_mode)
+    message_error = blocks - decode(sent[:, None], per_rank, spec, jnp.float32, kernel_mode)
     received = exchange_blocks(sent, axis_name)
-    block_sum = decode(received[None], per_rank, spec, jnp.float32, kernels)[0]
-    gathered = gather_invariant(requantize(received, per_rank, spec, kernels), axis_name)
-    total = decode(gathered[:, None], per_rank, spec, jnp.float32, kernels)
+    block_sum = decode(received[None], per_rank, spec, jnp.float32, kernel_mode)[0]
+    gathered = gather_invariant(requantize(received, per_rank, spec, kernel_mode), axis_name)
+    total = decode(gathered[:, None], per_rank, spec, jnp.float32, kernel_mode)
     own = lax.axis_index(axis_name)
     block_error = block_sum - lax.dynamic_index_in_dim(total, own, keepdims=False)
     residual = message_error + jnp.where((jnp.arange(ranks) == own)[:, None, None], block_error, 0.0)
@@ -68,8 +75,9 @@ def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig)
     return trim(total), trim(residual), 2 * (ranks - 1) * message_layout(per_rank, spec).nbytes
 
 
-def mean_gradients(grads: Any, axis_name: str, config: TacoConfig, residual: Any = None, *,
-                   site: str = "data.grads") -> tuple[Any, Any]:
+def mean_gradients(
+    grads: Any, axis_name: str, config: TacoConfig, residual: Any = None, *, site: str = "data.grads"
+) -> tuple[Any, Any]:
     """Average gradients over a data-parallel mesh axis (inside `shard_map`), compressed
     with error feedback where `config` compresses.
 
@@ -91,7 +99,8 @@ def mean_gradients(grads: Any, axis_name: str, config: TacoConfig, residual: Any
     Raises:
       ValueError: a non-float leaf, a residual of another structure or shape, a bad config.
     """
-    check_arguments(config, None)
+    check_config(config)
+    treedef: Any  # jaxlib's PyTreeDef, which has no type information mypy reads
     leaves, treedef = jax.tree.flatten(grads)
     if any(not jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves):
         raise ValueError("mean_gradients: every gradient leaf must be a float array")
@@ -103,7 +112,7 @@ def mean_gradients(grads: Any, axis_name: str, config: TacoConfig, residual: Any
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     if ranks == 1 or nbytes == 0 or not config.compresses(nbytes):
         for leaf in leaves:
-            record_plain_all_reduce(leaf, axis_name, site, "backward")
+            record_plain_all_reduce(leaf, axis_name, site=site, direction="backward")
         return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads), residual
     group_size = config.backward.group_size
     rows = _bucket(leaves, group_size)
@@ -112,8 +121,16 @@ def mean_gradients(grads: Any, axis_name: str, config: TacoConfig, residual: Any
     # Each rank sends its share of the mean; the residual is kept in gradient units.
     total, dropped, sent = _two_shot_with_feedback(rows / ranks, axis_name, config)
     bucket = jax.ShapeDtypeStruct((sum(leaf.size for leaf in leaves),), jnp.result_type(*leaves))
-    record_collective(site, "all_reduce_two_shot", "backward", bucket, axis_name, config.backward, sent,
-                      ring_all_reduce_bytes(bucket.size * bucket.dtype.itemsize, ranks))
+    record_collective(
+        bucket,
+        site=site,
+        op="all_reduce_two_shot",
+        direction="backward",
+        axis_name=axis_name,
+        spec=config.backward,
+        sent=sent,
+        plain_sent=ring_all_reduce_bytes(bucket.size * bucket.dtype.itemsize, ranks),
+    )
     mean = treedef.unflatten(_unbucket(total, leaves))
     new_residual = treedef.unflatten(_unbucket(dropped * ranks, [leaf.astype(jnp.float32) for leaf in leaves]))
     return mean, new_residual

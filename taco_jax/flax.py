@@ -81,19 +81,31 @@ class ParallelDotGeneral:
         if not isinstance(self.config, TacoConfig):
             raise ValueError(f"config must be a TacoConfig, got {type(self.config).__name__}")
 
-    def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
-                 preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
+    def __call__(
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+    ) -> jax.Array:
         """`lhs @ rhs` over the last axis of `lhs` and the first of the 2-D `rhs`.
 
         Raises:
           ValueError: other dimension numbers, a kernel that is not 2-D, shapes that do not
             split over the tensor axis, or an input too short for sequence parallelism.
         """
-        if jnp.ndim(rhs) != 2 or tuple(map(tuple, dimension_numbers[0])) != ((jnp.ndim(lhs) - 1,), (0,)) \
-                or any(dimension_numbers[1]):
-            raise ValueError("ParallelDotGeneral contracts the last axis of the input with the first axis of a 2-D "
-                             f"kernel (as Dense does); got dimension numbers {dimension_numbers} for shapes "
-                             f"{jnp.shape(lhs)} x {jnp.shape(rhs)}")
+        if (
+            jnp.ndim(rhs) != 2
+            or tuple(map(tuple, dimension_numbers[0])) != ((jnp.ndim(lhs) - 1,), (0,))
+            or any(dimension_numbers[1])
+        ):
+            raise ValueError(
+                "ParallelDotGeneral contracts the last axis of the input with the first axis of a 2-D "
+                f"kernel (as Dense does); got dimension numbers {dimension_numbers} for shapes "
+                f"{jnp.shape(lhs)} x {jnp.shape(rhs)}"
+            )
         ndim, axis = jnp.ndim(lhs), self.axis_name
         if self.sequence_parallel and ndim < 2:
             raise ValueError(f"sequence parallelism needs (..., sequence, features) inputs, got shape {jnp.shape(lhs)}")
@@ -104,11 +116,13 @@ class ParallelDotGeneral:
             in_specs, out_spec = (_spec(ndim, outside), P(None, axis)), _spec(ndim, inside)
         else:
             in_specs, out_spec = (_spec(ndim, inside), P(axis, None)), _spec(ndim, outside)
-        matmul = lambda x, k: lax.dot_general(x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
-                                              preferred_element_type=preferred_element_type)
+        matmul = lambda x, k: lax.dot_general(
+            x, k, (((x.ndim - 1,), (0,)), ((), ())), precision=precision, preferred_element_type=preferred_element_type
+        )
         body = self._column if self.kind == "column" else self._row
-        island = jax.shard_map(lambda x, k: body(x, k, matmul), mesh=self.mesh, in_specs=in_specs,
-                               out_specs=out_spec, check_vma=True)
+        island = jax.shard_map(
+            lambda x, k: body(x, k, matmul), mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True
+        )
         return island(lhs, rhs)
 
     def _batch_axes(self, shape: tuple[int, ...]) -> dict[int, str]:
@@ -118,37 +132,63 @@ class ParallelDotGeneral:
         return {} if axis is None else {0: axis}
 
     def _column(self, x: jax.Array, kernel: jax.Array, matmul) -> jax.Array:
-        kwargs = dict(site=self.site, calibration=self.calibration)
+        axis_name, config, site, calibration = self.axis_name, self.config, self.site, self.calibration
         if self.sequence_parallel:
-            (out,) = tp.gather_matmul(x, (kernel,), self.axis_name, self.config, axis=x.ndim - 2, **kwargs)
+            (out,) = tp.gather_matmul(
+                x, (kernel,), axis_name, config, axis=x.ndim - 2, site=site, calibration=calibration
+            )
             return out
-        return matmul(tp.copy_to_tp(x, self.axis_name, self.config, **kwargs), kernel)
+        return matmul(tp.copy_to_tp(x, axis_name, config, site=site, calibration=calibration), kernel)
 
     def _row(self, x: jax.Array, kernel: jax.Array, matmul) -> jax.Array:
         partial = matmul(x, kernel)
-        kwargs = dict(site=self.site, calibration=self.calibration)
+        axis_name, config, site, calibration = self.axis_name, self.config, self.site, self.calibration
         if self.sequence_parallel:
-            return tp.reduce_scatter_to_sp(partial, self.axis_name, self.config, axis=x.ndim - 2, **kwargs)
-        return tp.reduce_from_tp(partial, self.axis_name, self.config, **kwargs)
+            return tp.reduce_scatter_to_sp(
+                partial, axis_name, config, axis=x.ndim - 2, site=site, calibration=calibration
+            )
+        return tp.reduce_from_tp(partial, axis_name, config, site=site, calibration=calibration)
 
 
-def _parallel_linear(kind: str, in_features: int, out_features: int, mesh: Mesh, config: TacoConfig,
-                     site: str | None, use_bias: bool, rngs: nnx.Rngs, sequence_parallel: bool,
-                     calibration: Calibration | None, linear_kwargs: dict) -> dict:
+def _parallel_linear(
+    kind: str,
+    in_features: int,
+    out_features: int,
+    mesh: Mesh,
+    config: TacoConfig,
+    site: str | None,
+    use_bias: bool,
+    rngs: nnx.Rngs,
+    sequence_parallel: bool,
+    calibration: Calibration | None,
+    linear_kwargs: dict,
+) -> dict:
     """nnx.Linear arguments of a parallel layer: the dot_general and the parameters'
     partitioning (kernel split over the tensor axis on its output or input axis; the
     bias split with the output of a column layer, replicated after a row layer)."""
     dot_general = ParallelDotGeneral(mesh, config, kind, site, sequence_parallel, calibration=calibration)
-    kernel_axes, bias_axes = ((None, dot_general.axis_name), (dot_general.axis_name,)) if kind == "column" \
+    kernel_axes, bias_axes = (
+        ((None, dot_general.axis_name), (dot_general.axis_name,))
+        if kind == "column"
         else ((dot_general.axis_name, None), (None,))
+    )
     for name, size in (("in_features", in_features), ("out_features", out_features)):
         split = (kind == "column") == (name == "out_features")
         if split and size % mesh.shape[dot_general.axis_name]:
-            raise ValueError(f"{kind}-parallel {name}={size} is not divisible by the "
-                             f"{dot_general.axis_name!r} axis size {mesh.shape[dot_general.axis_name]}")
-    return dict(in_features=in_features, out_features=out_features, use_bias=use_bias, rngs=rngs,
-                dot_general=dot_general, kernel_metadata=dict(out_sharding=kernel_axes, mesh=mesh),
-                bias_metadata=dict(out_sharding=bias_axes, mesh=mesh), **linear_kwargs)
+            raise ValueError(
+                f"{kind}-parallel {name}={size} is not divisible by the "
+                f"{dot_general.axis_name!r} axis size {mesh.shape[dot_general.axis_name]}"
+            )
+    return dict(
+        in_features=in_features,
+        out_features=out_features,
+        use_bias=use_bias,
+        rngs=rngs,
+        dot_general=dot_general,
+        kernel_metadata=dict(out_sharding=kernel_axes, mesh=mesh),
+        bias_metadata=dict(out_sharding=bias_axes, mesh=mesh),
+        **linear_kwargs,
+    )
 
 
 class ColumnParallelLinear(nnx.Linear):
@@ -161,9 +201,20 @@ class ColumnParallelLinear(nnx.Linear):
     backward pass all-reduces the input gradient, compressed with `config.backward`.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, mesh: Mesh, config: TacoConfig,
-                 site: str | None = None, use_bias: bool = True, rngs: nnx.Rngs, sequence_parallel: bool = False,
-                 calibration: Calibration | None = None, **linear_kwargs: Any) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mesh: Mesh,
+        config: TacoConfig,
+        site: str | None = None,
+        use_bias: bool = True,
+        rngs: nnx.Rngs,
+        sequence_parallel: bool = False,
+        calibration: Calibration | None = None,
+        **linear_kwargs: Any,
+    ) -> None:
         """
         Args:
           in_features, out_features: global sizes; out_features divisible by the tensor axis.
@@ -182,8 +233,21 @@ class ColumnParallelLinear(nnx.Linear):
           ValueError: out_features not divisible by the tensor axis, a mesh without it, or
             a config that is not a `TacoConfig`.
         """
-        super().__init__(**_parallel_linear("column", in_features, out_features, mesh, config, site, use_bias, rngs,
-                                            sequence_parallel, calibration, linear_kwargs))
+        super().__init__(
+            **_parallel_linear(
+                "column",
+                in_features,
+                out_features,
+                mesh,
+                config,
+                site,
+                use_bias,
+                rngs,
+                sequence_parallel,
+                calibration,
+                linear_kwargs,
+            )
+        )
 
 
 class RowParallelLinear(nnx.Linear):
@@ -196,9 +260,20 @@ class RowParallelLinear(nnx.Linear):
     `ColumnParallelLinear`'s output); output (..., out_features) replicated over "tensor".
     """
 
-    def __init__(self, in_features: int, out_features: int, *, mesh: Mesh, config: TacoConfig,
-                 site: str | None = None, use_bias: bool = True, rngs: nnx.Rngs, sequence_parallel: bool = False,
-                 calibration: Calibration | None = None, **linear_kwargs: Any) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mesh: Mesh,
+        config: TacoConfig,
+        site: str | None = None,
+        use_bias: bool = True,
+        rngs: nnx.Rngs,
+        sequence_parallel: bool = False,
+        calibration: Calibration | None = None,
+        **linear_kwargs: Any,
+    ) -> None:
         """
         Args:
           in_features, out_features: global sizes; in_features divisible by the tensor axis.
@@ -211,5 +286,18 @@ class RowParallelLinear(nnx.Linear):
           ValueError: in_features not divisible by the tensor axis, a mesh without it, or
             a config that is not a `TacoConfig`.
         """
-        super().__init__(**_parallel_linear("row", in_features, out_features, mesh, config, site, use_bias, rngs,
-                                            sequence_parallel, calibration, linear_kwargs))
+        super().__init__(
+            **_parallel_linear(
+                "row",
+                in_features,
+                out_features,
+                mesh,
+                config,
+                site,
+                use_bias,
+                rngs,
+                sequence_parallel,
+                calibration,
+                linear_kwargs,
+            )
+        )

@@ -8,11 +8,25 @@ import re
 
 import numpy as np
 
-
 COLLECTIVE_OPS = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e8m0fnu": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e8m0fnu": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
 }
 _INSTRUCTION = re.compile(
     r"=\s*(?P<shape>\([^)]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
@@ -58,16 +72,27 @@ class HloCollective:
         counts them: an all-gather sends its operand to k-1 peers, an all-to-all or
         reduce-scatter (k-1)/k of it, a ring all-reduce 2 (k-1)/k, a permute all of it."""
         k = self.group_size
-        factor = {"all-gather": (k - 1, 1), "all-to-all": (k - 1, k), "reduce-scatter": (k - 1, k),
-                  "all-reduce": (2 * (k - 1), k), "collective-permute": (1, 1)}[self.op]
+        factor = {
+            "all-gather": (k - 1, 1),
+            "all-to-all": (k - 1, k),
+            "reduce-scatter": (k - 1, k),
+            "all-reduce": (2 * (k - 1), k),
+            "collective-permute": (1, 1),
+        }[self.op]
         return self.operand_bytes * factor[0] // factor[1]
 
     def mesh_axes(self, mesh) -> tuple[str, ...]:
         """The axes of `mesh` the collective runs over: those along which the devices of
         a group differ (device ids are `jax.Device.id`s of the mesh's devices)."""
         coords = {device.id: index for index, device in np.ndenumerate(mesh.devices)}
-        varying = {axis for group in self.groups for a in group for b in group
-                   for axis, (i, j) in enumerate(zip(coords[a], coords[b])) if i != j}
+        varying = {
+            axis
+            for group in self.groups
+            for a in group
+            for b in group
+            for axis, (i, j) in enumerate(zip(coords[a], coords[b]))
+            if i != j
+        }
         return tuple(name for axis, name in enumerate(mesh.axis_names) if axis in varying)
 
 
@@ -80,15 +105,19 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return _DTYPE_BYTES[dtype]
     except KeyError:
-        raise ValueError(f"collective with element type {dtype!r}, whose size this reader does not know; "
-                         f"known: {sorted(_DTYPE_BYTES)}") from None
+        raise ValueError(
+            f"collective with element type {dtype!r}, whose size this reader does not know; "
+            f"known: {sorted(_DTYPE_BYTES)}"
+        ) from None
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...]:
     """Replica groups (or permute pairs): explicit, in iota form `[G,S]<=[dims]T(perm)`,
     or along named mesh axes."""
     if match := _GROUPS_LIST.search(line):
-        return tuple(tuple(int(d) for d in group.split(",") if d) for group in re.findall(r"\{([0-9,]*)\}", match.group(1)))
+        return tuple(
+            tuple(int(d) for d in group.split(",") if d) for group in re.findall(r"\{([0-9,]*)\}", match.group(1))
+        )
     if match := _GROUPS_IOTA.search(line):
         shape, dims = [[int(d) for d in g.split(",")] for g in match.group(1, 2)]
         ids = np.arange(math.prod(dims)).reshape(dims)
@@ -123,7 +152,9 @@ def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
         match = _INSTRUCTION.search(line)
         if not match:
             continue
-        arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(match.group("shape"))]
+        arrays = [
+            (dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(match.group("shape"))
+        ]
         if match.group("start"):
             arrays = arrays[-1:]  # an async start's tuple is (operands..., result)
         dtype, shape = arrays[-1]

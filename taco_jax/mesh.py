@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextvars
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "pipe", "tensor")
+DATA_AXIS, PIPE_AXIS, TENSOR_AXIS = MESH_AXES
 _SIMULATING = contextvars.ContextVar("simulating", default=False)
 
 
@@ -52,7 +53,7 @@ def make_mesh(data: int = 1, pipe: int = 1, tensor: int = 1, devices: Sequence[j
 
 
 def data_axis(mesh: Mesh, batch: int) -> str | None:
-    """"data" when a batch of `batch` examples splits over the mesh's data axis, else
+    """ "data" when a batch of `batch` examples splits over the mesh's data axis, else
     None (the batch is replicated)."""
     return "data" if "data" in mesh.axis_names and batch % mesh.shape["data"] == 0 else None
 
@@ -74,7 +75,7 @@ def _split(x: jax.Array, spec: P, axis: str, size: int) -> jax.Array:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of shape {x.shape} is not divisible by mesh axis {axis}={size}")
-    x = x.reshape(*x.shape[:dim], size, x.shape[dim] // size, *x.shape[dim + 1:])
+    x = x.reshape(*x.shape[:dim], size, x.shape[dim] // size, *x.shape[dim + 1 :])
     return jnp.moveaxis(x, dim, 0)
 
 
@@ -83,7 +84,7 @@ def _merge(y: jax.Array, spec: P, axis: str) -> jax.Array:
     if dim is None:
         return y[0]  # replicated over `axis`: every simulated rank holds the same value
     y = jnp.moveaxis(y, 0, dim)
-    return y.reshape(*y.shape[:dim], -1, *y.shape[dim + 2:])
+    return y.reshape(*y.shape[:dim], -1, *y.shape[dim + 2 :])
 
 
 def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out_specs) -> Callable:
@@ -113,8 +114,9 @@ def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out
     is_spec = lambda s: isinstance(s, P)
 
     def outer(*args):
-        per_spec = lambda f: jax.tree.map(lambda spec, tree: jax.tree.map(lambda x: f(x, spec), tree),
-                                          tuple(in_specs), args, is_leaf=is_spec)
+        per_spec = lambda f: jax.tree.map(
+            lambda spec, tree: jax.tree.map(lambda x: f(x, spec), tree), tuple(in_specs), args, is_leaf=is_spec
+        )
         split = per_spec(lambda x, spec: _split(x, spec, axis, size))
         in_axes = per_spec(lambda x, spec: None if _sharded_dim(spec, axis) is None else 0)
         token = _SIMULATING.set(True)
@@ -122,7 +124,8 @@ def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out
             out = jax.vmap(inner, in_axes=in_axes, axis_name=axis, axis_size=size)(*split)
         finally:
             _SIMULATING.reset(token)
-        return jax.tree.map(lambda spec, tree: jax.tree.map(lambda y: _merge(y, spec, axis), tree),
-                            out_specs, out, is_leaf=is_spec)
+        return jax.tree.map(
+            lambda spec, tree: jax.tree.map(lambda y: _merge(y, spec, axis), tree), out_specs, out, is_leaf=is_spec
+        )
 
     return outer

@@ -101,8 +101,9 @@ class LinkProfile:
         size = min({t.nbytes for t in measured}, key=lambda s: (abs(math.log(s / max(nbytes, 1))), s))
         at_size = [t for t in measured if t.nbytes == size]
         plain = [t.ms for t in at_size if not t.route.compressed]
-        compressed = sorted((t for t in at_size if t.route.compressed),
-                            key=lambda t: (t.ms, t.route.chunks, t.route.algorithm))
+        compressed = sorted(
+            (t for t in at_size if t.route.compressed), key=lambda t: (t.ms, t.route.chunks, t.route.algorithm)
+        )
         if not compressed or (plain and compressed[0].ms > min(plain) * (1 - self.margin)):
             return Route(False)
         return compressed[0].route
@@ -115,16 +116,29 @@ class LinkProfile:
             at = [t for t in self.timings if (t.op, t.ranks, t.nbytes) == (op, ranks, nbytes)]
             plain = min((t.ms for t in at if not t.route.compressed), default=None)
             best = min((t for t in at if t.route.compressed), key=lambda t: t.ms, default=None)
-            rows.append({"op": op, "ranks": ranks, "mib_per_rank": nbytes / 2**20, "plain_ms": plain,
-                         "best_compressed": best.route.name if best else None, "best_compressed_ms": best.ms if best else None,
-                         "route": self.route(op, ranks, nbytes).name})
+            rows.append(
+                {
+                    "op": op,
+                    "ranks": ranks,
+                    "mib_per_rank": nbytes / 2**20,
+                    "plain_ms": plain,
+                    "best_compressed": best.route.name if best else None,
+                    "best_compressed_ms": best.ms if best else None,
+                    "route": route.name if (route := self.route(op, ranks, nbytes)) else None,
+                }
+            )
         return rows
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict (`from_json` reads it back)."""
-        return {"margin": self.margin, "description": self.description,
-                "timings": [{"op": t.op, "ranks": t.ranks, "nbytes": t.nbytes, "ms": t.ms,
-                             **dataclasses.asdict(t.route)} for t in self.timings]}
+        return {
+            "margin": self.margin,
+            "description": self.description,
+            "timings": [
+                {"op": t.op, "ranks": t.ranks, "nbytes": t.nbytes, "ms": t.ms, **dataclasses.asdict(t.route)}
+                for t in self.timings
+            ],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LinkProfile:
@@ -134,16 +148,24 @@ class LinkProfile:
           ValueError: malformed data.
         """
         try:
-            timings = tuple(Timing(t["op"], int(t["ranks"]), int(t["nbytes"]),
-                                   Route(bool(t["compressed"]), t["algorithm"], int(t["chunks"])), float(t["ms"]))
-                            for t in data["timings"])
+            timings = tuple(
+                Timing(
+                    t["op"],
+                    int(t["ranks"]),
+                    int(t["nbytes"]),
+                    Route(bool(t["compressed"]), t["algorithm"], int(t["chunks"])),
+                    float(t["ms"]),
+                )
+                for t in data["timings"]
+            )
             return cls(timings, float(data.get("margin", 0.05)), str(data.get("description", "")))
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed link profile: {error!r}") from None
 
 
-def route_for(op: str, ranks: int, nbytes: int, *, compresses: bool, link: LinkProfile | None, chunks: int,
-              algorithm: str) -> Route:
+def route_for(
+    op: str, ranks: int, nbytes: int, *, compresses: bool, link: LinkProfile | None, chunks: int, algorithm: str
+) -> Route:
     """How a message travels.
 
     Args:

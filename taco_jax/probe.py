@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ class Message:
 
 def candidate_routes(op: str, ranks: int, nbytes: int, chunk_counts: Sequence[int]) -> list[Route]:
     """The plain route and the compressed ones worth timing for a message."""
+    algorithms: tuple[str, ...]
     if op != "all_reduce":
         algorithms = ("one_shot",)  # the algorithm only names how an all-reduce travels
     else:
@@ -135,10 +136,15 @@ def probe_link(
             keys.append((message.op, nbytes, route))
         if log is not None:
             start = len(timings) - len(candidate_routes(message.op, ranks, nbytes, chunk_counts))
-            log(f"probe {message.op} {message.shape} {message.dtype}: "
-                + ", ".join(f"{k[2].name} {t:.3f} ms" for k, t in zip(keys[start:], timings[start:])))
+            log(
+                f"probe {message.op} {message.shape} {message.dtype}: "
+                + ", ".join(f"{k[2].name} {t:.3f} ms" for k, t in zip(keys[start:], timings[start:]))
+            )
     if jax.process_count() > 1:
         timings = multihost_utils.broadcast_one_to_all(np.asarray(timings, np.float64)).tolist()
     device = mesh.devices.flat[0].device_kind
-    return LinkProfile(tuple(Timing(op, ranks, nbytes, route, float(ms)) for (op, nbytes, route), ms in zip(keys, timings)),
-                       margin=margin, description=f"{ranks} x {device} over mesh axis {axis_name!r}")
+    return LinkProfile(
+        tuple(Timing(op, ranks, nbytes, route, float(ms)) for (op, nbytes, route), ms in zip(keys, timings)),
+        margin=margin,
+        description=f"{ranks} x {device} over mesh axis {axis_name!r}",
+    )

@@ -39,9 +39,7 @@ class QuantSpec:
         if self.fmt not in WIRE_FORMATS:
             raise ValueError(f"unknown format {self.fmt!r}; expected one of {sorted(WIRE_FORMATS)}")
         if self.scales not in SCALE_FORMATS:
-            raise ValueError(
-                f"unknown scale format {self.scales!r}; expected one of {sorted(SCALE_FORMATS)}"
-            )
+            raise ValueError(f"unknown scale format {self.scales!r}; expected one of {sorted(SCALE_FORMATS)}")
         size = self.group_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size & (size - 1):
             raise ValueError(f"group_size must be a power of two >= 2, got {size!r}")
@@ -88,7 +86,7 @@ class TacoConfig:
         message takes the fastest measured route and stays uncompressed where
         compression was not measured faster (`taco_jax.policy`). None: compress every
         message of at least `min_bytes`.
-      kernels: codec implementation, one of `KERNEL_MODES`: "auto" (the GPU kernels
+      kernel_mode: codec implementation, one of `KERNEL_MODES`: "auto" (the GPU kernels
         where the program is lowered for a CUDA GPU, the jnp path elsewhere), "pallas",
         "interpret" or "jnp". Part of the
         config, so a jitted function compiled with one mode is never reused for another.
@@ -100,7 +98,7 @@ class TacoConfig:
     mode: str = "taco"
     chunks: int = 1
     link: LinkProfile | None = None
-    kernels: str = "auto"
+    kernel_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -114,8 +112,8 @@ class TacoConfig:
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
-        if self.kernels not in KERNEL_MODES:
-            raise ValueError(f"unknown kernel mode {self.kernels!r}; expected one of {list(KERNEL_MODES)}")
+        if self.kernel_mode not in KERNEL_MODES:
+            raise ValueError(f"unknown kernel mode {self.kernel_mode!r}; expected one of {list(KERNEL_MODES)}")
         if self.link is not None and not isinstance(self.link, LinkProfile):
             raise ValueError(f"link must be a taco_jax.policy.LinkProfile or None, got {type(self.link).__name__}")
 

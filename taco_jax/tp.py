@@ -38,8 +38,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from taco_jax import collectives
-from taco_jax.kernels import jax_compat
 from taco_jax.calibration import Calibration
+from taco_jax.kernels import jax_compat
 from taco_jax.spec import TacoConfig
 
 
@@ -50,26 +50,41 @@ def _refuse_gradient_outside(mapping: str, axis_name: str) -> None:
             f"taco_jax.tp.{mapping} inside jax.shard_map(check_vma=False) is differentiated from outside the "
             "shard_map: JAX would scale the weight gradients by 1/axis size. Take the gradient inside the "
             "shard_map body (Megatron's convention), or use check_vma=True (JAX's default), which is correct "
-            "either way.")
+            "either way."
+        )
 
 
-def _copy_backward(cotangent, axis_name, config, algorithm, site, calibration):
-    _refuse_gradient_outside("copy_to_tp", axis_name)
-    return collectives._reduce(cotangent, axis_name, config, "backward", algorithm, site, calibration)
+def _copy_backward(cotangent: jax.Array, call: collectives.Call, *, algorithm: str) -> jax.Array:
+    _refuse_gradient_outside("copy_to_tp", call.axis_name)
+    return collectives.run_all_reduce(cotangent, call, direction="backward", algorithm=algorithm)
 
 
-def _reduce_backward(cotangent, axis_name, *_):
-    _refuse_gradient_outside("reduce_from_tp", axis_name)
-    return collectives.vary(cotangent, (axis_name,))
+def _reduce_backward(cotangent: jax.Array, call: collectives.Call, *, algorithm: str) -> jax.Array:
+    _refuse_gradient_outside("reduce_from_tp", call.axis_name)
+    return collectives.vary(cotangent, (call.axis_name,))
 
 
 # Megatron's f (identity forward; marked varying under check_vma=True) and g.
-_copy = collectives.straight_through(lambda x, axis_name, *_: collectives.vary(x, (axis_name,)), _copy_backward)
-_reduce = collectives.straight_through(collectives.directed(collectives._reduce, "forward"), _reduce_backward)
+_copy = collectives.straight_through(lambda x, call, algorithm: collectives.vary(x, (call.axis_name,)), _copy_backward)
+_reduce = collectives.straight_through(
+    lambda x, call, algorithm: collectives.run_all_reduce(x, call, direction="forward", algorithm=algorithm),
+    _reduce_backward,
+)
 
 
-def copy_to_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto", site: str | None = None,
-               calibration: Calibration | None = None) -> jax.Array:
+def _call(axis_name: str, config: TacoConfig, site: str | None, calibration: Calibration | None) -> collectives.Call:
+    return collectives.Call(axis_name=axis_name, config=config, site=site, calibration=calibration)
+
+
+def copy_to_tp(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    algorithm: str = "auto",
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> jax.Array:
     """Enter a tensor-parallel region: identity forward, compressed all-reduce of the
     gradient backward (every rank's partial input gradient is summed).
 
@@ -89,15 +104,25 @@ def copy_to_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: s
         calibration; under `check_vma=True`, `x` already varies over `axis_name`; the
         gradient of a `check_vma=False` shard_map taken outside it (see the module doc).
     """
-    collectives.check_arguments(config, calibration, algorithm)
+    call = _call(axis_name, config, site, calibration)
+    collectives.check_algorithm(algorithm)
     if axis_name in collectives.varying_axes(x):
-        raise ValueError(f"copy_to_tp needs x replicated over {axis_name!r}, but it varies over it "
-                         f"({jax.typeof(x)}); each rank would contribute a different input")
-    return _copy(x, axis_name, config, algorithm, site, calibration)
+        raise ValueError(
+            f"copy_to_tp needs x replicated over {axis_name!r}, but it varies over it "
+            f"({jax.typeof(x)}); each rank would contribute a different input"
+        )
+    return _copy(x, call, algorithm=algorithm)
 
 
-def reduce_from_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorithm: str = "auto",
-                   site: str | None = None, calibration: Calibration | None = None) -> jax.Array:
+def reduce_from_tp(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    algorithm: str = "auto",
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> jax.Array:
     """Leave a tensor-parallel region: compressed all-reduce of the partial sums forward
     (`config.forward`), identity backward.
 
@@ -119,15 +144,25 @@ def reduce_from_tp(x: jax.Array, axis_name: str, config: TacoConfig, *, algorith
         would count it axis-size times); the gradient of a `check_vma=False` shard_map
         taken outside it (see the module doc).
     """
-    collectives.check_arguments(config, calibration, algorithm)
+    call = _call(axis_name, config, site, calibration)
+    collectives.check_algorithm(algorithm)
     if collectives.checks_vma(axis_name) and axis_name not in collectives.varying_axes(x):
-        raise ValueError(f"reduce_from_tp sums per-rank partial results, but x is replicated over {axis_name!r} "
-                         f"({jax.typeof(x)}): the sum would count it {lax.axis_size(axis_name)} times")
-    return _reduce(x, axis_name, config, algorithm, site, calibration)
+        raise ValueError(
+            f"reduce_from_tp sums per-rank partial results, but x is replicated over {axis_name!r} "
+            f"({jax.typeof(x)}): the sum would count it {lax.axis_size(axis_name)} times"
+        )
+    return _reduce(x, call, algorithm=algorithm)
 
 
-def gather_from_sp(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None,
-                   calibration: Calibration | None = None) -> jax.Array:
+def gather_from_sp(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 0,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> jax.Array:
     """Leave a sequence-parallel region: compressed all-gather of the sequence shards
     forward, compressed reduce-scatter of the gradient backward.
 
@@ -148,8 +183,15 @@ def gather_from_sp(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: in
     return collectives.all_gather(x, axis_name, config, axis=axis, tiled=True, site=site, calibration=calibration)
 
 
-def reduce_scatter_to_sp(x: jax.Array, axis_name: str, config: TacoConfig, *, axis: int = 0, site: str | None = None,
-                         calibration: Calibration | None = None) -> jax.Array:
+def reduce_scatter_to_sp(
+    x: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 0,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> jax.Array:
     """Enter a sequence-parallel region: compressed reduce-scatter of the partial sums
     along the sequence forward, compressed all-gather of the gradient backward.
 
@@ -173,48 +215,47 @@ def reduce_scatter_to_sp(x: jax.Array, axis_name: str, config: TacoConfig, *, ax
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _gather_matmul(x, kernels, axis_name, config, axis, site, calibration):
-    return _gather_matmul_fwd(x, kernels, axis_name, config, axis, site, calibration)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gather_matmul(x, weights, call, axis):
+    return _gather_matmul_fwd(x, weights, call, axis)[0]
 
 
-def _gather_matmul_fwd(x, kernels, axis_name, config, axis, site, calibration):
+def _gather_matmul_fwd(x, weights, call, axis):
     # Keep what was received (the 8-bit buffers when compressed), not the decoded
     # activation: ~half the bytes of bf16 (as Transformer Engine keeps FP8 residuals).
-    gathered, saved = collectives.gather_and_received(x, axis_name, config, "forward", axis, True, site, calibration)
-    return tuple(gathered @ kernel for kernel in kernels), (saved, kernels)
+    gathered, residual = collectives.run_all_gather(x, call, direction="forward", axis=axis)
+    return tuple(gathered @ weight for weight in weights), (residual, weights)
 
 
-def _gather_matmul_bwd(axis_name, config, axis, site, calibration, residuals, cotangents):
-    saved, kernels = residuals
-    if isinstance(saved, tuple):  # the received wire messages of gather_and_received
-        gathered_shape = (*cotangents[0].shape[:-1], kernels[0].shape[0])
-        shape = list(gathered_shape)
-        shape[axis] //= saved[0].shape[0]
-        spec, plan = collectives.planned_spec(config.forward, calibration, site or "all_gather", "forward", shape[-1])
-        inverse = None if plan is None else plan.inverse
-        gathered = collectives.decode_gathered(saved, tuple(shape), kernels[0].dtype, spec, axis, True, inverse,
-                                               config.kernels)
-    else:
-        gathered = saved
+def _gather_matmul_bwd(call, axis, residuals, cotangents):
+    residual, weights = residuals
+    gathered = residual.value()
     flat = gathered.reshape(-1, gathered.shape[-1])
-    kernel_grads = tuple(
-        (flat.T @ cotangent.reshape(-1, cotangent.shape[-1])).astype(kernel.dtype)
-        for kernel, cotangent in zip(kernels, cotangents)
+    weight_grads = tuple(
+        (flat.T @ cotangent.reshape(-1, cotangent.shape[-1])).astype(weight.dtype)
+        for weight, cotangent in zip(weights, cotangents, strict=True)
     )
-    input_grad = sum(cotangent @ kernel.T for kernel, cotangent in zip(kernels, cotangents))
-    scattered = collectives._scatter(
-        input_grad.astype(kernels[0].dtype), axis_name, config, "backward", axis, True, site, calibration
+    input_grad = sum(cotangent @ weight.T for weight, cotangent in zip(weights, cotangents, strict=True))
+    scattered = collectives.run_reduce_scatter(
+        input_grad.astype(weights[0].dtype), call, direction="backward", dimension=axis
     )
-    return scattered, kernel_grads
+    return scattered, weight_grads
 
 
 _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
 
 
-def gather_matmul(x: jax.Array, kernels: tuple[jax.Array, ...], axis_name: str, config: TacoConfig, *, axis: int = 1,
-                  site: str | None = None, calibration: Calibration | None = None) -> tuple[jax.Array, ...]:
-    """Sequence-parallel column-parallel matmuls: `gather_from_sp(x) @ k` for each kernel.
+def gather_matmul(
+    x: jax.Array,
+    weights: tuple[jax.Array, ...],
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 1,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+) -> tuple[jax.Array, ...]:
+    """Sequence-parallel column-parallel matmuls: `gather_from_sp(x) @ w` for each weight.
 
     Same values and gradients as `gather_from_sp` followed by the matmuls, but when the
     gather is compressed the backward pass re-decodes the gathered input from the 8-bit
@@ -222,7 +263,7 @@ def gather_matmul(x: jax.Array, kernels: tuple[jax.Array, ...], axis_name: str, 
 
     Args:
       x: this rank's sequence shard (..., D).
-      kernels: column-parallel weight shards, each (D, N_i), in x's dtype.
+      weights: column-parallel weight shards, each (D, N_i), in x's dtype.
       axis_name: the tensor-parallel mesh axis.
       config: `TacoConfig`.
       axis: the sequence axis of `x`.
@@ -230,18 +271,18 @@ def gather_matmul(x: jax.Array, kernels: tuple[jax.Array, ...], axis_name: str, 
       calibration: per-site channel permutations / transform decisions (None: identity).
 
     Returns:
-      One output (..., N_i) per kernel, over the gathered sequence.
+      One output (..., N_i) per weight, over the gathered sequence.
 
     Raises:
       ValueError: `config` is not a `TacoConfig`, or a bad calibration.
     """
-    collectives.check_arguments(config, calibration)
-    kernels = tuple(jnp.asarray(k) for k in kernels)
+    call = _call(axis_name, config, site, calibration)
+    arrays = (jnp.asarray(x), *(jnp.asarray(w) for w in weights))
     # One varying type for all operands (the casts JAX inserts itself around a matmul;
     # their transposes sum the weight gradients over e.g. the data axis).
-    axes = {axis_name}.union(*map(collectives.varying_axes, (x, *kernels)))
-    x, *kernels = (collectives.vary(a, tuple(sorted(axes))) for a in (x, *kernels))
-    return _gather_matmul(x, tuple(kernels), axis_name, config, axis, site, calibration)
+    axes = tuple(sorted({axis_name}.union(*map(collectives.varying_axes, arrays))))
+    x, *varying_weights = (collectives.vary(a, axes) for a in arrays)
+    return _gather_matmul(x, tuple(varying_weights), call, axis)
 
 
 def sum_sequence_parallel_grads(grads: Any, specs: Any, axis_name: str) -> Any:

@@ -104,7 +104,7 @@ def test_calibrated_collectives_cut_the_per_channel_error():
     x = _spread_channels()
     collector, identity_out = _observe_reduce(x)
     state, report = calibration.calibrate(collector, TACO)
-    (site, direction, plan), = state.plans
+    ((site, direction, plan),) = state.plans
     assert (site, direction) == ("s", "forward") and {r["site"] for r in report} == {"s"}
     out = np.asarray(_sharded(lambda v: tj.all_reduce(v[0], "tensor", TACO, site="s", calibration=state)[None])(x))
     exact = x.astype(np.float64).sum(0)
@@ -123,8 +123,9 @@ def test_gather_with_a_plan_equals_the_codec_round_trip(hadamard):
     state = calibration.Calibration((("g", "forward", plan),))
     out = _sharded(lambda v: tj.all_gather(v, "tensor", TACO, axis=0, site="g", calibration=state))(x)
     spec = plan.spec(TACO.forward)
-    expected = np.concatenate([np.asarray(tj.decompress(tj.compress(x[r], spec, perm=plan.indices), perm=plan.indices))
-                               for r in range(RANKS)])
+    expected = np.concatenate(
+        [np.asarray(tj.decompress(tj.compress(x[r], spec, perm=plan.indices), perm=plan.indices)) for r in range(RANKS)]
+    )
     # rank 0's result; jit and eager may round the decode's last multiply differently (1 ulp)
     np.testing.assert_allclose(np.asarray(out)[:RANKS], expected.reshape(RANKS, 16, CHANNELS), rtol=1e-6, atol=0)
 
@@ -141,8 +142,9 @@ def test_backward_plan_is_used_for_the_gradient_collective():
         loss = lambda v: jnp.sum(tj.tp.gather_from_sp(v, "tensor", TACO, axis=0, site="g", calibration=cal) ** 2)
         return np.asarray(_sharded(jax.grad(loss))(x))
 
-    backward = lambda v: np.asarray(tj.decompress(tj.compress(v, plan.spec(TACO.backward), perm=plan.indices),
-                                                  perm=plan.indices))
+    backward = lambda v: np.asarray(
+        tj.decompress(tj.compress(v, plan.spec(TACO.backward), perm=plan.indices), perm=plan.indices)
+    )
     forward = lambda v: np.asarray(tj.decompress(tj.compress(v, TACO.forward)))
     expected = np.stack([4 * backward(2 * forward(x[r])) for r in range(RANKS)])
     scale = np.abs(expected).max()
@@ -157,7 +159,9 @@ def test_plans_that_do_not_fit_are_errors():
         _sharded(lambda v: tj.all_reduce(v[0], "tensor", TACO, site="s", calibration=short)[None])(x)
     full = calibration.Calibration((("s", "forward", calibration.ChannelPlan(tuple(range(CHANNELS))[::-1], True)),))
     with pytest.raises(ValueError, match="cannot gather or scatter along the last"):
-        _sharded(lambda v: tj.reduce_scatter(v[0], "tensor", TACO, scatter_dimension=1, site="s", calibration=full)[None])(x)
+        _sharded(
+            lambda v: tj.reduce_scatter(v[0], "tensor", TACO, scatter_dimension=1, site="s", calibration=full)[None]
+        )(x)
     with pytest.raises(ValueError, match="calibration must be a taco_jax.calibration.Calibration"):
         _sharded(lambda v: tj.all_reduce(v, "tensor", TACO, calibration={"s": 1}))(x)
 

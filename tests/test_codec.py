@@ -93,7 +93,9 @@ def test_float_cast_rounds_to_nearest_even(fmt):
     values = np.concatenate([values, ties, subnormal_ties, [fmax * 1.01, -fmax * 50]]).astype(np.float32)
     got = ref.as_float64(formats.cast_to_wire(jnp.asarray(values), formats.WIRE_FORMATS[fmt]))
     np.testing.assert_array_equal(got, ref.round_to_grid(values.astype(np.float64), fmt))
-    np.testing.assert_array_equal(got[-len(subnormal_ties) - 2 - len(ties) : -len(subnormal_ties) - 2], [1.0, 1 + 2 * quantum_at_one, -1.0])
+    np.testing.assert_array_equal(
+        got[-len(subnormal_ties) - 2 - len(ties) : -len(subnormal_ties) - 2], [1.0, 1 + 2 * quantum_at_one, -1.0]
+    )
 
 
 def test_int8_cast_rounds_half_to_even_and_clips():
@@ -105,22 +107,28 @@ def test_int8_cast_rounds_half_to_even_and_clips():
 @pytest.mark.parametrize("rounding", [formats.round_to_int, formats.round_half_even], ids=lambda f: f.__name__)
 def test_integer_rounding_is_numpy_round_half_even(rounding):
     rng = np.random.default_rng(3)
-    values = np.concatenate([np.arange(-2560, 2561) / 20, rng.uniform(-200, 200, 20000), [2.0**21 + 0.5, -(2.0**21) - 1.5]])
+    values = np.concatenate(
+        [np.arange(-2560, 2561) / 20, rng.uniform(-200, 200, 20000), [2.0**21 + 0.5, -(2.0**21) - 1.5]]
+    )
     values = values.astype(np.float32)
     for fn in (rounding, jax.jit(rounding)):
-        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(values))).astype(np.int32), np.round(values).astype(np.int32))
+        np.testing.assert_array_equal(
+            np.asarray(fn(jnp.asarray(values))).astype(np.int32), np.round(values).astype(np.int32)
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [16, 64, 512, 8200])
-@pytest.mark.parametrize("fmt,scales", [("int8", "bf16"), ("int4", "bf16"), ("e4m3", "bf16"), ("e4m3", "dual"),
-                                        ("int8", "e8m0"), ("e5m2", "single")])
+@pytest.mark.parametrize(
+    "fmt,scales",
+    [("int8", "bf16"), ("int4", "bf16"), ("e4m3", "bf16"), ("e4m3", "dual"), ("int8", "e8m0"), ("e5m2", "single")],
+)
 def test_jitted_jnp_path_round_trips_on_the_gpu(fmt, scales, rows):
     """XLA's GPU compilation of the jnp codec (what runs where no kernel applies) within
     codec error of the input, against the same computation on the host."""
     spec = tj.QuantSpec(fmt=fmt, group_size=128, hadamard=True, scales=scales)
     x = _random((rows, 128), seed=rows)
-    round_trip = jax.jit(lambda v: tj.decompress(tj.compress(v, spec, kernels="jnp"), kernels="jnp"))
+    round_trip = jax.jit(lambda v: tj.decompress(tj.compress(v, spec, kernel_mode="jnp"), kernel_mode="jnp"))
     on_gpu = np.asarray(round_trip(x))
     on_host = np.asarray(round_trip(jax.device_put(x, jax.devices("cpu")[0])))
     error = np.linalg.norm(on_gpu - np.asarray(x)) / np.linalg.norm(np.asarray(x))
@@ -250,7 +258,10 @@ def test_permutation_round_trip_and_equivalence():
         (lambda: tj.QuantSpec(scales="fp16"), "unknown scale format"),
         (lambda: tj.QuantSpec(group_size=96), "power of two"),
         (lambda: tj.compress(jnp.ones((2, 64)), tj.QuantSpec(group_size=32), perm=np.arange(32)), r"expected \(64,\)"),
-        (lambda: tj.compress(jnp.ones((2, 64)), tj.QuantSpec(group_size=32), perm=np.zeros(64, int)), "not a permutation"),
+        (
+            lambda: tj.compress(jnp.ones((2, 64)), tj.QuantSpec(group_size=32), perm=np.zeros(64, int)),
+            "not a permutation",
+        ),
         (lambda: tj.compress(jnp.ones((2, 64)), tj.QuantSpec(group_size=32), perm=np.arange(64.0)), "integer dtype"),
         (lambda: tj.TacoConfig.preset("int3"), "unknown TACO preset"),
         (lambda: tj.TacoConfig(mode="fast"), "unknown mode"),

@@ -49,16 +49,36 @@ def _rel(a, b):
 def _ops(config):
     """Every collective variant, side by side with its lax counterpart."""
     return {
-        "gather_rows": (lambda v: tj.all_gather(v, "tensor", config, axis=0), lambda v: lax.all_gather(v, "tensor", axis=0, tiled=True), ONE_QUANT),
+        "gather_rows": (
+            lambda v: tj.all_gather(v, "tensor", config, axis=0),
+            lambda v: lax.all_gather(v, "tensor", axis=0, tiled=True),
+            ONE_QUANT,
+        ),
         "gather_last_untiled": (
             lambda v: tj.all_gather(v, "tensor", config, axis=2, tiled=False),
-            lambda v: lax.all_gather(v, "tensor", axis=2, tiled=False), ONE_QUANT),
-        "scatter_rows": (lambda v: tj.reduce_scatter(v, "tensor", config), lambda v: lax.psum_scatter(v, "tensor", tiled=True), ONE_QUANT),
+            lambda v: lax.all_gather(v, "tensor", axis=2, tiled=False),
+            ONE_QUANT,
+        ),
+        "scatter_rows": (
+            lambda v: tj.reduce_scatter(v, "tensor", config),
+            lambda v: lax.psum_scatter(v, "tensor", tiled=True),
+            ONE_QUANT,
+        ),
         "scatter_last": (
             lambda v: tj.reduce_scatter(v, "tensor", config, scatter_dimension=1),
-            lambda v: lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True), ONE_QUANT),
-        "reduce_one_shot": (lambda v: tj.all_reduce(v, "tensor", config, algorithm="one_shot"), lambda v: lax.psum(v, "tensor"), ONE_QUANT),
-        "reduce_two_shot": (lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"), lambda v: lax.psum(v, "tensor"), TWO_QUANT),
+            lambda v: lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True),
+            ONE_QUANT,
+        ),
+        "reduce_one_shot": (
+            lambda v: tj.all_reduce(v, "tensor", config, algorithm="one_shot"),
+            lambda v: lax.psum(v, "tensor"),
+            ONE_QUANT,
+        ),
+        "reduce_two_shot": (
+            lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
+            lambda v: lax.psum(v, "tensor"),
+            TWO_QUANT,
+        ),
     }
 
 
@@ -73,10 +93,16 @@ def test_collectives_match_lax(mesh_shape, mode):
     names = list(ops)
 
     def ours(v):
-        return tuple(ops[n][0](v.reshape(tp * 3, 1, 200)).reshape(1, -1) if n == "gather_last_untiled" else ops[n][0](v) for n in names)
+        return tuple(
+            ops[n][0](v.reshape(tp * 3, 1, 200)).reshape(1, -1) if n == "gather_last_untiled" else ops[n][0](v)
+            for n in names
+        )
 
     def theirs(v):
-        return tuple(ops[n][1](v.reshape(tp * 3, 1, 200)).reshape(1, -1) if n == "gather_last_untiled" else ops[n][1](v) for n in names)
+        return tuple(
+            ops[n][1](v.reshape(tp * 3, 1, 200)).reshape(1, -1) if n == "gather_last_untiled" else ops[n][1](v)
+            for n in names
+        )
 
     got = _shard_run(mesh, ours, x)
     want = _shard_run(mesh, theirs, x)
@@ -102,9 +128,12 @@ def test_odd_shapes_and_dtypes(shape, dtype):
     def pairs(v):
         stacked = jnp.concatenate([v * (i + 1) for i in range(4)], axis=0)
         return (
-            tj.all_reduce(v, "tensor", config, algorithm="two_shot"), lax.psum(v, "tensor"),
-            tj.all_reduce(v, "tensor", config, algorithm="one_shot"), lax.psum(v, "tensor"),
-            tj.all_gather(v, "tensor", config, axis=v.ndim - 1), lax.all_gather(v, "tensor", axis=v.ndim - 1, tiled=True),
+            tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
+            lax.psum(v, "tensor"),
+            tj.all_reduce(v, "tensor", config, algorithm="one_shot"),
+            lax.psum(v, "tensor"),
+            tj.all_gather(v, "tensor", config, axis=v.ndim - 1),
+            lax.all_gather(v, "tensor", axis=v.ndim - 1, tiled=True),
             tj.reduce_scatter(stacked, "tensor", config, scatter_dimension=0),
             lax.psum_scatter(stacked, "tensor", scatter_dimension=0, tiled=True),
         )
@@ -119,8 +148,10 @@ def test_odd_shapes_and_dtypes(shape, dtype):
 def test_untiled_reduce_scatter_to_scalars():
     mesh = tj.make_mesh(1, 1, 8)
     x = jnp.arange(64.0).reshape(8, 8) + 1
-    body = lambda v: (tj.reduce_scatter(v[0], "tensor", _config("taco"), tiled=False)[None],
-                      lax.psum_scatter(v[0], "tensor", tiled=False)[None])
+    body = lambda v: (
+        tj.reduce_scatter(v[0], "tensor", _config("taco"), tiled=False)[None],
+        lax.psum_scatter(v[0], "tensor", tiled=False)[None],
+    )
     ours, theirs = _shard_run(mesh, body, x, in_specs=(P("tensor"),), out_specs=(P("tensor"), P("tensor")))
     assert ours.shape == theirs.shape == (8,)
     assert _rel(ours, theirs) < ONE_QUANT
@@ -169,7 +200,12 @@ def test_tp_mlp_gradients_match_single_device(mesh_shape, mode, sequence_paralle
 
     seq_spec = P("tensor") if sequence_parallel else P()
     grads = _shard_run(
-        mesh, body, x, w1, w2, target,
+        mesh,
+        body,
+        x,
+        w1,
+        w2,
+        target,
         in_specs=(seq_spec, P(None, "tensor"), P("tensor", None), seq_spec),
         out_specs=(seq_spec, P(None, "tensor"), P("tensor", None)),
     )
@@ -200,6 +236,7 @@ def test_collective_gradients_match_lax(mode):
             scattered = lambda u: jnp.sum(scatter(u) * w[:1])
             reduced = lambda u: jnp.sum(reduce(u) * w)
             return tuple(jax.grad(f)(v) for f in (gathered, scattered, reduced))
+
         return body
 
     ours = losses(
@@ -207,7 +244,11 @@ def test_collective_gradients_match_lax(mode):
         lambda u: tj.reduce_scatter(u, "tensor", config),
         lambda u: tj.all_reduce(u, "tensor", config, algorithm="two_shot"),
     )
-    theirs = losses(lambda u: lax.all_gather(u, "tensor", tiled=True), lambda u: lax.psum_scatter(u, "tensor", tiled=True), lambda u: lax.psum(u, "tensor"))
+    theirs = losses(
+        lambda u: lax.all_gather(u, "tensor", tiled=True),
+        lambda u: lax.psum_scatter(u, "tensor", tiled=True),
+        lambda u: lax.psum(u, "tensor"),
+    )
     specs = dict(in_specs=(P("tensor"), P("tensor")), out_specs=(P("tensor"),) * 3)
     got, want = _shard_run(mesh, ours, x, weights, **specs), _shard_run(mesh, theirs, x, weights, **specs)
     for g, w in zip(got, want):
@@ -241,16 +282,22 @@ def test_compiled_hlo_sends_one_byte_per_element():
         assert [(c.op, c.dtype) for c in scatter] == [("all-to-all", "u8")]
         assert scatter[0].operand_bytes == tj.wire_bytes((64, 1024), jnp.bfloat16, spec)
 
-        reduce = tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"), x))
+        reduce = tj.collectives_in_hlo(
+            _hlo(mesh, lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"), x)
+        )
         assert [(c.op, c.dtype) for c in reduce] == [("all-to-all", "u8"), ("all-gather", "u8")]
-        assert sum(c.operand_bytes for c in reduce) == pytest.approx(1.125 * tj.wire_bytes((64, 1024), jnp.bfloat16, spec))
+        assert sum(c.operand_bytes for c in reduce) == pytest.approx(
+            1.125 * tj.wire_bytes((64, 1024), jnp.bfloat16, spec)
+        )
 
 
 def test_below_threshold_and_off_use_the_plain_collective():
     mesh = tj.make_mesh(1, 1, 8)
     x = jnp.ones((8 * 8, 256), jnp.bfloat16)  # 4 KiB per rank
     for config in (tj.TacoConfig.preset("taco", min_bytes=1 << 20), tj.TacoConfig.preset("off", min_bytes=0)):
-        ops = {c.op: c.dtype for c in tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.all_reduce(v, "tensor", config), x))}
+        ops = {
+            c.op: c.dtype for c in tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.all_reduce(v, "tensor", config), x))
+        }
         assert "all-to-all" not in ops and set(ops.values()) <= {"bf16", "f32"}
 
 
@@ -288,8 +335,9 @@ def test_ledger_counts_each_message_of_a_differentiated_scan_once():
 
     def body(v):
         def layer(h, w):
-            return tj.tp.reduce_from_tp(tj.tp.copy_to_tp(h, "tensor", config, site="in") * w, "tensor", config,
-                                        site="out"), None
+            return tj.tp.reduce_from_tp(
+                tj.tp.copy_to_tp(h, "tensor", config, site="in") * w, "tensor", config, site="out"
+            ), None
 
         return jax.grad(lambda u: jnp.sum(jax.lax.scan(layer, u, weights)[0] ** 2))(v)
 
@@ -319,19 +367,38 @@ def test_make_mesh_and_bad_inputs():
     mesh = tj.make_mesh(1, 1, 8)
     x = jnp.ones((8 * 6, 128))
     with pytest.raises(ValueError, match="must be divisible by 8"):
-        _shard_run(mesh, lambda v: tj.reduce_scatter(v, "tensor", _config("taco")), x, in_specs=(P("tensor"),), out_specs=P("tensor"))
+        _shard_run(
+            mesh,
+            lambda v: tj.reduce_scatter(v, "tensor", _config("taco")),
+            x,
+            in_specs=(P("tensor"),),
+            out_specs=P("tensor"),
+        )
     with pytest.raises(ValueError, match="unknown all-reduce algorithm"):
-        _shard_run(mesh, lambda v: tj.all_reduce(v, "tensor", _config("taco"), algorithm="ring"), x, in_specs=(P("tensor"),), out_specs=P("tensor"))
+        _shard_run(
+            mesh,
+            lambda v: tj.all_reduce(v, "tensor", _config("taco"), algorithm="ring"),
+            x,
+            in_specs=(P("tensor"),),
+            out_specs=P("tensor"),
+        )
     with pytest.raises(ValueError, match="must be a TacoConfig"):
-        _shard_run(mesh, lambda v: tj.all_gather(v, "tensor", "taco"), x, in_specs=(P("tensor"),), out_specs=P("tensor"))
+        _shard_run(
+            mesh, lambda v: tj.all_gather(v, "tensor", "taco"), x, in_specs=(P("tensor"),), out_specs=P("tensor")
+        )
 
 
 def test_nan_propagates_through_collectives():
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
     x = np.ones((16, 256), np.float32)
     x[5, 3] = np.nan  # rank 1, its block's row 1
-    out = _shard_run(mesh, lambda v: tj.all_reduce(v, "tensor", _config("taco"), algorithm="two_shot"),
-                     jnp.asarray(x), in_specs=(P("tensor"),), out_specs=P(None))
+    out = _shard_run(
+        mesh,
+        lambda v: tj.all_reduce(v, "tensor", _config("taco"), algorithm="two_shot"),
+        jnp.asarray(x),
+        in_specs=(P("tensor"),),
+        out_specs=P(None),
+    )
     out = np.asarray(out)
     assert np.isnan(out[1, :128]).all() and np.isfinite(out[0]).all() and np.isfinite(out[1, 128:]).all()
 
@@ -357,8 +424,15 @@ def test_gather_matmul_equals_gather_then_matmul(mode):
 
     spec = P(None, "tensor")
     grads = [
-        _shard_run(mesh, lambda *a, f=f: jax.grad(f, argnums=(0, 1, 2))(*a), x, w1, w2,
-                   in_specs=(spec, spec, spec), out_specs=(spec, spec, spec))
+        _shard_run(
+            mesh,
+            lambda *a, f=f: jax.grad(f, argnums=(0, 1, 2))(*a),
+            x,
+            w1,
+            w2,
+            in_specs=(spec, spec, spec),
+            out_specs=(spec, spec, spec),
+        )
         for f in (fused, unfused)
     ]
     for got, want in zip(*grads):
@@ -373,8 +447,15 @@ def test_int4_crosses_the_wire_packed_and_decodes_within_its_bound():
     ops = tj.collectives_in_hlo(_hlo(mesh, lambda v: tj.all_gather(v, "tensor", config), x))
     assert [(c.op, c.dtype) for c in ops] == [("all-gather", "u8")]
     assert ops[0].operand_bytes == tj.wire_bytes((64, 1024), jnp.float32, spec) == 64 * 512 + 64 * 8 * 2
-    fn = jax.jit(jax.shard_map(lambda v: tj.all_reduce(v, "tensor", config), mesh=mesh, in_specs=P("tensor"),
-                               out_specs=P("tensor"), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: tj.all_reduce(v, "tensor", config),
+            mesh=mesh,
+            in_specs=P("tensor"),
+            out_specs=P("tensor"),
+            check_vma=False,
+        )
+    )
     out = np.asarray(jax.block_until_ready(fn(x)), np.float64)
     exact = np.asarray(x, np.float64).reshape(8, 64, 1024).sum(0)
     error = np.linalg.norm(out[:64] - exact) / np.linalg.norm(exact)
@@ -397,15 +478,18 @@ def test_one_rank_tensor_axis_compresses_without_a_collective(check_vma):
     mesh = tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     config = _config("taco+")
     x = jnp.asarray(np.random.default_rng(9).standard_normal((64, 512)), jnp.bfloat16)
-    ops = {"gather": lambda v: tj.all_gather(v, "tensor", config),
-           "scatter": lambda v: tj.reduce_scatter(v, "tensor", config),
-           "reduce_one_shot": lambda v: tj.all_reduce(v, "tensor", config, algorithm="one_shot"),
-           "reduce_two_shot": lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot")}
+    ops = {
+        "gather": lambda v: tj.all_gather(v, "tensor", config),
+        "scatter": lambda v: tj.reduce_scatter(v, "tensor", config),
+        "reduce_one_shot": lambda v: tj.all_reduce(v, "tensor", config, algorithm="one_shot"),
+        "reduce_two_shot": lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
+    }
     for name, op in ops.items():
         fn = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=check_vma))
         invariant = check_vma and name.startswith("reduce")
         assert [c.op for c in tj.collectives_in_hlo(fn.lower(x).compile().as_text())] == (
-            ["all-gather"] if invariant else []), name
+            ["all-gather"] if invariant else []
+        ), name
         out = fn(x)
         assert out.shape == x.shape and out.dtype == x.dtype, name
         assert 1e-4 < _rel(out.astype(jnp.float32), x.astype(jnp.float32)) < TWO_QUANT, name

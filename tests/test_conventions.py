@@ -44,10 +44,15 @@ def _tp_loss(config, sequence_parallel):
 
     def loss(x, scale, w1, w2, target):
         x = x * scale
-        enter = tj.tp.gather_from_sp(x, "tensor", config) if sequence_parallel else tj.tp.copy_to_tp(x, "tensor", config)
+        enter = (
+            tj.tp.gather_from_sp(x, "tensor", config) if sequence_parallel else tj.tp.copy_to_tp(x, "tensor", config)
+        )
         partial = jax.nn.gelu(enter @ w1) @ w2
-        out = (tj.tp.reduce_scatter_to_sp(partial, "tensor", config) if sequence_parallel
-               else tj.tp.reduce_from_tp(partial, "tensor", config))
+        out = (
+            tj.tp.reduce_scatter_to_sp(partial, "tensor", config)
+            if sequence_parallel
+            else tj.tp.reduce_from_tp(partial, "tensor", config)
+        )
         return jnp.sum(jnp.tanh(out) * target)
 
     return loss
@@ -63,8 +68,9 @@ def _tp_grads(mesh, convention, config, sequence_parallel, inputs):
     argnums = (0, 1, 2, 3)
     if convention == "vma_grad_outside":
         summed_axes = ("data", "tensor") if sequence_parallel else ("data",)
-        total = jax.shard_map(lambda *a: lax.psum(loss(*a), summed_axes), mesh=mesh, in_specs=in_specs,
-                              out_specs=P(), check_vma=True)
+        total = jax.shard_map(
+            lambda *a: lax.psum(loss(*a), summed_axes), mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=True
+        )
         return jax.jit(jax.grad(total, argnums=argnums))(*inputs)
     check_vma = convention == "vma_grad_inside"
 
@@ -72,8 +78,11 @@ def _tp_grads(mesh, convention, config, sequence_parallel, inputs):
         dx, *param_grads = jax.grad(loss, argnums=argnums)(*args)
         if not check_vma:  # each rank's parameter gradients cover its own rows only
             param_grads = [lax.psum(g, "data") for g in param_grads]
-            param_grads = tj.tp.sum_sequence_parallel_grads(param_grads, list(param_specs), "tensor") \
-                if sequence_parallel else param_grads
+            param_grads = (
+                tj.tp.sum_sequence_parallel_grads(param_grads, list(param_specs), "tensor")
+                if sequence_parallel
+                else param_grads
+            )
         return dx, *param_grads
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(rows, *param_specs), check_vma=check_vma)
@@ -138,24 +147,47 @@ def test_collective_gradients_match_lax_under_every_convention(convention, mode)
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
     weights = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
-    ours = (lambda u: tj.all_gather(u, "tensor", config), lambda u: tj.reduce_scatter(u, "tensor", config),
-            lambda u: tj.all_reduce(u, "tensor", config, algorithm="two_shot"),
-            lambda u: tj.all_reduce(u, "tensor", config, algorithm="one_shot"))
-    theirs = (lambda u: lax.all_gather(u, "tensor", tiled=True), lambda u: lax.psum_scatter(u, "tensor", tiled=True),
-              lambda u: lax.psum(u, "tensor"), lambda u: lax.psum(u, "tensor"))
+    ours = (
+        lambda u: tj.all_gather(u, "tensor", config),
+        lambda u: tj.reduce_scatter(u, "tensor", config),
+        lambda u: tj.all_reduce(u, "tensor", config, algorithm="two_shot"),
+        lambda u: tj.all_reduce(u, "tensor", config, algorithm="one_shot"),
+    )
+    theirs = (
+        lambda u: lax.all_gather(u, "tensor", tiled=True),
+        lambda u: lax.psum_scatter(u, "tensor", tiled=True),
+        lambda u: lax.psum(u, "tensor"),
+        lambda u: lax.psum(u, "tensor"),
+    )
 
     def per_rank_losses(ops, v, w):
-        return (jnp.sum(ops[0](v) * jnp.tile(w, (4, 1))), jnp.sum(ops[1](v) * w[:1]),
-                jnp.sum(ops[2](v) * w), jnp.sum(ops[3](v) * w))
+        return (
+            jnp.sum(ops[0](v) * jnp.tile(w, (4, 1))),
+            jnp.sum(ops[1](v) * w[:1]),
+            jnp.sum(ops[2](v) * w),
+            jnp.sum(ops[3](v) * w),
+        )
 
     def grads(ops):
         if convention == "vma_grad_outside":
-            total = jax.shard_map(lambda v, w: sum(per_rank_losses(ops, v, w))[None], mesh=mesh,
-                                  in_specs=(P("tensor"), P("tensor")), out_specs=P("tensor"), check_vma=True)
+            total = jax.shard_map(
+                lambda v, w: sum(per_rank_losses(ops, v, w))[None],
+                mesh=mesh,
+                in_specs=(P("tensor"), P("tensor")),
+                out_specs=P("tensor"),
+                check_vma=True,
+            )
             return jax.jit(jax.grad(lambda v, w: total(v, w).sum()))(x, weights)
         body = lambda v, w: jax.grad(lambda u: sum(per_rank_losses(ops, u, w)))(v)
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tensor"), P("tensor")), out_specs=P("tensor"),
-                                     check_vma=convention == "vma_grad_inside"))(x, weights)
+        return jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P("tensor"), P("tensor")),
+                out_specs=P("tensor"),
+                check_vma=convention == "vma_grad_inside",
+            )
+        )(x, weights)
 
     got, want = grads(ours), grads(theirs)
     if mode == "off":
@@ -170,7 +202,12 @@ def test_all_reduce_result_is_invariant_under_check_vma():
     x = jnp.asarray(np.random.default_rng(4).standard_normal((4 * 8, 256)), jnp.float32)
     for algorithm in ("one_shot", "two_shot"):
         config = tj.TacoConfig.preset("taco", min_bytes=0)
-        fn = jax.shard_map(lambda v: tj.all_reduce(v, "tensor", config, algorithm=algorithm), mesh=mesh,
-                           in_specs=P("tensor"), out_specs=P(), check_vma=True)
+        fn = jax.shard_map(
+            lambda v: tj.all_reduce(v, "tensor", config, algorithm=algorithm),
+            mesh=mesh,
+            in_specs=P("tensor"),
+            out_specs=P(),
+            check_vma=True,
+        )
         want = x.reshape(4, 8, 256).sum(0)
         assert COMPRESSED_MIN < _rel(jax.jit(fn)(x), want) < COMPRESSED_MAX

@@ -59,8 +59,9 @@ def _place(mesh, x, sequence_parallel):
 def test_parallel_mlp_matches_nnx_linear(mesh_shape, mode, sequence_parallel):
     mesh = tj.make_mesh(*mesh_shape)
     dense = MLP(rngs=nnx.Rngs(0))
-    model = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset(mode, min_bytes=0),
-                sequence_parallel=sequence_parallel)
+    model = MLP(
+        rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset(mode, min_bytes=0), sequence_parallel=sequence_parallel
+    )
     assert model.up.kernel.shape == (D_MODEL, D_FF) and model.up.bias.shape == (D_FF,)
     assert nnx.get_partition_spec(nnx.state(model))["up"]["kernel"].get_value() == P(None, "tensor")
     assert model.down.kernel[...].sharding.spec == P("tensor", None)
@@ -70,8 +71,11 @@ def test_parallel_mlp_matches_nnx_linear(mesh_shape, mode, sequence_parallel):
     want_out = dense(x)
     want_grads = nnx.grad(_loss)(dense, x, target)
     pairs = [("out", out, want_out)] + [
-        (jax.tree_util.keystr(path), g, w) for (path, g), w in
-        zip(jax.tree_util.tree_leaves_with_path(nnx.state(grads)), jax.tree.leaves(nnx.state(want_grads)))]
+        (jax.tree_util.keystr(path), g, w)
+        for (path, g), w in zip(
+            jax.tree_util.tree_leaves_with_path(nnx.state(grads)), jax.tree.leaves(nnx.state(want_grads))
+        )
+    ]
     for name, got, want in pairs:
         assert got.shape == want.shape, name
         if mode == "off":
@@ -119,10 +123,22 @@ def test_linen_dense_with_parallel_dot_general(mode):
 
         @nn.compact
         def __call__(self, x):
-            col = dict(dot_general=ParallelDotGeneral(mesh, config, "column", site="mlp.in"),
-                       kernel_init=nn.with_partitioning(init, (None, "tensor"))) if self.parallel else {}
-            row = dict(dot_general=ParallelDotGeneral(mesh, config, "row", site="mlp.out"),
-                       kernel_init=nn.with_partitioning(init, ("tensor", None))) if self.parallel else {}
+            col = (
+                dict(
+                    dot_general=ParallelDotGeneral(mesh, config, "column", site="mlp.in"),
+                    kernel_init=nn.with_partitioning(init, (None, "tensor")),
+                )
+                if self.parallel
+                else {}
+            )
+            row = (
+                dict(
+                    dot_general=ParallelDotGeneral(mesh, config, "row", site="mlp.out"),
+                    kernel_init=nn.with_partitioning(init, ("tensor", None)),
+                )
+                if self.parallel
+                else {}
+            )
             return nn.Dense(D_MODEL, **row)(jax.nn.gelu(nn.Dense(D_FF, **col)(x)))
 
     x, target = _inputs()
@@ -167,7 +183,7 @@ def test_parallel_layers_run_the_pallas_kernels_on_gpus():
     want = jax.tree.leaves(nnx.state(nnx.grad(_loss)(dense, x, target)))
     results = {}
     for kernels in ("pallas", "jnp"):
-        model = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset("taco+", min_bytes=0, kernels=kernels))
+        model = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode=kernels))
         grads = nnx.jit(nnx.grad(_loss))(model, _place(mesh, x, False), target)
         results[kernels] = jax.tree.leaves(nnx.state(grads))
         hlo = nnx.jit(nnx.grad(_loss)).lower(model, _place(mesh, x, False), target).compile().as_text()
@@ -189,8 +205,13 @@ def test_any_leading_shape_and_a_mesh_with_pipe():
         got = nnx.jit(lambda m, v: m(v))(compressed, x)
         assert got.shape == x.shape and COMPRESSED_MIN < _rel(got, dense(x)) < COMPRESSED_MAX, x.shape
     for sequence_parallel in (False, True):
-        model = MLP(rngs=nnx.Rngs(0), mesh=tj.make_mesh(2, 2, 2), config=tj.TacoConfig.preset("off"),
-                    sequence_parallel=sequence_parallel)
+        model = MLP(
+            rngs=nnx.Rngs(0),
+            mesh=tj.make_mesh(2, 2, 2),
+            config=tj.TacoConfig.preset("off"),
+            sequence_parallel=sequence_parallel,
+        )
         x = inputs[0][:2, :4]
-        np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, v: m(v))(model, x)), np.asarray(dense(x)),
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(nnx.jit(lambda m, v: m(v))(model, x)), np.asarray(dense(x)), rtol=1e-4, atol=1e-5
+        )

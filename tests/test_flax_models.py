@@ -10,8 +10,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import models
 import taco_jax as tj
+from taco_jax import models
 from taco_jax.models import flax_modules
 
 FAMILIES = ["gpt2-tiny", "qwen2-tiny"]
@@ -39,8 +39,9 @@ def _rel(a, b):
 def test_logits_and_grads_equal_the_functional_model(name, sequence_parallel):
     config, params, tokens = _setup(name)
     mesh = tj.make_mesh(2, 1, 4)
-    model = flax_modules.from_params(config, params, mesh=mesh, taco=tj.TacoConfig.preset("off"),
-                                     sequence_parallel=sequence_parallel)
+    model = flax_modules.from_params(
+        config, params, mesh=mesh, taco=tj.TacoConfig.preset("off"), sequence_parallel=sequence_parallel
+    )
     want = models.logits(config, params, tokens[:, :-1])
     tokens = jax.device_put(tokens, NamedSharding(mesh, P("data")))
     got = nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1])
@@ -52,8 +53,13 @@ def test_logits_and_grads_equal_the_functional_model(name, sequence_parallel):
     want_grads = flax_modules.nnx_params(config, want_grads)
     got_grads = nnx.state(grads, nnx.Param).to_pure_dict()
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6 * float(jnp.abs(w).max()) + 1e-9,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(g),
+            np.asarray(w),
+            rtol=1e-4,
+            atol=1e-6 * float(jnp.abs(w).max()) + 1e-9,
+            err_msg=jax.tree_util.keystr(path),
+        )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -74,8 +80,9 @@ def test_own_nnx_optax_loop_trains_with_and_without_compression():
     batches = [jax.device_put(rng.integers(0, 64, (8, 33)), NamedSharding(mesh, P("data"))) for _ in range(6)]
 
     def train(preset):
-        model = flax_modules.Transformer(config, mesh=mesh, taco=tj.TacoConfig.preset(preset, min_bytes=0),
-                                         rngs=nnx.Rngs(0))
+        model = flax_modules.Transformer(
+            config, mesh=mesh, taco=tj.TacoConfig.preset(preset, min_bytes=0), rngs=nnx.Rngs(0)
+        )
         optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
 
         @nnx.jit
@@ -95,8 +102,9 @@ def test_bad_model_shapes_are_clear_errors():
     config = models.preset("qwen2-tiny")  # 4 kv heads
     with pytest.raises(ValueError, match="n_kv_heads=4 is not divisible by the tensor axis size 8"):
         flax_modules.Transformer(config, mesh=tj.make_mesh(1, 1, 8), taco=tj.TacoConfig.preset("off"), rngs=nnx.Rngs(0))
-    model = flax_modules.Transformer(config, mesh=tj.make_mesh(2, 1, 4), taco=tj.TacoConfig.preset("off"),
-                                     rngs=nnx.Rngs(0), sequence_parallel=True)
+    model = flax_modules.Transformer(
+        config, mesh=tj.make_mesh(2, 1, 4), taco=tj.TacoConfig.preset("off"), rngs=nnx.Rngs(0), sequence_parallel=True
+    )
     with pytest.raises(ValueError, match="not divisible by the tensor axis size 4"):
         model(jnp.zeros((2, 6), jnp.int32))
     with pytest.raises(ValueError, match="exceeds max_positions"):

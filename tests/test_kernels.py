@@ -61,7 +61,7 @@ def _assert_scales_close(got, want, scale_format):
 
 def _compress_case(x, fmt, scale_format, transform, interpret, config=None):
     kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
-    payload, scales = kc.compress(x, interpret=interpret, config=config, **kw)
+    payload, scales = kc.compress_groups(x, interpret=interpret, config=config, **kw)
     ref_payload, ref_scales = kc.compress_reference(x, **kw)
     assert payload.shape == ref_payload.shape and payload.dtype == ref_payload.dtype
     assert scales.shape == ref_scales.shape and scales.dtype == ref_scales.dtype
@@ -91,10 +91,15 @@ def _extreme_groups() -> jax.Array:
     one spike among tiny values, and ordinary."""
     rng = np.random.default_rng(11)
     signs = np.sign(rng.standard_normal((2, 128)))
-    rows = [3.4e38 * rng.uniform(0.99, 1.0, 128) * signs[0], 3e38 * rng.uniform(0.0, 1.0, 128) * signs[1],
-            1e-35 * rng.standard_normal(128),
-            1e-40 * rng.standard_normal(128), np.zeros(128), np.r_[1e30, 1e-30 * rng.standard_normal(127)],
-            rng.standard_normal(128)]
+    rows = [
+        3.4e38 * rng.uniform(0.99, 1.0, 128) * signs[0],
+        3e38 * rng.uniform(0.0, 1.0, 128) * signs[1],
+        1e-35 * rng.standard_normal(128),
+        1e-40 * rng.standard_normal(128),
+        np.zeros(128),
+        np.r_[1e30, 1e-30 * rng.standard_normal(127)],
+        rng.standard_normal(128),
+    ]
     return jnp.asarray(np.stack(rows), jnp.float32)
 
 
@@ -113,8 +118,10 @@ def test_kernels_stay_on_the_grid_without_a_clip(scale_format, fmt, transform):
     assert np.abs(codes[:2]).max(axis=1).min() >= max_value / 2  # e8m0 scales round up by up to 2x
 
 
-@pytest.mark.parametrize("shards, group_size", [
-    *[(shards, group_size) for group_size in (64, 256) for shards in (1, 2, 4, 8)], (1, 16), (4, 16)])
+@pytest.mark.parametrize(
+    "shards, group_size",
+    [*[(shards, group_size) for group_size in (64, 256) for shards in (1, 2, 4, 8)], (1, 16), (4, 16)],
+)
 @pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
 def test_decompress_kernel_sums_shards(shards, group_size, transform):
     rows = 29
@@ -123,13 +130,18 @@ def test_decompress_kernel_sums_shards(shards, group_size, transform):
     payload = jnp.stack([p for p, _ in compressed])
     multiplier = jnp.stack([s.reshape(-1) for _, s in compressed])
     for out_dtype in (jnp.float32, jnp.bfloat16):
-        got = kd.decompress(payload, multiplier, transform=transform, out_dtype=out_dtype, interpret=True)
+        got = kd.decompress_groups(payload, multiplier, transform=transform, out_dtype=out_dtype, interpret=True)
         want = kd.decompress_reference(payload, multiplier, transform=transform, out_dtype=out_dtype)
         assert got.dtype == out_dtype and got.shape == (rows, group_size)
         tolerance = 1e-6 if out_dtype == jnp.float32 else 2.0**-8
-        np.testing.assert_allclose(ref.as_float64(got), ref.as_float64(want), rtol=tolerance, atol=tolerance * float(jnp.abs(want.astype(jnp.float32)).max()))
+        np.testing.assert_allclose(
+            ref.as_float64(got),
+            ref.as_float64(want),
+            rtol=tolerance,
+            atol=tolerance * float(jnp.abs(want.astype(jnp.float32)).max()),
+        )
     exact = sum(np.asarray(p, np.float64) for p in parts)
-    decoded = ref.as_float64(kd.decompress(payload, multiplier, transform=transform, interpret=True))
+    decoded = ref.as_float64(kd.decompress_groups(payload, multiplier, transform=transform, interpret=True))
     assert np.linalg.norm(decoded - exact) / np.linalg.norm(exact) < 0.07
 
 
@@ -140,8 +152,8 @@ def _check_requantized_sum(fmt, scale_format, group_size, rows, interpret):
     compressed = [kc.compress_reference(p, fmt=fmt, scale_format=scale_format, transform=True) for p in parts]
     payload = jnp.stack([p for p, _ in compressed])
     multiplier = jnp.stack([group_codec.dequantize_scale(s, scale_format).reshape(-1) for _, s in compressed])
-    kw = dict(transform=True, requantize=(fmt, scale_format))
-    got_payload, got_scales = kd.decompress(payload, multiplier, interpret=interpret, **kw)
+    kw = dict(transform=True, requantize_to=(fmt, scale_format))
+    got_payload, got_scales = kd.decompress_groups(payload, multiplier, interpret=interpret, **kw)
     want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
     same_scale = _assert_scales_close(got_scales, want_scales, scale_format)
     # Sums of power-of-two-scaled codes sit on coarse grids: ties are common there.
@@ -163,35 +175,47 @@ def test_compiled_requantized_sum_matches_the_reference(fmt, scale_format, group
 
 
 LOOPED = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1)
-LANES = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="lanes")
-PAIRS = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="pairs")
-IN_PIECES = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, hadamard="lanes", pieces=4)
+LANES = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, transform_method="lanes")
+PAIRS = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, transform_method="pairs")
+IN_PIECES = KernelConfig(block_rows=16, blocks_per_program=4, min_programs=1, transform_method="lanes", pieces=4)
 # The compiled kernels' transform methods, whole groups and groups loaded in pieces.
-COMPILED_TRANSFORMS = {"matmul": dict(hadamard="matmul"), "lanes": dict(hadamard="lanes"),
-                       "pairs": dict(hadamard="pairs"), "lanes-4": dict(hadamard="lanes", pieces=4),
-                       "pairs-8": dict(hadamard="pairs", pieces=8)}
+COMPILED_TRANSFORMS = {
+    "matmul": dict(transform_method="matmul"),
+    "lanes": dict(transform_method="lanes"),
+    "pairs": dict(transform_method="pairs"),
+    "lanes-4": dict(transform_method="lanes", pieces=4),
+    "pairs-8": dict(transform_method="pairs", pieces=8),
+}
 
 
-@pytest.mark.parametrize("method, group_size, pieces", [
-    ("lanes", 16, 1), ("lanes", 512, 1), ("pairs", 32, 1), ("lanes", 128, 8), ("pairs", 64, 4), ("matmul", 64, 2)])
+@pytest.mark.parametrize(
+    "method, group_size, pieces",
+    [("lanes", 16, 1), ("lanes", 512, 1), ("pairs", 32, 1), ("lanes", 128, 8), ("pairs", 64, 4), ("matmul", 64, 2)],
+)
 def test_transform_methods_match_the_reference(method, group_size, pieces):
     """Compress and decode (1 and 3 shards, f32 and bf16 out) with the transform computed
     without the tile or on groups loaded in pieces, against the jnp references; 45 rows
     (padded)."""
-    config = KernelConfig(block_rows=16, hadamard=method, pieces=pieces)
+    config = KernelConfig(block_rows=16, transform_method=method, pieces=pieces)
     x = _groups(45, group_size, jnp.float32, seed=group_size)
     payload, scales = _compress_case(x, "int8", "bf16", True, interpret=True, config=config)
     multiplier = group_codec.dequantize_scale(scales, "bf16").reshape(1, -1)
-    parts = [(payload[None], multiplier),
-             (jnp.stack([payload] * 3), jnp.concatenate([multiplier, 2 * multiplier, -multiplier]))]
+    parts = [
+        (payload[None], multiplier),
+        (jnp.stack([payload] * 3), jnp.concatenate([multiplier, 2 * multiplier, -multiplier])),
+    ]
     for shard_payload, shard_multiplier in parts:
         for out_dtype in (jnp.float32, jnp.bfloat16):
             kw = dict(transform=True, out_dtype=out_dtype)
-            got = kd.decompress(shard_payload, shard_multiplier, config=config, interpret=True, **kw)
+            got = kd.decompress_groups(shard_payload, shard_multiplier, config=config, interpret=True, **kw)
             want = kd.decompress_reference(shard_payload, shard_multiplier, **kw)
             tolerance = 1e-6 if out_dtype == jnp.float32 else 2.0**-8
-            np.testing.assert_allclose(ref.as_float64(got), ref.as_float64(want), rtol=tolerance,
-                                       atol=tolerance * float(jnp.abs(want.astype(jnp.float32)).max()))
+            np.testing.assert_allclose(
+                ref.as_float64(got),
+                ref.as_float64(want),
+                rtol=tolerance,
+                atol=tolerance * float(jnp.abs(want.astype(jnp.float32)).max()),
+            )
 
 
 @pytest.mark.parametrize("transform", [hadamard_butterfly, hadamard_lanes, hadamard_pairs])
@@ -217,15 +241,21 @@ def test_pair_exchange_keeps_inf_and_nan(transform):
 
 def test_kernel_config_names_an_unknown_transform_method():
     with pytest.raises(ValueError, match="hadamard"):
-        KernelConfig(hadamard="fft")
+        KernelConfig(transform_method="fft")
 
 
 def test_kernel_config_names_pieces_that_do_not_fit():
     with pytest.raises(ValueError, match="pieces"):
         KernelConfig(pieces=3)
     with pytest.raises(ValueError, match="pieces=32 must divide the group size 16"):
-        kc.compress(jnp.ones((16, 16)), fmt="int8", scale_format="bf16", transform=True,
-                    config=KernelConfig(pieces=32), interpret=True)
+        kc.compress_groups(
+            jnp.ones((16, 16)),
+            fmt="int8",
+            scale_format="bf16",
+            transform=True,
+            config=KernelConfig(pieces=32),
+            interpret=True,
+        )
 
 
 def test_program_rows_loops_only_where_the_grid_stays_wide():
@@ -243,33 +273,44 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
     x = _groups(rows, 128, jnp.bfloat16, seed=rows)
     kw = dict(fmt=fmt, scale_format=scale_format, transform=True)
     one_block = KernelConfig(block_rows=64)
-    payload, scales = kc.compress(x, config=one_block, interpret=interpret, **kw)
-    looped_payload, looped_scales = kc.compress(x, config=looped, interpret=interpret, **kw)
+    payload, scales = kc.compress_groups(x, config=one_block, interpret=interpret, **kw)
+    looped_payload, looped_scales = kc.compress_groups(x, config=looped, interpret=interpret, **kw)
     # Blocks of another height may reduce in another order: ulps in the scales.
     same_scale = _assert_scales_close(looped_scales, scales, scale_format)
     _assert_payload_close(looped_payload, payload, fmt, 0.002, same_scale)
     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
     for shards in (1, 2):
         parts = (payload.reshape(shards, rows // shards, 128), multiplier.reshape(shards, -1))
-        decoded = kd.decompress(*parts, transform=True, config=one_block, interpret=interpret)
-        looped_decoded = kd.decompress(*parts, transform=True, config=looped, interpret=interpret)
-        np.testing.assert_allclose(ref.as_float64(looped_decoded), ref.as_float64(decoded), rtol=1e-6,
-                                   atol=1e-6 * float(jnp.max(jnp.abs(decoded))))
+        decoded = kd.decompress_groups(*parts, transform=True, config=one_block, interpret=interpret)
+        looped_decoded = kd.decompress_groups(*parts, transform=True, config=looped, interpret=interpret)
+        np.testing.assert_allclose(
+            ref.as_float64(looped_decoded),
+            ref.as_float64(decoded),
+            rtol=1e-6,
+            atol=1e-6 * float(jnp.max(jnp.abs(decoded))),
+        )
         exact = ref.as_float64(x).reshape(shards, rows // shards, 128).sum(axis=0)
         error = np.linalg.norm(ref.as_float64(looped_decoded) - exact) / np.linalg.norm(exact)
         assert 1e-4 < error < 0.07
     halves = (payload.reshape(2, rows // 2, 128), multiplier.reshape(2, -1))
-    requantized = kd.decompress(*halves, transform=True, requantize=(fmt, scale_format), config=looped,
-                                interpret=interpret)
-    want = kd.decompress_reference(*halves, transform=True, requantize=(fmt, scale_format))
+    requantized = kd.decompress_groups(
+        *halves, transform=True, requantize_to=(fmt, scale_format), config=looped, interpret=interpret
+    )
+    want = kd.decompress_reference(*halves, transform=True, requantize_to=(fmt, scale_format))
     same_scale = _assert_scales_close(requantized[1], want[1], scale_format)
     _assert_payload_close(requantized[0], want[0], fmt, 0.01, same_scale)
 
 
-@pytest.mark.parametrize("fmt, scale_format, rows, config", [
-    *[(fmt, scales, rows, LOOPED) for fmt, scales in [("e4m3", "dual"), ("int8", "bf16")] for rows in (200, 256)],
-    ("int8", "bf16", 200, LANES), ("e4m3", "dual", 200, PAIRS), ("e4m3", "dual", 256, IN_PIECES)],
-    ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-lanes", "e4m3-200-pairs", "e4m3-256-pieces"])
+@pytest.mark.parametrize(
+    "fmt, scale_format, rows, config",
+    [
+        *[(fmt, scales, rows, LOOPED) for fmt, scales in [("e4m3", "dual"), ("int8", "bf16")] for rows in (200, 256)],
+        ("int8", "bf16", 200, LANES),
+        ("e4m3", "dual", 200, PAIRS),
+        ("e4m3", "dual", 256, IN_PIECES),
+    ],
+    ids=["e4m3-200", "e4m3-256", "int8-200", "int8-256", "int8-200-lanes", "e4m3-200-pairs", "e4m3-256-pieces"],
+)
 def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, config):
     """Several blocks per program, with each transform method and groups loaded in
     pieces, against one block per program with the matmul."""
@@ -281,8 +322,9 @@ def test_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, con
 @pytest.mark.parametrize("rows", [8200, 16384])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
 def test_compiled_looped_kernels_equal_one_block_per_program(fmt, scale_format, rows, transform):
-    looped = KernelConfig(block_rows=64, blocks_per_program=4, num_stages=3, min_programs=1,
-                          **COMPILED_TRANSFORMS[transform])
+    looped = KernelConfig(
+        block_rows=64, blocks_per_program=4, num_stages=3, min_programs=1, **COMPILED_TRANSFORMS[transform]
+    )
     _check_looped_launch(fmt, scale_format, rows, looped, interpret=False)
 
 
@@ -306,20 +348,27 @@ def _check_nan_propagates_to_the_group(fmt, scale_format, config, interpret):
     """A NaN or an Inf in the input makes its whole group decode to NaN, through
     compress, decode and the requantized sum; every other group stays finite."""
     kw = dict(config=config, interpret=interpret)
-    payload, scales = kc.compress(_poisoned_groups(), fmt=fmt, scale_format=scale_format, transform=True, **kw)
+    payload, scales = kc.compress_groups(_poisoned_groups(), fmt=fmt, scale_format=scale_format, transform=True, **kw)
     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
-    _assert_only_poisoned_groups_nan(kd.decompress(payload[None], multiplier, transform=True, **kw))
-    summed, summed_scales = kd.decompress(jnp.stack([payload, payload]), jnp.concatenate([multiplier, multiplier]),
-                                          transform=True, requantize=(fmt, scale_format), **kw)
+    _assert_only_poisoned_groups_nan(kd.decompress_groups(payload[None], multiplier, transform=True, **kw))
+    summed, summed_scales = kd.decompress_groups(
+        jnp.stack([payload, payload]),
+        jnp.concatenate([multiplier, multiplier]),
+        transform=True,
+        requantize_to=(fmt, scale_format),
+        **kw,
+    )
     summed_multiplier = group_codec.dequantize_scale(summed_scales, scale_format).reshape(1, -1)
-    _assert_only_poisoned_groups_nan(kd.decompress(summed[None], summed_multiplier, transform=True, **kw))
+    _assert_only_poisoned_groups_nan(kd.decompress_groups(summed[None], summed_multiplier, transform=True, **kw))
 
 
 def test_kernels_propagate_nan_to_the_group():
     _check_nan_propagates_to_the_group("int8", "bf16", None, interpret=True)
 
 
-@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "single"), ("int8", "e8m0")])
+@pytest.mark.parametrize(
+    "fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "single"), ("int8", "e8m0")]
+)
 def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
     """The group math as Triton compiles it, whose max() and min() ignore NaN (maxnumf):
     a NaN or Inf still makes its group decode to NaN."""
@@ -329,11 +378,13 @@ def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
     nan_ignoring.clip = lambda x, low, high: jnp.fmin(jnp.fmax(x, low), high)
     for module in (group_codec, formats):
         monkeypatch.setattr(module, "jnp", nan_ignoring)
-    payload, scales = group_codec.quantize_groups(_poisoned_groups(), fmt=fmt, group_size=128,
-                                                  scale_format=scale_format, transform=True)
+    payload, scales = group_codec.quantize_groups(
+        _poisoned_groups(), fmt=fmt, group_size=128, scale_format=scale_format, transform=True
+    )
     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
-    _assert_only_poisoned_groups_nan(kd.decompress_reference(payload[None], multiplier, transform=True,
-                                                             out_dtype=jnp.float32))
+    _assert_only_poisoned_groups_nan(
+        kd.decompress_reference(payload[None], multiplier, transform=True, out_dtype=jnp.float32)
+    )
 
 
 @pytest.mark.gpu
@@ -341,36 +392,41 @@ def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "e8m0")])
 def test_compiled_kernels_propagate_nan_to_the_group(fmt, scale_format, transform):
     """Compiled, where Triton's max() ignores NaN."""
-    _check_nan_propagates_to_the_group(fmt, scale_format, KernelConfig(**COMPILED_TRANSFORMS[transform]),
-                                       interpret=False)
+    _check_nan_propagates_to_the_group(
+        fmt, scale_format, KernelConfig(**COMPILED_TRANSFORMS[transform]), interpret=False
+    )
 
 
 def test_codec_dispatch_to_kernels_agrees_with_jnp():
     x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 10, 256)), jnp.bfloat16)
     spec = tj.QuantSpec(fmt="int8", hadamard=True, scales="bf16", group_size=128)
-    c_kernel = tj.compress(x, spec, kernels="interpret")
-    out_kernel = tj.decompress(c_kernel, kernels="interpret")
-    summed_kernel = tj.decompress_sum(tj.compress(jnp.stack([x, 2 * x]), spec, kernels="interpret"), kernels="interpret")
-    c_jnp = tj.compress(x, spec, kernels="jnp")
-    out_jnp = tj.decompress(c_jnp, kernels="jnp")
+    c_kernel = tj.compress(x, spec, kernel_mode="interpret")
+    out_kernel = tj.decompress(c_kernel, kernel_mode="interpret")
+    summed_kernel = tj.decompress_sum(
+        tj.compress(jnp.stack([x, 2 * x]), spec, kernel_mode="interpret"), kernel_mode="interpret"
+    )
+    c_jnp = tj.compress(x, spec, kernel_mode="jnp")
+    out_jnp = tj.decompress(c_jnp, kernel_mode="jnp")
     assert c_kernel.scales.shape == c_jnp.scales.shape and out_kernel.dtype == jnp.bfloat16
     _assert_payload_close(c_kernel.payload, c_jnp.payload, "int8", 0.02)
     np.testing.assert_allclose(ref.as_float64(out_kernel), ref.as_float64(out_jnp), rtol=0.02, atol=0.02)
     np.testing.assert_allclose(ref.as_float64(summed_kernel), 3 * ref.as_float64(x), rtol=0.1, atol=0.05)
     with pytest.raises(ValueError, match="unknown kernel mode"):
-        tj.compress(x, spec, kernels="cuda")
+        tj.compress(x, spec, kernel_mode="cuda")
     with pytest.raises(ValueError, match="unknown kernel mode"):
-        tj.TacoConfig.preset("taco", kernels="cuda")
+        tj.TacoConfig.preset("taco", kernel_mode="cuda")
 
 
 def test_collective_with_interpreted_kernels_inside_shard_map():
     from jax.sharding import PartitionSpec as P
 
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
-    config = tj.TacoConfig.preset("taco", min_bytes=0, kernels="interpret")
+    config = tj.TacoConfig.preset("taco", min_bytes=0, kernel_mode="interpret")
     x = jnp.asarray(np.random.default_rng(6).standard_normal((4 * 16, 256)), jnp.float32)
     body = lambda v: (tj.all_reduce(v, "tensor", config, algorithm="two_shot"), jax.lax.psum(v, "tensor"))
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=(P("tensor"), P("tensor")), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=(P("tensor"), P("tensor")), check_vma=False)
+    )
     ours, theirs = jax.block_until_ready(fn(x))
     assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 0.12
 
@@ -383,6 +439,6 @@ def test_compiled_kernels_on_gpu(fmt, scale_format):
         x = _groups(4099, 128, dtype, seed=9)
         payload, scales = _compress_case(x, fmt, scale_format, True, interpret=False)
         multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
-        got = kd.decompress(payload[None], multiplier, transform=True)
+        got = kd.decompress_groups(payload[None], multiplier, transform=True)
         want = kd.decompress_reference(payload[None], multiplier, transform=True)
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5

@@ -7,11 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from taco_jax import models
 import taco_jax as tj
+from taco_jax import models
 from taco_jax.models.hf import read_safetensors
-
-
 
 VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
 
@@ -39,13 +37,24 @@ def hf_folders(tmp_path_factory):
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("hf")
     gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                bos_token_id=0, eos_token_id=0))
+        transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
+        )
+    )
     _randomize(gpt2).save_pretrained(root / "gpt2")
     qwen2 = transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                                 rope_theta=10000.0, tie_word_embeddings=False))
+        transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        )
+    )
     # Sharded safetensors with an index file.
     _randomize(qwen2).save_pretrained(root / "qwen2", max_shard_size="50KB")
     return {"gpt2": (root / "gpt2", gpt2), "qwen2": (root / "qwen2", qwen2)}
@@ -67,10 +76,13 @@ def test_logits_match_transformers(hf_folders, family):
     tokens, expected, config, params = _hf_case(hf_folders, family)
     assert config.family == family and config.vocab_size == VOCAB
     for tensor, sequence_parallel in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
-        got = np.asarray(models.logits(config, params, tokens, mesh=_mesh(tensor=tensor), sequence_parallel=sequence_parallel))
+        got = np.asarray(
+            models.logits(config, params, tokens, mesh=_mesh(tensor=tensor), sequence_parallel=sequence_parallel)
+        )
         assert got.shape == expected.shape
-        np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), rtol=1e-4,
-                                   err_msg=f"tp={tensor} sp={sequence_parallel}")
+        np.testing.assert_allclose(
+            got, expected, atol=2e-5 * np.abs(expected).max(), rtol=1e-4, err_msg=f"tp={tensor} sp={sequence_parallel}"
+        )
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
@@ -81,11 +93,17 @@ def test_nnx_modules_from_hf_weights_match_transformers(hf_folders, family):
 
     tokens, expected, config, params = _hf_case(hf_folders, family)
     for sequence_parallel in (False, True):
-        model = flax_modules.from_params(config, params, mesh=_mesh(data=2, tensor=4),
-                                         taco=tj.TacoConfig.preset("off"), sequence_parallel=sequence_parallel)
+        model = flax_modules.from_params(
+            config,
+            params,
+            mesh=_mesh(data=2, tensor=4),
+            taco=tj.TacoConfig.preset("off"),
+            sequence_parallel=sequence_parallel,
+        )
         got = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
-        np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), rtol=1e-4,
-                                   err_msg=f"sp={sequence_parallel}")
+        np.testing.assert_allclose(
+            got, expected, atol=2e-5 * np.abs(expected).max(), rtol=1e-4, err_msg=f"sp={sequence_parallel}"
+        )
 
 
 def _rel(a, b):
@@ -107,7 +125,9 @@ def test_tp4_loss_and_grads_match_tp1(name):
         ("taco+_sp", _mesh(1, 1, 4), True, tj.TacoConfig.preset("taco+", min_bytes=0)),
     ]
     for label, mesh, sequence_parallel, taco in cases:
-        loss, grads = models.loss_and_grads(config, params, tokens, mesh=mesh, taco=taco, sequence_parallel=sequence_parallel)
+        loss, grads = models.loss_and_grads(
+            config, params, tokens, mesh=mesh, taco=taco, sequence_parallel=sequence_parallel
+        )
         flat = jax.tree.leaves(grads)
         if taco.mode == "off":
             np.testing.assert_allclose(float(loss), float(loss1), rtol=1e-5, err_msg=label)
@@ -124,8 +144,14 @@ def test_compressed_sites_are_named_and_accounted():
     params = models.init_params(config, jax.random.key(0))
     tokens = np.zeros((2, 17), np.int32)
     with tj.record_wire() as ledger:
-        models.loss_and_grads(config, params, tokens, mesh=_mesh(1, 1, 4),
-                              taco=tj.TacoConfig.preset("taco", min_bytes=0), sequence_parallel=True)
+        models.loss_and_grads(
+            config,
+            params,
+            tokens,
+            mesh=_mesh(1, 1, 4),
+            taco=tj.TacoConfig.preset("taco", min_bytes=0),
+            sequence_parallel=True,
+        )
     sites = {(r.site, r.direction) for r in ledger.records if r.compressed}
     for site in ("embed", "layers.attn.in", "layers.attn.out", "layers.mlp.in", "layers.mlp.out", "head.in"):
         assert (site, "forward") in sites and (site, "backward") in sites, site
@@ -200,8 +226,9 @@ def test_calibration_observes_every_site_and_stays_within_codec_error():
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, (4, 33))
     loss1, grads1 = models.loss_and_grads(config, params, tokens, mesh=_mesh())
     taco = tj.TacoConfig.preset("taco", min_bytes=0)
-    run = lambda cal: models.loss_and_grads(config, params, tokens, mesh=_mesh(1, 1, 4), taco=taco,
-                                            sequence_parallel=True, calibration=cal)
+    run = lambda cal: models.loss_and_grads(
+        config, params, tokens, mesh=_mesh(1, 1, 4), taco=taco, sequence_parallel=True, calibration=cal
+    )
     collector = tj.calibration.Collector()
     with tj.calibration.observing(collector):
         run(None)
@@ -212,14 +239,18 @@ def test_calibration_observes_every_site_and_stays_within_codec_error():
     assert len(calibration.plans) == 12
     loss, grads = run(calibration)
     assert abs(float(loss) - float(loss1)) / float(loss1) < 0.01
-    worst = max(_rel(g, g1) for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1))
-                if np.linalg.norm(np.asarray(g1)) > 0)
+    worst = max(
+        _rel(g, g1)
+        for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1))
+        if np.linalg.norm(np.asarray(g1)) > 0
+    )
     assert 0 < worst < 0.15
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_quality_presets_are_four_times_the_mini_ones(family):
     """The quality experiment's larger models: at least 4x the parameters of the minis."""
+
     def parameters(name):
         shapes = jax.tree.leaves(models.params.layout(models.preset(name)), is_leaf=models.params.is_layout_leaf)
         return sum(int(np.prod(shape)) for shape, _ in shapes)
@@ -243,15 +274,22 @@ def test_norms_and_activations_keep_only_their_inputs_for_the_backward_pass(fami
     gate, up = (jax.numpy.asarray(rng.standard_normal((2, 8, 64)), jax.numpy.bfloat16) for _ in range(2))
     norm_bias = bias if family == "gpt2" else None
     # The activations also against the plain function (the norm: the model parity tests).
-    cases = [(lambda v, s: layers.norm(config, v, s, norm_bias), (x, scale), None),
-             (layers.gpt2_mlp_activation, (gate,), layers.gpt2_mlp_activation.__wrapped__),
-             (layers.swiglu, (gate, up), layers.swiglu.__wrapped__)]
+    cases = [
+        (lambda v, s: layers.norm(config, v, s, norm_bias), (x, scale), None),
+        (layers.gpt2_mlp_activation, (gate,), layers.gpt2_mlp_activation.__wrapped__),
+        (layers.swiglu, (gate, up), layers.swiglu.__wrapped__),
+    ]
     for fn, args, plain_fn in cases:
         out, pullback = jax.vjp(fn, *args)
         big = [leaf for leaf in jax.tree.leaves(pullback) if leaf.size >= x.size // 4 and leaf.ndim > 1]
-        assert all(any(leaf is a or (leaf.shape == a.shape and leaf.dtype == a.dtype
-                                     and np.array_equal(np.asarray(leaf), np.asarray(a))) for a in args)
-                   for leaf in big), [(leaf.shape, leaf.dtype) for leaf in big]
+        assert all(
+            any(
+                leaf is a
+                or (leaf.shape == a.shape and leaf.dtype == a.dtype and np.array_equal(np.asarray(leaf), np.asarray(a)))
+                for a in args
+            )
+            for leaf in big
+        ), [(leaf.shape, leaf.dtype) for leaf in big]
         cotangent = jax.numpy.ones_like(out)
         if plain_fn is not None:
             want = jax.vjp(plain_fn, *args)[1](cotangent)

@@ -13,8 +13,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_executes(path):
     notebook = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
+    client = nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     client.execute()  # raises CellExecutionError naming the failing cell
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
@@ -22,5 +23,9 @@ def test_notebook_executes(path):
 
 
 def test_there_are_four_notebooks():
-    assert [p.stem for p in NOTEBOOKS] == ["01_mesh_configuration", "02_codec_anatomy", "03_your_own_flax_loop",
-                                          "04_flax_nnx_tensor_parallel"]
+    assert [p.stem for p in NOTEBOOKS] == [
+        "01_mesh_configuration",
+        "02_codec_anatomy",
+        "03_your_own_flax_loop",
+        "04_flax_nnx_tensor_parallel",
+    ]

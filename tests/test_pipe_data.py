@@ -32,7 +32,7 @@ def _rel(a, b):
 
 
 def _config(preset, **overrides):
-    return tj.TacoConfig.preset(preset, min_bytes=0, kernels="jnp", **overrides)
+    return tj.TacoConfig.preset(preset, min_bytes=0, kernel_mode="jnp", **overrides)
 
 
 def _permute_run(config, x, perm=CYCLE, check_vma=False):
@@ -44,8 +44,13 @@ def _permute_run(config, x, perm=CYCLE, check_vma=False):
 
 
 def _lax_permute(x, perm=CYCLE):
-    fn = jax.shard_map(lambda v: lax.ppermute(v, "pipe", perm), mesh=_mesh("pipe"), in_specs=P("pipe"),
-                       out_specs=P("pipe"), check_vma=False)
+    fn = jax.shard_map(
+        lambda v: lax.ppermute(v, "pipe", perm),
+        mesh=_mesh("pipe"),
+        in_specs=P("pipe"),
+        out_specs=P("pipe"),
+        check_vma=False,
+    )
     return jax.block_until_ready(jax.jit(fn)(x))
 
 
@@ -84,8 +89,13 @@ def test_ppermute_gradient_goes_back_along_the_reversed_pairs(check_vma):
             return loss if check_vma else jax.grad(lambda u: jnp.sum(w * permute(u) ** 2))(v)
 
         if check_vma:
-            fn = jax.shard_map(lambda v, w: lax.psum(local(v, w), "pipe"), mesh=mesh, in_specs=(P("pipe"), P("pipe")),
-                               out_specs=P(), check_vma=True)
+            fn = jax.shard_map(
+                lambda v, w: lax.psum(local(v, w), "pipe"),
+                mesh=mesh,
+                in_specs=(P("pipe"), P("pipe")),
+                out_specs=P(),
+                check_vma=True,
+            )
             return jax.block_until_ready(jax.jit(jax.grad(fn))(x, weights))
         fn = jax.shard_map(local, mesh=mesh, in_specs=(P("pipe"), P("pipe")), out_specs=P("pipe"), check_vma=False)
         return jax.block_until_ready(jax.jit(fn)(x, weights))
@@ -99,8 +109,15 @@ def test_ppermute_gradient_goes_back_along_the_reversed_pairs(check_vma):
 def test_ppermute_sends_one_byte_per_element_and_records_it():
     x = jnp.ones((RANKS * 16, 512), jnp.bfloat16)
     config = _config("taco+")
-    fn = jax.jit(jax.shard_map(lambda v: tj.ppermute(v, "pipe", config, perm=CYCLE), mesh=_mesh("pipe"),
-                               in_specs=P("pipe"), out_specs=P("pipe"), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: tj.ppermute(v, "pipe", config, perm=CYCLE),
+            mesh=_mesh("pipe"),
+            in_specs=P("pipe"),
+            out_specs=P("pipe"),
+            check_vma=False,
+        )
+    )
     with tj.record_wire() as ledger:
         hlo = fn.lower(x).compile().as_text()
     (sent,) = [c for c in tj.collectives_in_hlo(hlo) if c.op == "collective-permute"]
@@ -124,8 +141,10 @@ GRADS_SHAPES = {"w": (RANKS, 40, 24), "b": (RANKS, 100), "scale": (RANKS, 1)}
 def _grads(seed):
     """Per-rank gradients of three very different sizes and magnitudes."""
     rng = np.random.default_rng(seed)
-    return {name: jnp.asarray(rng.standard_normal(shape) * 10.0 ** -(i * 3), jnp.float32)
-            for i, (name, shape) in enumerate(GRADS_SHAPES.items())}
+    return {
+        name: jnp.asarray(rng.standard_normal(shape) * 10.0 ** -(i * 3), jnp.float32)
+        for i, (name, shape) in enumerate(GRADS_SHAPES.items())
+    }
 
 
 def _mean_run(config, grads, residual, check_vma=False):
@@ -171,7 +190,9 @@ def test_mean_gradients_compressed_with_error_feedback(preset, bound, check_vma)
         # Nothing is lost, only delayed: the results plus what the ranks still hold equal
         # the exact sums, and the running mean converges on the exact one.
         held = np.asarray(residual[name], np.float64).mean(0)
-        np.testing.assert_allclose(total[name] + held, steps * exact[name], rtol=0, atol=1e-5 * np.abs(exact[name]).max())
+        np.testing.assert_allclose(
+            total[name] + held, steps * exact[name], rtol=0, atol=1e-5 * np.abs(exact[name]).max()
+        )
         assert _rel(total[name] / steps, exact[name]) < bound / 2
 
 
@@ -192,9 +213,15 @@ def test_mean_gradients_four_bits_with_error_feedback():
 def test_mean_gradients_records_the_wire_and_sends_bytes():
     grads, config = _grads(0), _config("taco+")
     spec = {name: P("data") for name in GRADS_SHAPES}
-    fn = jax.jit(jax.shard_map(
-        lambda g: tj.data_parallel.mean_gradients(jax.tree.map(lambda x: x[0], g), "data", config)[0],
-        mesh=_mesh("data"), in_specs=(spec,), out_specs=P(), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g: tj.data_parallel.mean_gradients(jax.tree.map(lambda x: x[0], g), "data", config)[0],
+            mesh=_mesh("data"),
+            in_specs=(spec,),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
     with tj.record_wire() as ledger:
         hlo = fn.lower(grads).compile().as_text()
     sent = [c for c in tj.collectives_in_hlo(hlo) if c.dtype == "u8"]

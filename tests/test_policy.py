@@ -18,8 +18,8 @@ import taco_jax as tj
 from taco_jax.collectives import chunk_bounds
 from taco_jax.policy import LinkProfile, Route, Timing, route_for
 from taco_jax.probe import Message, probe_link
-from taco_jax.training import link_policy, trainer
-from taco_jax.training.config import TrainConfig
+from taco_jax.train import link_policy, trainer
+from taco_jax.train.config import TrainConfig
 
 OPS = {
     "all_gather": lambda c: lambda v: tj.all_gather(v, "tensor", c),
@@ -57,7 +57,9 @@ def test_chunked_collectives_equal_unchunked_bit_for_bit(op):
     config = tj.TacoConfig.preset("taco+", min_bytes=0)
     whole, whole_hlo = _compiled(mesh, OPS[op](config), x)
     piped, piped_hlo = _compiled(mesh, OPS[op](dataclasses.replace(config, chunks=3)), x)
-    np.testing.assert_array_equal(np.asarray(jax.block_until_ready(piped(x))), np.asarray(jax.block_until_ready(whole(x))))
+    np.testing.assert_array_equal(
+        np.asarray(jax.block_until_ready(piped(x))), np.asarray(jax.block_until_ready(whole(x)))
+    )
     whole_ops, piped_ops = tj.collectives_in_hlo(whole_hlo), tj.collectives_in_hlo(piped_hlo)
     assert {c.dtype for c in piped_ops} == {"u8"}  # only 8-bit messages cross the wire
     assert len(piped_ops) > len(whole_ops)  # the pieces travel separately
@@ -70,9 +72,12 @@ def _profile(rows, margin=0.05):
 
 FAST_LINK = [("all_reduce", 32 << 20, Route(False), 0.20), ("all_reduce", 32 << 20, Route(True, "one_shot", 1), 0.25)]
 SLOW_LINK = [
-    ("all_reduce", 32 << 20, Route(False), 1.20), ("all_reduce", 32 << 20, Route(True, "one_shot", 1), 0.80),
-    ("all_reduce", 32 << 20, Route(True, "one_shot", 4), 0.80), ("all_reduce", 32 << 20, Route(True, "two_shot", 1), 0.85),
-    ("all_reduce", 1 << 20, Route(False), 0.05), ("all_reduce", 1 << 20, Route(True, "one_shot", 1), 0.049),
+    ("all_reduce", 32 << 20, Route(False), 1.20),
+    ("all_reduce", 32 << 20, Route(True, "one_shot", 1), 0.80),
+    ("all_reduce", 32 << 20, Route(True, "one_shot", 4), 0.80),
+    ("all_reduce", 32 << 20, Route(True, "two_shot", 1), 0.85),
+    ("all_reduce", 1 << 20, Route(False), 0.05),
+    ("all_reduce", 1 << 20, Route(True, "one_shot", 1), 0.049),
 ]
 
 
@@ -121,8 +126,10 @@ def test_collectives_follow_the_link_profile():
     mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
     x = jax.device_put(_rank_coded(2, 64, 1024), NamedSharding(mesh, P("tensor")))  # 256 KiB per rank
     nbytes = 64 * 1024 * 4
-    for timings, dtypes in [([("all_reduce", nbytes, Route(False), 0.1), ("all_reduce", nbytes, Route(True), 0.2)], {"f32"}),
-                            ([("all_reduce", nbytes, Route(False), 0.3), ("all_reduce", nbytes, Route(True), 0.2)], {"u8"})]:
+    for timings, dtypes in [
+        ([("all_reduce", nbytes, Route(False), 0.1), ("all_reduce", nbytes, Route(True), 0.2)], {"f32"}),
+        ([("all_reduce", nbytes, Route(False), 0.3), ("all_reduce", nbytes, Route(True), 0.2)], {"u8"}),
+    ]:
         config = tj.TacoConfig.preset("taco", min_bytes=0, link=_profile(timings))
         fn, hlo = _compiled(mesh, lambda v: tj.all_reduce(v, "tensor", config), x)
         assert {c.dtype for c in tj.collectives_in_hlo(hlo)} == dtypes
@@ -133,14 +140,19 @@ def test_collectives_follow_the_link_profile():
 
 def test_probe_times_every_candidate_route():
     mesh = tj.make_mesh(2, 1, 2, devices=jax.devices()[:4])
-    messages = [Message("all_reduce", (8, 256), "bfloat16"), Message("reduce_scatter", (8, 256), "float32"),
-                Message("all_reduce", (8, 256), "bfloat16")]
+    messages = [
+        Message("all_reduce", (8, 256), "bfloat16"),
+        Message("reduce_scatter", (8, 256), "float32"),
+        Message("all_reduce", (8, 256), "bfloat16"),
+    ]
     lines = []
-    profile = probe_link(mesh, messages, tj.TacoConfig.preset("taco"), chunk_counts=(1, 2), trials=1, calls=1,
-                         log=lines.append)
+    profile = probe_link(
+        mesh, messages, tj.TacoConfig.preset("taco"), chunk_counts=(1, 2), trials=1, calls=1, log=lines.append
+    )
     assert len(lines) == 2  # the duplicate message is timed once
     assert sorted((t.op, t.route.name) for t in profile.timings) == sorted(
-        [(op, name) for op in ("all_reduce", "reduce_scatter") for name in ("plain", "one_shot/1", "one_shot/2")])
+        [(op, name) for op in ("all_reduce", "reduce_scatter") for name in ("plain", "one_shot/1", "one_shot/2")]
+    )
     assert all(t.ranks == 2 and t.ms > 0 for t in profile.timings)
     assert profile.route("all_reduce", 2, 8 * 256 * 2) in {t.route for t in profile.timings}
     with pytest.raises(ValueError, match="does not split"):

@@ -31,7 +31,7 @@ def test_float16_near_its_largest_value_never_decodes_to_inf(preset, kernels):
     x[3, 5] = np.nan
     x = x.astype(np.float16)
     spec = tj.TacoConfig.preset(preset).forward
-    y = np.asarray(tj.decompress(tj.compress(x, spec, kernels=kernels), kernels=kernels), np.float64)
+    y = np.asarray(tj.decompress(tj.compress(x, spec, kernel_mode=kernels), kernel_mode=kernels), np.float64)
     assert not np.isinf(y).any()
     nan_group = np.zeros_like(y, bool)
     nan_group[3, : spec.group_size] = True  # NaN poisons its group, nothing else
@@ -45,8 +45,8 @@ def test_float16_sum_near_its_largest_value_saturates(kernels):
     """decompress_sum of shards whose sum stays within float16 stays finite."""
     x = np.full((2, 4, 128), 32000.0, np.float16)
     spec = tj.TacoConfig.preset("taco+").forward
-    shards = tj.compress(x, spec, kernels=kernels)
-    total = np.asarray(tj.decompress_sum(shards, kernels=kernels), np.float64)
+    shards = tj.compress(x, spec, kernel_mode=kernels)
+    total = np.asarray(tj.decompress_sum(shards, kernel_mode=kernels), np.float64)
     assert np.isfinite(total).all() and np.allclose(total, 64000.0, rtol=0.03)
 
 
@@ -54,19 +54,20 @@ def test_float16_sum_near_its_largest_value_saturates(kernels):
 @pytest.mark.parametrize("shape", [(0, 128), (3, 0, 256)])
 def test_compress_round_trips_empty_arrays(shape, kernels):
     spec = tj.TacoConfig.preset("taco+").forward
-    c = tj.compress(jnp.zeros(shape, jnp.bfloat16), spec, kernels=kernels)
-    y = tj.decompress(c, kernels=kernels)
+    c = tj.compress(jnp.zeros(shape, jnp.bfloat16), spec, kernel_mode=kernels)
+    y = tj.decompress(c, kernel_mode=kernels)
     assert y.shape == shape and y.dtype == jnp.bfloat16 and c.nbytes == 0
 
 
 def _collectives(config):
     return {
         "all_gather": (lambda v: tj.all_gather(v, "tensor", config), lambda v: lax.all_gather(v, "tensor", tiled=True)),
-        "reduce_scatter": (lambda v: tj.reduce_scatter(v, "tensor", config, scatter_dimension=1),
-                           lambda v: lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True)),
+        "reduce_scatter": (
+            lambda v: tj.reduce_scatter(v, "tensor", config, scatter_dimension=1),
+            lambda v: lax.psum_scatter(v, "tensor", scatter_dimension=1, tiled=True),
+        ),
         "all_reduce": (lambda v: tj.all_reduce(v, "tensor", config), lambda v: lax.psum(v, "tensor")),
-        "ppermute": (lambda v: tj.ppermute(v, "tensor", config, perm=RING),
-                     lambda v: lax.ppermute(v, "tensor", RING)),
+        "ppermute": (lambda v: tj.ppermute(v, "tensor", config, perm=RING), lambda v: lax.ppermute(v, "tensor", RING)),
     }
 
 
@@ -76,9 +77,8 @@ def test_collectives_of_empty_arrays_have_lax_shapes_and_gradients(op, check_vma
     """An empty message (reachable with min_bytes=0) takes the plain path: the shapes of
     lax's result and of the gradient, under both conventions."""
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
-    compressed, _ = _collectives(tj.TacoConfig.preset("taco+", min_bytes=0, kernels="interpret"))[op]
-    fn = jax.jit(jax.shard_map(compressed, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
-                               check_vma=check_vma))
+    compressed, _ = _collectives(tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode="interpret"))[op]
+    fn = jax.jit(jax.shard_map(compressed, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=check_vma))
     x = jnp.zeros((0, 4, 256), jnp.float32)
     expected = (0, 1, 256) if op == "reduce_scatter" else x.shape
     assert jax.block_until_ready(fn(x)).shape == expected
@@ -92,17 +92,21 @@ def test_the_public_codec_refuses_derivatives(kernels):
     spec = tj.TacoConfig.preset("taco+").forward
     x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 128)), jnp.float32)
     with pytest.raises(ValueError, match="compress is not differentiable"):
-        jax.grad(lambda v: tj.decompress(tj.compress(v, spec, kernels=kernels), kernels=kernels).sum())(x)
-    c = tj.compress(x, spec, kernels=kernels)
+        jax.grad(lambda v: tj.decompress(tj.compress(v, spec, kernel_mode=kernels), kernel_mode=kernels).sum())(x)
+    c = tj.compress(x, spec, kernel_mode=kernels)
     with pytest.raises(ValueError, match="decompress is not differentiable"):
-        jax.grad(lambda s: tj.decompress(tj.Compressed(c.payload, s, c.shape, c.dtype, c.spec),
-                                         kernels=kernels).sum())(c.scales)
+        jax.grad(
+            lambda s: tj.decompress(tj.Compressed(c.payload, s, c.shape, c.dtype, c.spec), kernel_mode=kernels).sum()
+        )(c.scales)
     stacked = jax.tree_util.tree_map(lambda leaf: jnp.stack([leaf, leaf]), c)
     with pytest.raises(ValueError, match="decompress_sum is not differentiable"):
-        jax.grad(lambda s: tj.decompress_sum(tj.Compressed(stacked.payload, s, stacked.shape, stacked.dtype,
-                                                           stacked.spec), kernels=kernels).sum())(stacked.scales)
+        jax.grad(
+            lambda s: tj.decompress_sum(
+                tj.Compressed(stacked.payload, s, stacked.shape, stacked.dtype, stacked.spec), kernel_mode=kernels
+            ).sum()
+        )(stacked.scales)
     # Vmapping the codec is fine, and close to the input.
-    y = jax.vmap(lambda v: tj.decompress(tj.compress(v, spec, kernels=kernels), kernels=kernels))(x[None])
+    y = jax.vmap(lambda v: tj.decompress(tj.compress(v, spec, kernel_mode=kernels), kernel_mode=kernels))(x[None])
     assert 0 < float(jnp.abs(y[0] - x).max()) < 0.1
 
 
@@ -112,7 +116,7 @@ def test_auto_kernels_follow_the_platform_the_program_is_lowered_for(monkeypatch
     (bit for bit), though the kernel was traced."""
     spec = tj.TacoConfig.preset("taco+").forward
     x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 128)), jnp.float32)
-    reference = tj.compress(x, spec, kernels="jnp")
+    reference = tj.compress(x, spec, kernel_mode="jnp")
     monkeypatch.setattr(launch, "has_cuda", lambda: True)
     jaxpr = jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x)
     assert "platform_index" in str(jaxpr) and "pallas_call" in str(jaxpr)
@@ -128,7 +132,7 @@ def test_export_for_the_cpu_from_a_host_with_a_gpu(monkeypatch):
     kernels are staged, not lowered)."""
     spec = tj.TacoConfig.preset("taco+").forward
     x = jnp.asarray(np.random.default_rng(6).standard_normal((64, 256)), jnp.float32)
-    want = jax.jit(lambda v: tj.decompress(tj.compress(v, spec, kernels="jnp"), kernels="jnp"))(x)
+    want = jax.jit(lambda v: tj.decompress(tj.compress(v, spec, kernel_mode="jnp"), kernel_mode="jnp"))(x)
     monkeypatch.setattr(launch, "has_cuda", lambda: True)
     exported = jax.export.export(jax.jit(lambda v: tj.decompress(tj.compress(v, spec))), platforms=("cpu",))(x)
     np.testing.assert_array_equal(np.asarray(exported.call(x)), np.asarray(want))
@@ -143,8 +147,13 @@ def test_check_vma_is_read_from_public_api():
         return x
 
     for check_vma in (True, False):
-        jax.shard_map(lambda x, c=check_vma: body(x, c), mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
-                      check_vma=check_vma)(jnp.zeros(4))
+        jax.shard_map(
+            lambda x, c=check_vma: body(x, c),
+            mesh=mesh,
+            in_specs=P("tensor"),
+            out_specs=P("tensor"),
+            check_vma=check_vma,
+        )(jnp.zeros(4))
     jax.vmap(lambda x: body(x, "vmap"), axis_name="tensor")(jnp.zeros(4))
     assert seen == {True: (True, True), False: (False, False), "vmap": (False, False)}
 
@@ -175,11 +184,17 @@ def test_gradient_outside_detection_sees_the_transpose():
         return (ct,)
 
     probe.defvjp(lambda x: (x, None), backward)
-    fn = jax.shard_map(lambda x: probe(x) * 2.0, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"),
-                       check_vma=False)
+    fn = jax.shard_map(
+        lambda x: probe(x) * 2.0, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False
+    )
     jax.grad(lambda x: fn(x).sum())(jnp.ones(4))
-    jax.shard_map(lambda x: jax.grad(lambda v: probe(v).sum())(x), mesh=mesh, in_specs=P("tensor"),
-                  out_specs=P("tensor"), check_vma=False)(jnp.ones(4))
+    jax.shard_map(
+        lambda x: jax.grad(lambda v: probe(v).sum())(x),
+        mesh=mesh,
+        in_specs=P("tensor"),
+        out_specs=P("tensor"),
+        check_vma=False,
+    )(jnp.ones(4))
     assert seen == [True, False]
 
 
@@ -217,8 +232,11 @@ def test_supported_releases_are_bounded_above():
     for name in ("jax", "jaxlib", "flax", "orbax-checkpoint", "triton", "jax[cuda13]"):
         specs = [r.split(";")[0] for r in requirements if r.split(">")[0].split("=")[0].strip() == name]
         assert specs and all("<" in spec for spec in specs), (name, specs)
-    pins = dict(line.split("==") for line in (root / ".ci/oldest.txt").read_text().split("\n")
-                if "==" in line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (root / ".ci/oldest.txt").read_text().split("\n")
+        if "==" in line and not line.startswith("#")
+    )
     for requirement in requirements:
         name, _, rest = requirement.partition(">=")
         if name in pins:
@@ -227,15 +245,22 @@ def test_supported_releases_are_bounded_above():
 
 def test_importing_taco_jax_leaves_the_deprecated_pallas_triton_module_alone():
     code = "import sys, taco_jax, taco_jax.flax; print('jax.experimental.pallas.triton' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+    )
     assert out.stdout.strip() == "False"
 
 
 def test_hlo_reader_takes_replica_groups_named_by_mesh_axes():
     """jax 0.12 prints replica groups as mesh axes; the reader gives the device groups."""
-    line = ("%all-gather.1 = u8[2,64,128]{2,1,0} all-gather(u8[1,64,128]{2,1,0} %p), channel_id=1, "
-            "replica_groups=mesh['data'=2,'pipe'=2,'tensor'=2] {'data','tensor'}, dimensions={0}")
+    line = (
+        "%all-gather.1 = u8[2,64,128]{2,1,0} all-gather(u8[1,64,128]{2,1,0} %p), channel_id=1, "
+        "replica_groups=mesh['data'=2,'pipe'=2,'tensor'=2] {'data','tensor'}, dimensions={0}"
+    )
     (gather,) = tj.collectives_in_hlo(line)
     assert gather.groups == ((0, 1, 4, 5), (2, 3, 6, 7)) and gather.group_size == 4
     assert gather.operand_bytes == 2 * 64 * 128 // 4
@@ -252,7 +277,10 @@ def test_gradients_inside_a_vmap_axis_match_the_uncompressed_collective(op):
         compressed = _collectives(config)[op][0]
         return np.asarray(jax.jit(jax.vmap(jax.grad(lambda v: jnp.sum(compressed(v) ** 2)), axis_name="tensor"))(x))
 
-    got, want = grads(tj.TacoConfig.preset("taco+", min_bytes=0, kernels="interpret")), grads(tj.TacoConfig.preset("off"))
+    got, want = (
+        grads(tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode="interpret")),
+        grads(tj.TacoConfig.preset("off")),
+    )
     assert got.shape == want.shape == x.shape
     assert 0 < np.abs(got - want).max() <= 0.05 * np.abs(want).max()
 
@@ -264,10 +292,12 @@ def _vmapped_collectives(kernels):
     """Every compressed collective, its lax counterpart and the gradient of the compressed
     one's sum of squares, each over a 4-rank `vmap` axis (a simulated mesh; the gradient
     taken inside the vmap, per rank, as the trainer takes it)."""
-    config = tj.TacoConfig.preset("taco+", min_bytes=0, kernels=kernels)
+    config = tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode=kernels)
     ops = dict(_collectives(config))
-    ops["all_reduce_two_shot"] = (lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
-                                  ops["all_reduce"][1])
+    ops["all_reduce_two_shot"] = (
+        lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
+        ops["all_reduce"][1],
+    )
     with_grad = {name: (op, plain, jax.grad(lambda v, op=op: jnp.sum(op(v) ** 2))) for name, (op, plain) in ops.items()}
     return {name: tuple(jax.jit(jax.vmap(f, axis_name="tensor")) for f in fns) for name, fns in with_grad.items()}
 
@@ -294,17 +324,28 @@ def test_vmapped_collectives_on_the_gpu_match_the_jnp_path(op):
 def test_simulated_mesh_trains_with_compression_on_the_gpu(tmp_path):
     """`TrainConfig(simulate_mesh=True, taco="taco+")` (benchmarks.quality --simulate)
     trains on one GPU, within codec error of the uncompressed run."""
-    from taco_jax.training import trainer
-    from taco_jax.training.config import TrainConfig
-
+    from taco_jax.train import trainer
+    from taco_jax.train.config import TrainConfig
     from tests.test_train import SMALL
 
     losses = {}
     for taco in ("off", "taco+"):
-        cfg = TrainConfig(**{**SMALL, "out": str(tmp_path / taco), "mesh": (2, 1, 2), "taco": taco, "steps": 4,
-                             "simulate_mesh": True, "taco_min_bytes": 0, "calibration_steps": 1})
+        cfg = TrainConfig(
+            **{
+                **SMALL,
+                "out": str(tmp_path / taco),
+                "mesh": (2, 1, 2),
+                "taco": taco,
+                "steps": 4,
+                "simulate_mesh": True,
+                "taco_min_bytes": 0,
+                "calibration_steps": 1,
+            }
+        )
         trainer.train(cfg, progress=False)
-        losses[taco] = [json.loads(line)["loss"] for line in (tmp_path / taco / "metrics.jsonl").read_text().splitlines()]
+        losses[taco] = [
+            json.loads(line)["loss"] for line in (tmp_path / taco / "metrics.jsonl").read_text().splitlines()
+        ]
     assert len(losses["taco+"]) == 4 and np.isfinite(losses["taco+"]).all()
     np.testing.assert_allclose(losses["taco+"], losses["off"], rtol=0.02)
     assert losses["taco+"] != losses["off"]

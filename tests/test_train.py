@@ -17,13 +17,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from taco_jax import models
 import taco_jax as tj
+from taco_jax import models
 from taco_jax.hlo import dtype_bytes
-from taco_jax.training import trainer
-from taco_jax.training.checkpoint import Checkpointer
-from taco_jax.training.config import TrainConfig, apply_overrides, parse_key_values
-from taco_jax.training.data import batch, load
+from taco_jax.train import trainer
+from taco_jax.train.checkpoint import Checkpointer
+from taco_jax.train.config import TrainConfig, apply_overrides, parse_key_values
+from taco_jax.train.data import batch, load
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(model="gpt2-tiny", taco="off", steps=3, batch_size=8, seq_len=32, eval_every=1000, warmup_steps=1)
@@ -38,10 +38,21 @@ def _losses(run_dir):
 
 
 def _cli(args, devices, env_extra=None, **kwargs):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-           **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "taco_jax.train", "--no-progress", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, **kwargs)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+        **(env_extra or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "taco_jax.train", "--no-progress", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def _cli_args(cfg_overrides):
@@ -53,8 +64,13 @@ def test_meshes_match_the_single_device_run(tmp_path):
     assert single.returncode == 0, single.stderr[-2000:]
     reference = _losses(tmp_path / "single")
     for mesh in [(2, 2, 2), (1, 2, 4), (8, 1, 1)]:
-        cfg = _cfg(tmp_path, "x".join(map(str, mesh)), mesh=mesh, microbatches=2 if mesh[0] < 8 else 1,
-                   batch_size=8 if mesh[0] < 8 else 16)
+        cfg = _cfg(
+            tmp_path,
+            "x".join(map(str, mesh)),
+            mesh=mesh,
+            microbatches=2 if mesh[0] < 8 else 1,
+            batch_size=8 if mesh[0] < 8 else 16,
+        )
         if mesh[0] == 8:  # a dp8 step over 16 sequences is two single-device steps' worth: compare loss per sequence
             cfg = _cfg(tmp_path, "dp8", mesh=mesh, batch_size=8)
         trainer.train(cfg, progress=False)
@@ -68,11 +84,17 @@ def test_pipeline_gradients_equal_the_sequential_model(mesh):
     params = models.init_params(config, jax.random.key(1))
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (8, 33)), jnp.int32)
     pipe_mesh = tj.make_mesh(*mesh)
-    loss, grads, _ = jax.jit(trainer.make_grads_fn(cfg, config, pipe_mesh))(models.shard_params(params, config, pipe_mesh), tokens, {})
-    ref_loss, ref_grads = models.loss_and_grads(config, params, tokens, mesh=tj.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    loss, grads, _ = jax.jit(trainer.make_grads_fn(cfg, config, pipe_mesh))(
+        models.shard_params(params, config, pipe_mesh), tokens, {}
+    )
+    ref_loss, ref_grads = models.loss_and_grads(
+        config, params, tokens, mesh=tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    )
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_resume_continues_bit_exactly(tmp_path):
@@ -91,8 +113,11 @@ def test_resume_continues_bit_exactly(tmp_path):
     restored = trainer.Checkpointer(Path(first.out) / "checkpoints", 3)
     assert restored.meta(6)["calibration"] == decided
     restored.close()
-    again = trainer.train(_cfg(tmp_path, "resumed", steps=7, **{**calibrated, "calibration_steps": 1}, recalibrate=True),
-                          resume=True, progress=False)
+    again = trainer.train(
+        _cfg(tmp_path, "resumed", steps=7, **{**calibrated, "calibration_steps": 1}, recalibrate=True),
+        resume=True,
+        progress=False,
+    )
     assert again["calibrated_sites"] == 6 and (Path(first.out) / "calibration.json").exists()
     with pytest.raises(ValueError, match="already holds checkpoints"):
         trainer.train(first, progress=False)
@@ -101,9 +126,25 @@ def test_resume_continues_bit_exactly(tmp_path):
 def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
     out = tmp_path / "signal"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-m", "taco_jax.train", "--no-progress", "--out", str(out), "--steps", "500",
-                             *_cli_args({k: v for k, v in SMALL.items() if k != "steps"}), "checkpoint_every=1000"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "taco_jax.train",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--steps",
+            "500",
+            *_cli_args({k: v for k, v in SMALL.items() if k != "steps"}),
+            "checkpoint_every=1000",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.time() + 120
@@ -115,10 +156,12 @@ def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-2000:]
-    summary = json.loads(stdout[stdout.index("{"):])
+    summary = json.loads(stdout[stdout.index("{") :])
     assert summary["stopped_by"] == "SIGTERM" and 3 <= summary["steps"] < 500
     steps_done = summary["steps"]
-    resumed = trainer.train(_cfg(tmp_path, "signal", steps=steps_done + 2, checkpoint_every=1000), resume=True, progress=False)
+    resumed = trainer.train(
+        _cfg(tmp_path, "signal", steps=steps_done + 2, checkpoint_every=1000), resume=True, progress=False
+    )
     assert resumed["steps"] == steps_done + 2 and len(_losses(out)) == steps_done + 2
 
 
@@ -130,12 +173,15 @@ def test_nan_steps_are_skipped_then_stop(tmp_path):
     assert summary["skipped_steps"] == 2
     # A skipped step leaves parameters and optimizer state exactly as they were.
     checkpoints = Checkpointer(Path(cfg.out) / "checkpoints", keep=5)
-    states = [checkpoints.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-              for step in (1, 2, 3, 4)]
+    states = [
+        checkpoints.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+        for step in (1, 2, 3, 4)
+    ]
     for skipped in states[1:3]:
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), states[0], skipped)
-    assert not np.array_equal(np.asarray(states[3]["params"]["final"]["norm_scale"]),
-                              np.asarray(states[0]["params"]["final"]["norm_scale"]))
+    assert not np.array_equal(
+        np.asarray(states[3]["params"]["final"]["norm_scale"]), np.asarray(states[0]["params"]["final"]["norm_scale"])
+    )
     checkpoints.close()
     with pytest.raises(trainer.TrainingError, match="3 consecutive non-finite steps"):
         trainer.train(_cfg(tmp_path, "nan_stop", steps=6, debug_nan_steps=(1, 2, 3), max_bad_steps=3), progress=False)
@@ -218,10 +264,29 @@ def _free_port():
 def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    args = ["--no-progress", "--mesh", "2,1,4", "--out", str(tmp_path / "mp"), "--coordinator", f"127.0.0.1:{port}",
-            "--num-processes", "2", *_cli_args({**SMALL, "taco": "taco", "calibration_steps": 2})]
-    procs = [subprocess.Popen([sys.executable, "-m", "taco_jax.train", *args, "--process-id", str(i)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    args = [
+        "--no-progress",
+        "--mesh",
+        "2,1,4",
+        "--out",
+        str(tmp_path / "mp"),
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        *_cli_args({**SMALL, "taco": "taco", "calibration_steps": 2}),
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "taco_jax.train", *args, "--process-id", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -231,13 +296,13 @@ def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)  # a hung worker ignores SIGTERM
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    summary = json.loads(outputs[0][0][outputs[0][0].index("{"):])
+    summary = json.loads(outputs[0][0][outputs[0][0].index("{") :])
     assert summary["steps"] == 3 and np.isfinite(summary["final_loss"])
     assert len(_losses(tmp_path / "mp")) == 3 and summary["calibrated_sites"] == 6
 
 
 def test_default_yaml_matches_the_dataclass_defaults():
-    from taco_jax.training.config import load_yaml
+    from taco_jax.train.config import load_yaml
 
     assert apply_overrides(TrainConfig(), load_yaml("default")) == TrainConfig()
 
@@ -256,8 +321,12 @@ def test_simulated_shard_map_splits_and_merges_by_spec():
     from jax.sharding import PartitionSpec as P
 
     x = np.arange(24.0).reshape(4, 6)
-    fn = tj.simulated_shard_map(lambda a: (jax.lax.psum(a, "tensor"), a * jax.lax.axis_index("tensor")),
-                                {"data": 2, "tensor": 3}, (P("data", "tensor"),), (P("data"), P("data", "tensor")))
+    fn = tj.simulated_shard_map(
+        lambda a: (jax.lax.psum(a, "tensor"), a * jax.lax.axis_index("tensor")),
+        {"data": 2, "tensor": 3},
+        (P("data", "tensor"),),
+        (P("data"), P("data", "tensor")),
+    )
     total, scaled = fn(jnp.asarray(x))
     np.testing.assert_array_equal(total, x.reshape(4, 3, 2).sum(1))
     np.testing.assert_array_equal(scaled, x * np.repeat(np.arange(3), 2))
@@ -280,7 +349,9 @@ def test_standalone_calibration_feeds_other_runs(tmp_path):
     with pytest.raises(ValueError, match="needs a taco preset"):
         trainer.calibrate_only(_cfg(tmp_path, "fp8", taco="fp8"))
     with pytest.raises(ValueError, match="cannot be read"):
-        trainer.train(_cfg(tmp_path, "missing", taco="taco", calibration_file=str(tmp_path / "nope.json")), progress=False)
+        trainer.train(
+            _cfg(tmp_path, "missing", taco="taco", calibration_file=str(tmp_path / "nope.json")), progress=False
+        )
 
 
 ALL_AXES_COMPRESSED = dict(taco="taco+", taco_pipe="taco+", taco_data="taco+", calibration_steps=0)
@@ -309,8 +380,9 @@ def test_pipe_and_data_compression_with_error_feedback_resumes_bit_exactly(tmp_p
 
     first = _cfg(tmp_path, "resumed", **{**base, "steps": 2, "decay_steps": 4}, **ALL_AXES_COMPRESSED)
     trainer.train(first, progress=False)
-    trainer.train(_cfg(tmp_path, "resumed", **{**base, "decay_steps": 4}, **ALL_AXES_COMPRESSED), resume=True,
-                  progress=False)
+    trainer.train(
+        _cfg(tmp_path, "resumed", **{**base, "decay_steps": 4}, **ALL_AXES_COMPRESSED), resume=True, progress=False
+    )
     assert _losses(first.out) == _losses(straight.out)
     saved = []
     for run in (straight, first):
@@ -411,17 +483,20 @@ def test_resume_without_readable_metadata_is_a_clear_error(tmp_path):
         trainer.train(dataclasses.replace(run, steps=2), resume=True, progress=False)
 
 
-@pytest.mark.parametrize("args, key", [
-    (["--mesh", "0,1,4"], "mesh must be three positive degrees"),
-    (["--mesh", "2,4"], "mesh must be three positive degrees DATA,PIPE,TENSOR, got (2, 4)"),
-    (["microbatches=0"], "microbatches must be >= 1"),
-    (["grad_accum=0"], "grad_accum must be >= 1"),
-    (["batch_size=0"], "batch_size must be >= 1"),
-    (["max_bad_steps=0"], "max_bad_steps must be >= 1"),
-    (["eval_batches=0"], "eval_batches must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--mesh", "0,1,4"], "mesh must be three positive degrees"),
+        (["--mesh", "2,4"], "mesh must be three positive degrees DATA,PIPE,TENSOR, got (2, 4)"),
+        (["microbatches=0"], "microbatches must be >= 1"),
+        (["grad_accum=0"], "grad_accum must be >= 1"),
+        (["batch_size=0"], "batch_size must be >= 1"),
+        (["max_bad_steps=0"], "max_bad_steps must be >= 1"),
+        (["eval_batches=0"], "eval_batches must be >= 1"),
+    ],
+)
 def test_bad_cli_values_are_one_error_line(args, key, capsys):
-    from taco_jax.training import cli
+    from taco_jax.train import cli
 
     assert cli.main(["--no-progress", *args]) == 2
     err = capsys.readouterr().err
@@ -457,14 +532,27 @@ def test_an_installed_package_finds_its_presets(tmp_path):
 
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation, "--target", str(target),
-                    str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation, "--target", str(target), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     env = {**os.environ, "PYTHONPATH": str(target), "JAX_PLATFORMS": "cpu"}
-    code = ("import taco_jax.training.config as c; print(c.__file__); print(c.preset_names()); "
-            "print(c.load_yaml('gpt2-small')['model'])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         check=True).stdout.split("\n")
+    code = (
+        "import taco_jax.train.config as c; print(c.__file__); print(c.preset_names()); "
+        "print(c.load_yaml('gpt2-small')['model'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     assert out[0].startswith(str(target)) and "gpt2-small" in out[1] and out[2] == "gpt2-small"
-    helped = subprocess.run([sys.executable, "-m", "taco_jax.train", "--help"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+    helped = subprocess.run(
+        [sys.executable, "-m", "taco_jax.train", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert helped.returncode == 0 and "--resume" in helped.stdout

@@ -37,8 +37,10 @@ def test_message_round_trips_payload_and_scales(fmt, scale_format, groups):
     exact = groups * (128 * formats.wire_format(fmt).bits // 8 + formats.SCALE_FORMATS[scale_format])
     assert exact <= layout.nbytes < exact + layout.row_bytes  # the scale rows pad under one row
     np.testing.assert_array_equal(np.asarray(wire.payload_of(message, layout)), np.asarray(payload))
-    np.testing.assert_array_equal(np.asarray(wire.scales_of(message, layout)).view(np.uint8),
-                                  np.asarray(scales.reshape(wire.scales_of(message, layout).shape)).view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(wire.scales_of(message, layout)).view(np.uint8),
+        np.asarray(scales.reshape(wire.scales_of(message, layout).shape)).view(np.uint8),
+    )
     multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(2, groups)
     np.testing.assert_array_equal(np.asarray(wire.multiplier(message, layout)), np.asarray(multiplier))
 
@@ -55,7 +57,9 @@ def _compress_message_case(fmt, scale_format, groups, interpret):
     layout = wire.MessageLayout(groups, 128, fmt, scale_format)
     message = kc.compress_message(x, fmt=fmt, scale_format=scale_format, transform=True, interpret=interpret)
     for b in range(2):  # the same kernel with typed outputs, packed: byte for byte
-        payload, scales = kc.compress(x[b], fmt=fmt, scale_format=scale_format, transform=True, interpret=interpret)
+        payload, scales = kc.compress_groups(
+            x[b], fmt=fmt, scale_format=scale_format, transform=True, interpret=interpret
+        )
         np.testing.assert_array_equal(np.asarray(message[b]), np.asarray(wire.pack(payload, scales, layout)))
     return message, layout
 
@@ -64,19 +68,24 @@ def _decompress_message_case(fmt, scale_format, groups, interpret):
     message, layout = _compress_message_case(fmt, scale_format, groups, interpret)
     payload, multiplier = wire.payload_of(message, layout), wire.multiplier(message, layout)
     # B = 2 batches of one message each (the receive side of an all-gather).
-    decoded = kd.decompress_message(message[:, None], layout, transform=True, out_dtype=jnp.bfloat16,
-                                    interpret=interpret)
+    decoded = kd.decompress_message(
+        message[:, None], layout, transform=True, out_dtype=jnp.bfloat16, interpret=interpret
+    )
     for b in range(2):
-        want = kd.decompress(payload[b:b + 1], multiplier[b:b + 1], transform=True, out_dtype=jnp.bfloat16,
-                             interpret=interpret)
+        want = kd.decompress_groups(
+            payload[b : b + 1], multiplier[b : b + 1], transform=True, out_dtype=jnp.bfloat16, interpret=interpret
+        )
         np.testing.assert_array_equal(np.asarray(decoded[b], np.float32), np.asarray(want, np.float32))
     # One batch of k = 2 messages summed (reduce-scatter, one-shot all-reduce) and requantized (two-shot).
     summed = kd.decompress_message(message[None], layout, transform=True, interpret=interpret)
-    np.testing.assert_array_equal(np.asarray(summed[0]),
-                                  np.asarray(kd.decompress(payload, multiplier, transform=True, interpret=interpret)))
+    np.testing.assert_array_equal(
+        np.asarray(summed[0]),
+        np.asarray(kd.decompress_groups(payload, multiplier, transform=True, interpret=interpret)),
+    )
     requantized = kd.decompress_message(message[None], layout, transform=True, requantize=True, interpret=interpret)
-    codes, scales = kd.decompress(payload, multiplier, transform=True, requantize=(fmt, scale_format),
-                                  interpret=interpret)
+    codes, scales = kd.decompress_groups(
+        payload, multiplier, transform=True, requantize_to=(fmt, scale_format), interpret=interpret
+    )
     np.testing.assert_array_equal(np.asarray(requantized), np.asarray(wire.pack(codes, scales, layout)))
 
 
@@ -108,12 +117,16 @@ def test_gpu_collectives_move_only_messages_and_match_lax():
     mesh = tj.make_mesh(1, 1, ranks)
     x = jax.device_put(_rows(1, ranks * 512, seed=3).reshape(ranks * 64, 1024), NamedSharding(mesh, P("tensor")))
     config = tj.TacoConfig.preset("taco+", min_bytes=0)
-    cases = [(lambda v: tj.all_gather(v, "tensor", config), lambda v: lax.all_gather(v, "tensor", tiled=True)),
-             (lambda v: tj.reduce_scatter(v, "tensor", config), lambda v: lax.psum_scatter(v, "tensor", tiled=True)),
-             (lambda v: tj.all_reduce(v, "tensor", config), lambda v: lax.psum(v, "tensor"))]
+    cases = [
+        (lambda v: tj.all_gather(v, "tensor", config), lambda v: lax.all_gather(v, "tensor", tiled=True)),
+        (lambda v: tj.reduce_scatter(v, "tensor", config), lambda v: lax.psum_scatter(v, "tensor", tiled=True)),
+        (lambda v: tj.all_reduce(v, "tensor", config), lambda v: lax.psum(v, "tensor")),
+    ]
     for ours, theirs in cases:
-        compiled = [jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
-                    for f in (ours, theirs)]
+        compiled = [
+            jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
+            for f in (ours, theirs)
+        ]
         hlo = compiled[0].lower(x).compile().as_text()
         assert {c.dtype for c in tj.collectives_in_hlo(hlo)} == {"u8"}
         got, want = (np.asarray(fn(x), np.float64) for fn in compiled)

@@ -28,7 +28,9 @@ class Checkpointer:
         return sorted(self.manager.all_steps(), reverse=True)
 
     def save(self, step: int, state: dict, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self.manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        )
         self.manager.wait_until_finished()
 
     def restore(self, step: int, target: dict) -> tuple[dict, dict]:
@@ -57,8 +59,10 @@ class Checkpointer:
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as error:  # orbax raises many types; all mean "no usable metadata"
-            raise ValueError(f"checkpoint at step {step} in {self.directory} has no readable metadata: "
-                             f"{type(error).__name__}: {error}") from error
+            raise ValueError(
+                f"checkpoint at step {step} in {self.directory} has no readable metadata: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         if not isinstance(meta, dict) or "step" not in meta:
             raise ValueError(f"checkpoint at step {step} in {self.directory} has malformed metadata: {meta!r:.200}")
         return meta

@@ -33,7 +33,7 @@ Multi-host: start one process per host with the same flags plus --coordinator HO
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from taco_jax.training.config import RESUMABLE_KEYS
+    from .config import RESUMABLE_KEYS
 
     parser = argparse.ArgumentParser(
         prog="python -m taco_jax.train",
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG.format(resumable=" ".join(RESUMABLE_KEYS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default="default", help="YAML file, or a preset name under configs/ (default: default)")
+    parser.add_argument(
+        "--config", default="default", help="YAML file, or a preset name under configs/ (default: default)"
+    )
     parser.add_argument("--model", help="model preset, e.g. gpt2-tiny, gpt2-small, qwen2-0.5b")
     parser.add_argument("--mesh", help="DATA,PIPE,TENSOR degrees; their product must equal the device count")
     parser.add_argument("--taco", help="compression preset: off | fp8 | taco | taco+")
@@ -51,11 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="seed of the parameter init and the data order")
     parser.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, summary.json, loss.png")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    parser.add_argument("--recalibrate", action="store_true",
-                        help="observe the compressed tensors again for calibration_steps and recalibrate")
-    parser.add_argument("--calibrate-only", action="store_true",
-                        help="observe calibration_steps batches without training (from the checkpoint with --resume), "
-                        "write OUT/calibration.json for calibration_file=")
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="observe the compressed tensors again for calibration_steps and recalibrate",
+    )
+    parser.add_argument(
+        "--calibrate-only",
+        action="store_true",
+        help="observe calibration_steps batches without training (from the checkpoint with --resume), "
+        "write OUT/calibration.json for calibration_file=",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--coordinator", help="multi-host: coordinator address HOST:PORT (jax.distributed)")
     parser.add_argument("--num-processes", type=int, help="multi-host: number of processes")
@@ -73,12 +81,14 @@ def _simulated_cpu_devices(mesh: tuple[int, ...]) -> None:
     devices = 1
     for degree in mesh:
         devices *= int(degree)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    )
 
 
 def _config(args: argparse.Namespace):
     """The TrainConfig of the command line: YAML file, then flags, then key=value."""
-    from taco_jax.training import config as config_lib
+    from . import config as config_lib
 
     values = config_lib.load_yaml(args.config)
     for flag in ("model", "mesh", "taco", "steps", "seed", "out"):
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
         _simulated_cpu_devices(cfg.mesh)
-    from taco_jax.training.trainer import TrainingError, calibrate_only, strict_json, train
+    from .trainer import TrainingError, calibrate_only, strict_json, train
 
     try:
         if args.calibrate_only:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from importlib import resources
+from importlib.abc import Traversable
 from pathlib import Path
 
 import yaml
@@ -19,11 +20,33 @@ CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
 # often, not what is trained. Turning the data-parallel compression on or off is also
 # allowed (its residuals start at zero, or are dropped), as is recalibrating;
 # decay_steps only where it names the schedule's own horizon (the trainer checks it).
-RESUMABLE_KEYS = ("steps", "decay_steps", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-                  "max_bad_steps", "debug_nan_steps", "recalibrate", "calibration_steps", "taco_data",
-                  "taco_data_backward", "out")
-POSITIVE_KEYS = ("steps", "batch_size", "seq_len", "microbatches", "grad_accum", "eval_every", "eval_batches",
-                 "checkpoint_every", "keep_checkpoints", "max_bad_steps")
+RESUMABLE_KEYS = (
+    "steps",
+    "decay_steps",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_bad_steps",
+    "debug_nan_steps",
+    "recalibrate",
+    "calibration_steps",
+    "taco_data",
+    "taco_data_backward",
+    "out",
+)
+POSITIVE_KEYS = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "microbatches",
+    "grad_accum",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "max_bad_steps",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,24 +172,30 @@ class TrainConfig:
 
     def _problems(self) -> list[str]:
         """What is wrong with this config, one phrase per key."""
-        problems = [f"{name} must be >= 1, got {getattr(self, name)}" for name in POSITIVE_KEYS
-                    if getattr(self, name) < 1]
-        problems += [f"{name} must be >= 0, got {getattr(self, name)}"
-                     for name in ("calibration_steps", "warmup_steps", "decay_steps") if getattr(self, name) < 0]
+        problems = [
+            f"{name} must be >= 1, got {getattr(self, name)}" for name in POSITIVE_KEYS if getattr(self, name) < 1
+        ]
+        problems += [
+            f"{name} must be >= 0, got {getattr(self, name)}"
+            for name in ("calibration_steps", "warmup_steps", "decay_steps")
+            if getattr(self, name) < 0
+        ]
         if len(self.mesh) != 3 or any(int(d) < 1 for d in self.mesh):
             problems.append(f"mesh must be three positive degrees DATA,PIPE,TENSOR, got {tuple(self.mesh)}")
         elif not problems:
             per_step = self.mesh[0] * self.grad_accum * self.microbatches
             if self.batch_size % per_step:
                 problems.append(
-                    f"batch_size {self.batch_size} is not divisible by data x grad_accum x microbatches = {per_step}")
+                    f"batch_size {self.batch_size} is not divisible by data x grad_accum x microbatches = {per_step}"
+                )
         if self.compute_dtype not in ("float32", "bfloat16"):
             problems.append(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
         if self.remat not in REMAT_POLICIES:
             problems.append(f"remat must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
         if self.calibration_strategy not in CALIBRATION_STRATEGIES:
-            problems.append(f"calibration_strategy must be one of {list(CALIBRATION_STRATEGIES)}, "
-                            f"got {self.calibration_strategy!r}")
+            problems.append(
+                f"calibration_strategy must be one of {list(CALIBRATION_STRATEGIES)}, got {self.calibration_strategy!r}"
+            )
         if self.taco_policy not in ("auto", "always") and not self.taco_policy.endswith(".json"):
             problems.append(f"taco_policy must be auto, always or a link_profile.json, got {self.taco_policy!r}")
         for name in ("taco", "taco_pipe", "taco_data"):
@@ -234,9 +263,8 @@ def load_yaml(path: str | Path) -> dict:
     Raises:
       ValueError: no such file or preset, or a file that is not a mapping.
     """
-    source = Path(path)
-    if not source.exists() and not source.suffix:
-        source = PRESET_FILES / f"{path}.yaml"
+    file = Path(path)
+    source: Path | Traversable = file if file.exists() or file.suffix else PRESET_FILES / f"{path}.yaml"
     if not source.is_file():
         raise ValueError(f"config file {path} does not exist (presets: {preset_names()})")
     values = yaml.safe_load(source.read_text()) or {}
@@ -265,5 +293,8 @@ def changed_keys(saved: dict, config: TrainConfig) -> list[str]:
     """The keys of a saved config (`to_dict`) that `config` sets otherwise and a resume
     may not change (`RESUMABLE_KEYS` may), as "key: saved -> now" phrases."""
     now = to_dict(config)
-    return [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(saved)
-            if key in now and key not in RESUMABLE_KEYS and saved[key] != now[key]]
+    return [
+        f"{key}: {saved[key]!r} -> {now[key]!r}"
+        for key in sorted(saved)
+        if key in now and key not in RESUMABLE_KEYS and saved[key] != now[key]
+    ]

@@ -81,7 +81,9 @@ def load(source: str, *, val_fraction: float, tokenizer: str = "", dtype: str = 
             from tokenizers import Tokenizer
         except ImportError:
             raise ValueError("tokenizing a text file needs the 'tokenizers' package") from None
-        tokens = np.asarray(Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json")).encode(path.read_text()).ids, np.uint32)
+        tokens = np.asarray(
+            Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json")).encode(path.read_text()).ids, np.uint32
+        )
     else:
         raise ValueError(f"{path}: expected .npy or .bin tokens, or a text file with tokenizer=FOLDER")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):

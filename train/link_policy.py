@@ -16,15 +16,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import jax
 
 import taco_jax as tj
 from taco_jax.policy import LinkProfile
 from taco_jax.probe import Message, probe_link
-from taco_jax.training.config import TrainConfig
+
+from .config import TrainConfig
 
 PROFILE_FILE = "link_profile.json"
 # Profiles measured by this process, by the path they are (or, off process 0, would be)
@@ -68,8 +69,14 @@ def _why_not_probe(cfg: TrainConfig, mode: str) -> str | None:
     return None
 
 
-def choose(cfg: TrainConfig, mode: str, mesh, messages: Callable[[], Iterable[Message]], out: Path | None,
-           log: Callable[[str], None] = print) -> TrainConfig:
+def choose(
+    cfg: TrainConfig,
+    mode: str,
+    mesh,
+    messages: Callable[[], Iterable[Message]],
+    out: Path | None,
+    log: Callable[[str], None] = print,
+) -> TrainConfig:
     """Resolve taco_policy="auto" into "always" or a measured profile file.
 
     Args:
@@ -93,8 +100,10 @@ def choose(cfg: TrainConfig, mode: str, mesh, messages: Callable[[], Iterable[Me
     profile = probe_link(mesh, messages(), config, log=log)
     decisions = profile.decisions()
     for row in decisions:
-        log(f"taco_policy=auto: {row['op']} {row['mib_per_rank']:.1f} MiB/rank: plain {row['plain_ms']:.3f} ms, "
-            f"compressed {row['best_compressed_ms']:.3f} ms -> {row['route']}")
+        log(
+            f"taco_policy=auto: {row['op']} {row['mib_per_rank']:.1f} MiB/rank: plain {row['plain_ms']:.3f} ms, "
+            f"compressed {row['best_compressed_ms']:.3f} ms -> {row['route']}"
+        )
     path = str(Path(cfg.out) / PROFILE_FILE)
     _measured[path] = profile
     if out is not None:

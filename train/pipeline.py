@@ -38,8 +38,14 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, microbatches: int,
-                  pipe: tj.TacoConfig = tj.TacoConfig.preset("off")):
+def pipeline_loss(
+    config: ModelConfig,
+    params: dict,
+    tokens,
+    par: Parallelism,
+    microbatches: int,
+    pipe: tj.TacoConfig = tj.TacoConfig.preset("off"),
+):
     """Mean next-token loss of this rank's batch through the pipeline.
 
     Args:
@@ -70,6 +76,7 @@ def pipeline_loss(config: ModelConfig, params: dict, tokens, par: Parallelism, m
             loss = loss_from_hidden(config, params, final_norm(config, params, y), targets[out], par)
             total = total + jnp.where(stage == stages - 1, loss, 0.0)
         if stages > 1 and tick < ticks - 1:
-            carry = tj.ppermute(y, PIPE, pipe, perm=[(i, (i + 1) % stages) for i in range(stages)],
-                                site="pipe.activations")
+            carry = tj.ppermute(
+                y, PIPE, pipe, perm=[(i, (i + 1) % stages) for i in range(stages)], site="pipe.activations"
+            )
     return total / microbatches

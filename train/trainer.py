@@ -19,17 +19,18 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import models
 import taco_jax as tj
+from taco_jax import models
+from taco_jax.calibration import Calibration
 from taco_jax.models.api import sequence_parallel_grads
 from taco_jax.models.transformer import Parallelism
-from taco_jax.calibration import Calibration
 from taco_jax.probe import Message
-from taco_jax.training import data as data_lib
-from taco_jax.training import link_policy
-from taco_jax.training.checkpoint import Checkpointer
-from taco_jax.training.config import RESUMABLE_KEYS, TrainConfig, changed_keys, to_dict
-from taco_jax.training.pipeline import PIPE, bubble_fraction, pipeline_loss
+
+from . import data as data_lib
+from . import link_policy
+from .checkpoint import Checkpointer
+from .config import RESUMABLE_KEYS, TrainConfig, changed_keys, to_dict
+from .pipeline import PIPE, bubble_fraction, pipeline_loss
 
 
 class TrainingError(RuntimeError):
@@ -53,7 +54,8 @@ def _decay_mask(config: models.ModelConfig) -> dict:
     """Weight decay on matrices only, not on norm scales or biases (the stacked "layers"
     axis does not count as a dimension)."""
     return jax.tree.map(
-        lambda leaf: sum(axis != "layers" for axis in leaf[1]) >= 2, models.layout(config),
+        lambda leaf: sum(axis != "layers" for axis in leaf[1]) >= 2,
+        models.layout(config),
         is_leaf=models.params.is_layout_leaf,
     )
 
@@ -62,7 +64,11 @@ def make_optimizer(cfg: TrainConfig, config: models.ModelConfig) -> tuple[optax.
     """AdamW (decay on matrices only) with warmup + cosine, after global-norm clipping."""
     decay_steps = cfg.decay_steps or cfg.steps
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, min(cfg.warmup_steps, decay_steps), max(decay_steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
+        0.0,
+        cfg.lr,
+        min(cfg.warmup_steps, decay_steps),
+        max(decay_steps, cfg.warmup_steps + 1),
+        cfg.lr * cfg.min_lr_ratio,
     )
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
@@ -78,8 +84,12 @@ def optimizer_shardings(tx: optax.GradientTransformation, params: dict, mesh) ->
     full float32 parameters and moments over "tensor"."""
     replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(
-        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params), jax.tree.map(lambda p: p.sharding, params),
-        transform_non_params=lambda _: replicated)
+        tx,
+        lambda _, sharding: sharding,
+        jax.eval_shape(tx.init, params),
+        jax.tree.map(lambda p: p.sharding, params),
+        transform_non_params=lambda _: replicated,
+    )
 
 
 def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTransformation) -> tuple[dict, dict]:
@@ -115,7 +125,9 @@ def uses_error_feedback(cfg: TrainConfig) -> bool:
 
 def _residual_specs(config: models.ModelConfig) -> dict:
     """(data, *parameter shape) split over "data" and then like the parameter."""
-    return jax.tree.map(lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P))
+    return jax.tree.map(
+        lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P)
+    )
 
 
 def feedback_specs(cfg: TrainConfig, config: models.ModelConfig) -> dict:
@@ -128,7 +140,10 @@ def _feedback_layout(cfg: TrainConfig, config: models.ModelConfig, params: dict,
     """Shapes and shardings of residuals for `params` (what a checkpoint holds)."""
     return jax.tree.map(
         lambda p, spec: jax.ShapeDtypeStruct((cfg.mesh[0], *p.shape), jnp.float32, sharding=NamedSharding(mesh, spec)),
-        params, _residual_specs(config), is_leaf=lambda x: isinstance(x, jax.Array))
+        params,
+        _residual_specs(config),
+        is_leaf=lambda x: isinstance(x, jax.Array),
+    )
 
 
 def init_error_feedback(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
@@ -146,22 +161,32 @@ def tp_messages(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict
     with tj.record_wire() as ledger:
         feedback = _feedback_layout(cfg, config, params, mesh) if uses_error_feedback(cfg) else {}
         jax.jit(make_grads_fn(always, config, mesh)).lower(params, tokens, feedback)
-    return [Message(r.op.removesuffix("_one_shot").removesuffix("_two_shot"), r.shape, r.dtype)
-            for r in ledger.records if r.compressed and r.axis == "tensor"]
+    return [
+        Message(r.op.removesuffix("_one_shot").removesuffix("_two_shot"), r.shape, r.dtype)
+        for r in ledger.records
+        if r.compressed and r.axis == "tensor"
+    ]
 
 
-def resolve_taco_policy(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array,
-                        out: Path | None) -> TrainConfig:
+def resolve_taco_policy(
+    cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array, out: Path | None
+) -> TrainConfig:
     """`cfg` with taco_policy="auto" resolved (train/link_policy.py): probe the link on
     GPUs and write OUT/link_profile.json, or compress every message."""
-    return link_policy.choose(cfg, taco_config(dataclasses.replace(cfg, taco_policy="always")).mode, mesh,
-                              lambda: tp_messages(cfg, config, mesh, params, tokens), out,
-                              log=lambda line: print(line, file=sys.stderr))
+    return link_policy.choose(
+        cfg,
+        taco_config(dataclasses.replace(cfg, taco_policy="always")).mode,
+        mesh,
+        lambda: tp_messages(cfg, config, mesh, params, tokens),
+        out,
+        log=lambda line: print(line, file=sys.stderr),
+    )
 
 
 def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
-    return Parallelism(taco_config(cfg), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype), calibration=calibration,
-                       remat=cfg.remat)
+    return Parallelism(
+        taco_config(cfg), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype), calibration=calibration, remat=cfg.remat
+    )
 
 
 def _shard_map(cfg: TrainConfig, mesh, fn, in_specs, out_specs):
@@ -177,12 +202,17 @@ def device_mesh(cfg: TrainConfig):
 
 def _sum_over_stages(grad: jax.Array) -> jax.Array:
     """psum over "pipe" of a parameter every stage holds, recorded as pipe traffic."""
-    tj.collectives.record_plain_all_reduce(grad, PIPE, "pipe.shared_grads", "backward")
+    tj.collectives.record_plain_all_reduce(grad, PIPE, site="pipe.shared_grads", direction="backward")
     return lax.psum(grad, PIPE)
 
 
-def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibration: Calibration = Calibration(),
-                  collector: tj.calibration.Collector | None = None):
+def make_grads_fn(
+    cfg: TrainConfig,
+    config: models.ModelConfig,
+    mesh,
+    calibration: Calibration = Calibration(),
+    collector: tj.calibration.Collector | None = None,
+):
     """shard_map'd (params, tokens, feedback) -> (loss, grads, feedback): the pipelined
     loss and its gradients, averaged over data (compressed with error feedback where
     taco_data says so: `feedback` holds the residuals, `init_error_feedback`) and
@@ -222,8 +252,15 @@ def make_grads_fn(cfg: TrainConfig, config: models.ModelConfig, mesh, calibratio
     return _shard_map(cfg, mesh, local_grads, (specs, P("data"), fb_specs), (P(), specs, fb_specs))
 
 
-def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, state_shardings,
-                        calibration: Calibration = Calibration(), collector: tj.calibration.Collector | None = None):
+def make_step_functions(
+    cfg: TrainConfig,
+    config: models.ModelConfig,
+    mesh,
+    tx,
+    state_shardings,
+    calibration: Calibration = Calibration(),
+    collector: tj.calibration.Collector | None = None,
+):
     """(train_step, eval_step), jitted. train_step(params, opt_state, feedback, tokens,
     poison) -> (params, opt_state, feedback, metrics); a non-finite loss or gradient
     leaves params, optimizer state and error-feedback residuals unchanged
@@ -242,8 +279,12 @@ def make_step_functions(cfg: TrainConfig, config: models.ModelConfig, mesh, tx, 
         updates, new_opt_state = tx.update(grads, opt_state, params)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-        return (keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state),
-                keep(new_feedback, feedback), {"loss": loss, "grad_norm": grad_norm, "ok": ok})
+        return (
+            keep(optax.apply_updates(params, updates), params),
+            keep(new_opt_state, opt_state),
+            keep(new_feedback, feedback),
+            {"loss": loss, "grad_norm": grad_norm, "ok": ok},
+        )
 
     def local_eval(params, tokens):
         loss = pipeline_loss(config, params, tokens, par, cfg.microbatches, pipe)
@@ -283,16 +324,21 @@ def wire_bytes_per_step(cfg: TrainConfig, config, train_step, state: tuple, toke
     with tj.record_wire() as ledger:
         train_step.lower(*state, tokens, jnp.bool_(False))
     layers_per_stage = config.n_layers // cfg.mesh[1]
-    factor = lambda r: ((layers_per_stage if r.site.startswith("layers.") else 1)
-                        * (1 if r.site in PER_STEP_SITES else cfg.grad_accum))
-    sums = lambda bf16: {axis: sum(factor(r) * (r.bf16_sent_bytes if bf16 else r.sent_bytes)
-                                   for r in ledger.records if r.axis == axis) for axis in ("tensor", "pipe", "data")}
+    factor = lambda r: (
+        (layers_per_stage if r.site.startswith("layers.") else 1) * (1 if r.site in PER_STEP_SITES else cfg.grad_accum)
+    )
+    sums = lambda bf16: {
+        axis: sum(factor(r) * (r.bf16_sent_bytes if bf16 else r.sent_bytes) for r in ledger.records if r.axis == axis)
+        for axis in ("tensor", "pipe", "data")
+    }
     return sums(False), sums(True)
 
 
 def _calibration_summary(calibration: Calibration) -> dict:
-    return {"calibrated_sites": len(calibration.plans),
-            "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans)}
+    return {
+        "calibrated_sites": len(calibration.plans),
+        "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),
+    }
 
 
 def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Path | None, bar=None) -> Calibration:
@@ -300,11 +346,14 @@ def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Pa
     report (every candidate's codec error) to `out`/calibration.json."""
     jax.effects_barrier()  # every host callback of the observed steps has run
     strategies = tj.calibration.STRATEGIES if cfg.calibration_strategy == "auto" else (cfg.calibration_strategy,)
-    calibration, report = tj.calibration.calibrate(collector, taco_config(cfg), strategies=strategies,
-                                                   min_gain=cfg.calibration_min_gain)
+    calibration, report = tj.calibration.calibrate(
+        collector, taco_config(cfg), strategies=strategies, min_gain=cfg.calibration_min_gain
+    )
     if out is not None:
         (out / "calibration.json").write_text(strict_json({"calibration": calibration.to_json(), "report": report}))
-    chosen = ", ".join(f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans)
+    chosen = ", ".join(
+        f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans
+    )
     message = f"calibrated {len(calibration.plans)} site directions ({chosen})"
     (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(message)
     return calibration
@@ -373,6 +422,7 @@ def _parsed_row(line: str) -> dict | None:
 
 def strict_json(value, **kwargs) -> str:
     """`json.dumps` with NaN and infinities written as null (strict JSON has neither)."""
+
     def finite(item):
         if isinstance(item, float) and not np.isfinite(item):
             return None
@@ -445,12 +495,16 @@ def resumed_config(cfg: TrainConfig, meta: dict, step: int) -> TrainConfig:
     if cfg.decay_steps and cfg.decay_steps != horizon:
         changed.append(f"decay_steps: the schedule decays over {horizon} steps -> {cfg.decay_steps}")
     if changed:
-        raise ValueError(f"--resume: the run was started with other settings ({'; '.join(changed)}); resume with "
-                         f"the run's own settings (its config.json) or start a new --out. Only "
-                         f"{', '.join(RESUMABLE_KEYS)} may change.")
+        raise ValueError(
+            f"--resume: the run was started with other settings ({'; '.join(changed)}); resume with "
+            f"the run's own settings (its config.json) or start a new --out. Only "
+            f"{', '.join(RESUMABLE_KEYS)} may change."
+        )
     if not cfg.decay_steps and cfg.steps != horizon:
-        print(f"the learning rate keeps the schedule the run started with (cosine decay over {horizon} steps)",
-              file=sys.stderr)
+        print(
+            f"the learning rate keeps the schedule the run started with (cosine decay over {horizon} steps)",
+            file=sys.stderr,
+        )
     return dataclasses.replace(cfg, decay_steps=horizon)
 
 
@@ -473,7 +527,9 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
     steps = checkpoints.steps()
     if not resume:
         if steps:
-            raise ValueError(f"{out} already holds checkpoints (latest step {steps[0]}): pass --resume or another --out")
+            raise ValueError(
+                f"{out} already holds checkpoints (latest step {steps[0]}): pass --resume or another --out"
+            )
         run = _fresh_run(cfg, mesh, config, corpus, out, checkpoints)
     elif not steps:
         raise ValueError(f"--resume: no checkpoint in {checkpoints.directory}")
@@ -487,8 +543,19 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
 def _fresh_run(cfg, mesh, config, corpus, out, checkpoints) -> _Run:
     tx, schedule = make_optimizer(cfg, config)
     params, opt_state = init_state(config, cfg.seed, mesh, tx)
-    return _Run(cfg, mesh, config, corpus, out, tx, schedule, checkpoints, params, opt_state,
-                init_error_feedback(cfg, config, params, mesh))
+    return _Run(
+        cfg,
+        mesh,
+        config,
+        corpus,
+        out,
+        tx,
+        schedule,
+        checkpoints,
+        params,
+        opt_state,
+        init_error_feedback(cfg, config, params, mesh),
+    )
 
 
 def _restored_run(cfg, mesh, config, corpus, out, checkpoints, steps: list[int]) -> _Run:
@@ -501,8 +568,10 @@ def _restored_run(cfg, mesh, config, corpus, out, checkpoints, steps: list[int])
             failures.append(str(error.__cause__))
             continue
         if failures:
-            print(f"resuming from step {step}: the newer checkpoint(s) cannot be restored ({'; '.join(failures)})",
-                  file=sys.stderr)
+            print(
+                f"resuming from step {step}: the newer checkpoint(s) cannot be restored ({'; '.join(failures)})",
+                file=sys.stderr,
+            )
         return run
     raise ValueError("; ".join(failures))
 
@@ -526,7 +595,11 @@ def _restore(cfg, mesh, config, corpus, out, checkpoints, step: int) -> _Run:
     except ValueError as error:
         raise _Unrestorable from error
     run.params, run.opt_state, run.step, run.bad_total = (
-        state["params"], state["opt_state"], meta["step"], meta["skipped_steps"])
+        state["params"],
+        state["opt_state"],
+        meta["step"],
+        meta["skipped_steps"],
+    )
     if run.feedback:  # a run that starts compressing its data-parallel reduction starts them at zero
         run.feedback = state.get("error_feedback", run.feedback)
     elif saved_feedback:
@@ -560,10 +633,13 @@ def batch_maker(cfg: TrainConfig, mesh):
     """(tokens, position, size) -> the global batch at data position `position`."""
     data_seed = cfg.seed if cfg.data_seed < 0 else cfg.data_seed
     return lambda tokens, position, size: _global_batch(
-        data_lib.batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh)
+        data_lib.batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len), mesh
+    )
 
 
-def observe_batches(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, batches) -> tj.calibration.Collector:
+def observe_batches(
+    cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, batches
+) -> tj.calibration.Collector:
     """What every compressed site sends, forward and backward, over `batches` (no update)."""
     collector = tj.calibration.Collector()
     grads_fn = jax.jit(make_grads_fn(cfg, config, mesh, collector=collector))
@@ -594,8 +670,12 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
     run.checkpoints.close()
     main_process = jax.process_index() == 0
     calibration = calibrate_run(cfg, collector, run.out if main_process else None)
-    return {"model": cfg.model, "step": run.step, **_calibration_summary(calibration),
-            "file": str(run.out / "calibration.json")}
+    return {
+        "model": cfg.model,
+        "step": run.step,
+        **_calibration_summary(calibration),
+        "file": str(run.out / "calibration.json"),
+    }
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
@@ -619,13 +699,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     run = start_run(cfg, resume)
     cfg = run.cfg
     mesh, config, corpus, out, tx, schedule, checkpoints = (
-        run.mesh, run.config, run.corpus, run.out, run.tx, run.schedule, run.checkpoints)
+        run.mesh,
+        run.config,
+        run.corpus,
+        run.out,
+        run.tx,
+        run.schedule,
+        run.checkpoints,
+    )
     params, opt_state, feedback, step, bad_total = run.params, run.opt_state, run.feedback, run.step, run.bad_total
     calibration, calibrated = run.calibration, run.calibrated
     main_process = jax.process_index() == 0
     batch_of = batch_maker(cfg, mesh)
-    cfg = resolve_taco_policy(cfg, config, mesh, params, batch_of(corpus.train, 0, cfg.batch_size),
-                              out if main_process else None)
+    cfg = resolve_taco_policy(
+        cfg, config, mesh, params, batch_of(corpus.train, 0, cfg.batch_size), out if main_process else None
+    )
     if main_process and not resume:
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, feedback))
@@ -633,21 +721,33 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     calibrate_at = step + cfg.calibration_steps if observe else None
     collector = tj.calibration.Collector() if observe else None
     train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
-    wire, wire_bf16 = wire_bytes_per_step(cfg, config, train_step, (params, opt_state, feedback),
-                                          batch_of(corpus.train, 0, cfg.batch_size))
+    wire, wire_bf16 = wire_bytes_per_step(
+        cfg, config, train_step, (params, opt_state, feedback), batch_of(corpus.train, 0, cfg.batch_size)
+    )
     log = MetricsLog(out / "metrics.jsonl", step, main_process)
     stop = _StopFlag()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def save(at_step):
-        meta = {"step": at_step, "data_position": at_step, "skipped_steps": bad_total, "model": cfg.model, "seed": cfg.seed,
-                "calibrated": calibrated, "calibration": calibration.to_json(), "error_feedback": bool(feedback),
-                "config": to_dict(given), "schedule_steps": cfg.decay_steps or cfg.steps}
+        meta = {
+            "step": at_step,
+            "data_position": at_step,
+            "skipped_steps": bad_total,
+            "model": cfg.model,
+            "seed": cfg.seed,
+            "calibrated": calibrated,
+            "calibration": calibration.to_json(),
+            "error_feedback": bool(feedback),
+            "config": to_dict(given),
+            "schedule_steps": cfg.decay_steps or cfg.steps,
+        }
         checkpoints.save(at_step, _checkpoint_state(params, opt_state, feedback), meta)
 
     def evaluate():
         # Fixed validation batches: positions no training step uses.
-        losses = [_scalar(eval_step(params, batch_of(corpus.val, 10**9 + i, cfg.batch_size))) for i in range(cfg.eval_batches)]
+        losses = [
+            _scalar(eval_step(params, batch_of(corpus.val, 10**9 + i, cfg.batch_size))) for i in range(cfg.eval_batches)
+        ]
         return float(np.mean(losses))
 
     bar = None
@@ -661,18 +761,31 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         while step < cfg.steps and stop.agree() is None:
             tick = time.perf_counter()
             params, opt_state, feedback, metrics = train_step(
-                params, opt_state, feedback, batch_of(corpus.train, step, cfg.batch_size),
-                jnp.bool_(step in cfg.debug_nan_steps))
+                params,
+                opt_state,
+                feedback,
+                batch_of(corpus.train, step, cfg.batch_size),
+                jnp.bool_(step in cfg.debug_nan_steps),
+            )
             jax.block_until_ready(metrics)  # also keeps CPU collective programs from overlapping
             elapsed = time.perf_counter() - tick
             ok = bool(np.asarray(metrics["ok"].addressable_shards[0].data))
             consecutive_bad = 0 if ok else consecutive_bad + 1
             bad_total += 0 if ok else 1
-            row = {"step": step + 1, "loss": _scalar(metrics["loss"]), "lr": float(schedule(step)),
-                   "grad_norm": _scalar(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / elapsed,
-                   "step_time_s": elapsed, "wire_bytes": wire["tensor"], "wire_bytes_bf16": wire_bf16["tensor"],
-                   "wire_bytes_by_axis": wire, "wire_bytes_bf16_by_axis": wire_bf16,
-                   "skipped_steps": bad_total, "finite": ok}
+            row = {
+                "step": step + 1,
+                "loss": _scalar(metrics["loss"]),
+                "lr": float(schedule(step)),
+                "grad_norm": _scalar(metrics["grad_norm"]),
+                "tokens_per_s": tokens_per_step / elapsed,
+                "step_time_s": elapsed,
+                "wire_bytes": wire["tensor"],
+                "wire_bytes_bf16": wire_bf16["tensor"],
+                "wire_bytes_by_axis": wire,
+                "wire_bytes_bf16_by_axis": wire_bf16,
+                "skipped_steps": bad_total,
+                "finite": ok,
+            }
             step += 1
             if step == calibrate_at:
                 calibration = calibrate_run(cfg, collector, out if main_process else None, bar)
@@ -698,14 +811,22 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     checkpoints.close()
     rows = log.rows() if main_process else []
     summary = {
-        "model": cfg.model, "mesh": list(cfg.mesh), "taco": cfg.taco, "taco_policy": cfg.taco_policy,
-        "steps": step, "stopped_by": stop.signal_name,
+        "model": cfg.model,
+        "mesh": list(cfg.mesh),
+        "taco": cfg.taco,
+        "taco_policy": cfg.taco_policy,
+        "steps": step,
+        "stopped_by": stop.signal_name,
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
-        "skipped_steps": bad_total, "seconds": round(time.time() - started, 1),
-        "taco_pipe": cfg.taco_pipe, "taco_data": cfg.taco_data,
-        "wire_bytes_per_step": wire["tensor"], "wire_bytes_per_step_bf16": wire_bf16["tensor"],
-        "wire_bytes_by_axis": wire, "wire_bytes_bf16_by_axis": wire_bf16,
+        "skipped_steps": bad_total,
+        "seconds": round(time.time() - started, 1),
+        "taco_pipe": cfg.taco_pipe,
+        "taco_data": cfg.taco_data,
+        "wire_bytes_per_step": wire["tensor"],
+        "wire_bytes_per_step_bf16": wire_bf16["tensor"],
+        "wire_bytes_by_axis": wire,
+        "wire_bytes_bf16_by_axis": wire_bf16,
         "pipeline_bubble": bubble_fraction(cfg.mesh[1], cfg.microbatches),
         **_calibration_summary(calibration),
     }

@@ -1,6 +1,7 @@
-"""Entry point of `python -m taco_jax.train` (and the `taco-jax-train` command); the
-trainer itself lives in the `train` package (imported here only when run, so the library
-never depends on it or on its extra dependencies)."""
+"""Entry point of `python -m taco_jax.train` (and the `taco-jax-train` command).
+
+It checks the trainer's extra dependencies before importing the trainer, so a missing one
+is one line naming the extra to install (the library itself never imports `train`)."""
 
 import importlib.util
 import sys
@@ -17,7 +18,7 @@ def main() -> int:
     missing = [name for name in _TRAINER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         sys.exit(f"the trainer needs {', '.join(missing)} (the 'train' extra): pip install 'taco_jax[train]'")
-    from taco_jax.training.cli import main as cli_main
+    from .cli import main as cli_main
 
     return cli_main()
 
