@@ -18,7 +18,6 @@ Usage (GPU):  python -m benchmarks.captured_error --simulate [--models gpt2-mini
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -83,14 +82,14 @@ def capture(args: argparse.Namespace, model: str) -> tj.calibration.Collector:
         compute_dtype="bfloat16",
         out=str(run_dir),
     )
-    trained = TrainConfig(**common, taco="off")
+    trained = TrainConfig.from_keys(**common, taco="off")
     if not (run_dir / "summary.json").exists():
         trainer.train(trained, progress=False)
-    observing = dataclasses.replace(trained, taco="taco", calibration_steps=args.batches)
+    observing = trained.with_keys(taco="taco", calibration_steps=args.batches)
     run = trainer.start_run(observing, resume=True)
     batch_of = trainer.batch_maker(observing, run.mesh)
     batches = [batch_of(run.corpus.val, 10**6 + i, observing.batch_size) for i in range(args.batches)]
-    collector = trainer.observe_batches(observing, run.config, run.mesh, run.params, batches)
+    collector = trainer.observe_batches(observing, run.model_config, run.mesh, run.params, batches)
     run.checkpoints.close()
     return collector
 

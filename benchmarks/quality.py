@@ -109,7 +109,7 @@ def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, s
         compute_dtype=args.compute_dtype,
         out=str(out),
     )
-    cfg = TrainConfig(**{**settings, **VARIANTS[variant]})
+    cfg = TrainConfig.from_keys(**{**settings, **VARIANTS[variant]})
     summary = train(cfg, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = {

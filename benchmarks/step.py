@@ -65,7 +65,7 @@ def measure(
         if not axis
         else {"taco": "off", f"taco_{axis}": name}
     )
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_keys(
         model="custom",
         mesh=mesh_shape,
         taco_min_bytes=0,
@@ -114,7 +114,7 @@ def measure(
     row = {
         "family": config.family,
         "mode": mode,
-        "taco": cfg.taco,
+        "taco": cfg.compression.tensor.preset,
         "taco_policy": cfg.taco_policy,
         "remat": remat,
         "mesh": list(mesh_shape),

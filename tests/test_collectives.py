@@ -493,3 +493,75 @@ def test_one_rank_tensor_axis_compresses_without_a_collective(check_vma):
         out = fn(x)
         assert out.shape == x.shape and out.dtype == x.dtype, name
         assert 1e-4 < _rel(out.astype(jnp.float32), x.astype(jnp.float32)) < TWO_QUANT, name
+
+
+def test_plan_message_decides_the_route_spec_and_permutation_once():
+    """`plan_message` is None where the plain collective runs, else the WirePlan the
+    message travels by: the direction's spec, the config's chunks, the site's
+    calibrated permutation (refused where the op moves the channel axis)."""
+    from taco_jax import collectives
+    from taco_jax.calibration import Calibration, ChannelPlan
+
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    perm = tuple(np.random.default_rng(0).permutation(128).tolist())
+    calibration = Calibration((("site", "backward", ChannelPlan(perm, False)),))
+    plans = {}
+
+    def body(x):
+        for name, config in (("off", _config("off")), ("taco+", _config("taco+", chunks=2))):
+            call = collectives.Call(axis_name="tensor", config=config, site="site", calibration=calibration)
+            plans[name] = collectives.plan_message(x, call, op="all_gather", direction="forward")
+            plans[name + "/backward"] = collectives.plan_message(x, call, op="reduce_scatter", direction="backward")
+        with pytest.raises(ValueError, match="channel permutation"):
+            collectives.plan_message(x, call, op="reduce_scatter", direction="backward", moves_channels=True)
+        return x
+
+    _shard_run(mesh, body, jnp.zeros((4 * 8, 128), jnp.float32), in_specs=(P("tensor"),), out_specs=P("tensor"))
+    assert plans["off"] is None and plans["off/backward"] is None
+    forward, backward = plans["taco+"], plans["taco+/backward"]
+    assert forward.spec == _config("taco+").forward and forward.chunks == 2 and forward.permutation is None
+    # The calibration's plan turns the transform off for the backward direction only.
+    assert backward.permutation is not None and backward.permutation.perm == perm and not backward.spec.hadamard
+    x = jnp.arange(256.0).reshape(2, 128)
+    np.testing.assert_array_equal(backward.from_wire_order(backward.to_wire_order(x)), x)
+    np.testing.assert_array_equal(backward.to_wire_order(x), np.asarray(x)[:, list(perm)])
+
+
+def test_gather_residual_decodes_what_the_gather_returned():
+    """`run_all_gather`'s residual keeps the 8-bit messages when compressed (and decodes
+    them to exactly the returned result), the result itself when plain."""
+    from taco_jax import collectives
+
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    x = _rank_coded((1, 1, 4), (8, 256))
+    kept = {}
+
+    def body(v):
+        outs = []
+        for name in ("off", "taco+"):
+            call = collectives.Call(axis_name="tensor", config=_config(name))
+            gathered, residual = collectives.run_all_gather(v, call, direction="forward", axis=0)
+            kept[name] = [a.dtype for a in residual.arrays]
+            outs.append(jnp.abs(residual.value() - gathered).max()[None])
+            outs.append(gathered[None])
+        return jnp.concatenate([o.reshape(1, -1) for o in outs], axis=1)
+
+    out = np.asarray(_shard_run(mesh, body, x, in_specs=(P("tensor"),), out_specs=P("tensor")))
+    width = 4 * 8 * 256
+    plain_gap, plain, taco_gap, taco = out[:, 0], out[:, 1 : 1 + width], out[:, 1 + width], out[:, 2 + width :]
+    assert kept["off"] == [jnp.float32] and kept["taco+"] == [jnp.uint8]
+    assert not plain_gap.any() and not taco_gap.any()
+    np.testing.assert_array_equal(plain[0], np.asarray(x).ravel())
+    assert 0 < _rel(taco[0], np.asarray(x).ravel()) < ONE_QUANT
+
+
+def test_nested_wire_ledgers_each_record_the_collectives_traced_inside():
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    body = lambda v: tj.all_gather(v, "tensor", _config("taco+"), site="inner")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P(), check_vma=False))
+    with tj.record_wire() as outer:
+        with tj.record_wire() as inner:
+            fn.lower(jnp.zeros((4 * 8, 128), jnp.float32))
+        fn.lower(jnp.zeros((4 * 16, 128), jnp.float32))
+    assert [r.shape for r in inner.records] == [(8, 128)]
+    assert [r.shape for r in outer.records] == [(8, 128), (16, 128)]

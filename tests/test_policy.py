@@ -161,8 +161,8 @@ def test_probe_times_every_candidate_route():
 
 def test_trainer_resolves_taco_policy(tmp_path):
     with pytest.raises(ValueError, match="taco_policy"):
-        TrainConfig(taco_policy="sometimes")
-    cfg = TrainConfig(mesh=(1, 1, 2), out=str(tmp_path))
+        TrainConfig.from_keys(taco_policy="sometimes")
+    cfg = TrainConfig.from_keys(mesh=(1, 1, 2), out=str(tmp_path))
     resolved = link_policy.choose(cfg, "taco", None, lambda: [], tmp_path, log=lambda line: None)
     assert resolved.taco_policy == "always"  # on CPU there is no link to measure
     assert trainer.taco_config(resolved).link is None

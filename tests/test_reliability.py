@@ -322,7 +322,7 @@ def test_vmapped_collectives_on_the_gpu_match_the_jnp_path(op):
 
 @pytest.mark.gpu
 def test_simulated_mesh_trains_with_compression_on_the_gpu(tmp_path):
-    """`TrainConfig(simulate_mesh=True, taco="taco+")` (benchmarks.quality --simulate)
+    """`TrainConfig.from_keys(simulate_mesh=True, taco="taco+")` (benchmarks.quality --simulate)
     trains on one GPU, within codec error of the uncompressed run."""
     from taco_jax.train import trainer
     from taco_jax.train.config import TrainConfig
@@ -330,7 +330,7 @@ def test_simulated_mesh_trains_with_compression_on_the_gpu(tmp_path):
 
     losses = {}
     for taco in ("off", "taco+"):
-        cfg = TrainConfig(
+        cfg = TrainConfig.from_keys(
             **{
                 **SMALL,
                 "out": str(tmp_path / taco),

@@ -30,7 +30,7 @@ SMALL = dict(model="gpt2-tiny", taco="off", steps=3, batch_size=8, seq_len=32, e
 
 
 def _cfg(tmp_path, name, **overrides):
-    return TrainConfig(**{**SMALL, "out": str(tmp_path / name), **overrides})
+    return TrainConfig.from_keys(**{**SMALL, "out": str(tmp_path / name), **overrides})
 
 
 def _losses(run_dir):
@@ -80,7 +80,7 @@ def test_meshes_match_the_single_device_run(tmp_path):
 @pytest.mark.parametrize("mesh", [(1, 2, 4), (1, 4, 2)], ids=["dp1_pp2_tp4", "dp1_pp4_tp2"])
 def test_pipeline_gradients_equal_the_sequential_model(mesh):
     config = models.GPT2Config(n_layers=4)
-    cfg = TrainConfig(model="gpt2-tiny", mesh=mesh, taco="off", batch_size=8, seq_len=32, microbatches=4)
+    cfg = TrainConfig.from_keys(model="gpt2-tiny", mesh=mesh, taco="off", batch_size=8, seq_len=32, microbatches=4)
     params = models.init_params(config, jax.random.key(1))
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (8, 33)), jnp.int32)
     pipe_mesh = tj.make_mesh(*mesh)
@@ -193,11 +193,11 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="unknown config keys"):
         apply_overrides(TrainConfig(), {"learning_rate": "1"})
     with pytest.raises(ValueError, match="batch_size 9 is not divisible"):
-        TrainConfig(batch_size=9)
+        TrainConfig.from_keys(batch_size=9)
     with pytest.raises(ValueError, match="expected int"):
         apply_overrides(TrainConfig(), parse_key_values(["steps=many"]))
     with pytest.raises(ValueError, match="3 layers do not split into pipe=2"):
-        trainer._check_setup(TrainConfig(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), 256)
+        trainer._check_setup(TrainConfig.from_keys(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), 256)
     cfg = _cfg(tmp_path, "corrupt", steps=2, checkpoint_every=2)
     trainer.train(cfg, progress=False)
     for path in (Path(cfg.out) / "checkpoints" / "2").rglob("*"):
@@ -214,13 +214,13 @@ def test_errors_name_the_problem(tmp_path):
     bad_spec = _cli(["--steps", "1", "--out", str(tmp_path / "cli_spec"), "taco_forward=int8:128:yes:bf16"], 8)
     assert bad_spec.returncode == 2 and "is not fmt:group_size:H|-:scales" in bad_spec.stderr
     with pytest.raises(ValueError, match="calibration_strategy must be one of"):
-        TrainConfig(calibration_strategy="sorted")
+        TrainConfig.from_keys(calibration_strategy="sorted")
     with pytest.raises(ValueError, match="taco_pipe must be a TACO preset.*'tacoo'"):
-        TrainConfig(taco_pipe="tacoo")
+        TrainConfig.from_keys(taco_pipe="tacoo")
     with pytest.raises(ValueError, match="taco_data must be a TACO preset"):
         apply_overrides(TrainConfig(), {"taco_data": "8bit"})
     with pytest.raises(ValueError, match="taco_data_backward: .*not fmt:group_size"):
-        TrainConfig(taco_data_backward="int4")
+        TrainConfig.from_keys(taco_data_backward="int4")
 
 
 def test_data_order_is_a_function_of_seed_and_position(tmp_path):
@@ -395,7 +395,7 @@ def test_pipe_and_data_compression_with_error_feedback_resumes_bit_exactly(tmp_p
     for a, b in zip(*residuals):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Turning the data-parallel compression off on resume drops the residuals.
-    plain = dataclasses.replace(straight, steps=5, decay_steps=4, taco_data="off")
+    plain = straight.with_keys(steps=5, decay_steps=4, taco_data="off")
     assert trainer.train(plain, resume=True, progress=False)["steps"] == 5
 
 
@@ -432,7 +432,7 @@ def test_resume_refuses_a_changed_run_and_keeps_its_config(tmp_path):
     run = _cfg(tmp_path, "changed", taco="taco+", steps=2, checkpoint_every=2, calibration_steps=1)
     trainer.train(run, progress=False)
     config_json = (Path(run.out) / "config.json").read_text()
-    changed = dataclasses.replace(run, taco="fp8", mesh=(4, 1, 2), seed=7, steps=3)
+    changed = run.with_keys(taco="fp8", mesh=(4, 1, 2), seed=7, steps=3)
     with pytest.raises(ValueError, match=r"mesh: \[2, 1, 4\] -> \[4, 1, 2\]; seed: 0 -> 7; taco: 'taco\+' -> 'fp8'"):
         trainer.train(changed, resume=True, progress=False)
     with pytest.raises(ValueError, match="decay_steps: the schedule decays over 2 steps -> 9"):
@@ -556,3 +556,32 @@ def test_an_installed_package_finds_its_presets(tmp_path):
         timeout=120,
     )
     assert helped.returncode == 0 and "--resume" in helped.stdout
+
+
+def test_compression_groups_come_from_the_flat_keys_and_go_back_to_them():
+    """The flat keys (YAML, key=value, config.json) fill one group per mesh axis and a
+    named mesh shape; `to_dict` writes the same flat keys back."""
+    from taco_jax.train.config import AxisCompression, MeshShape, to_dict
+
+    cfg = TrainConfig.from_keys(
+        mesh="2,2,2",
+        microbatches=2,
+        taco="fp8",
+        taco_pipe="taco+",
+        taco_pipe_forward="int8:64:H:bf16",
+        taco_data="taco",
+        taco_data_backward="int4:128:H:bf16",
+    )
+    assert cfg.mesh == MeshShape(data=2, pipe=2, tensor=2) and cfg.mesh.pipe == 2
+    assert cfg.compression.tensor == AxisCompression("fp8")
+    assert cfg.compression.of("pipe") == AxisCompression("taco+", forward="int8:64:H:bf16")
+    assert cfg.compression.data == AxisCompression("taco", backward="int4:128:H:bf16")
+    flat = to_dict(cfg)
+    assert flat["mesh"] == [2, 2, 2] and flat["taco_pipe_forward"] == "int8:64:H:bf16" and "compression" not in flat
+    assert TrainConfig.from_keys(**flat) == cfg and cfg.with_keys(taco="off").compression.pipe == cfg.compression.pipe
+    pipe = trainer.taco_config(cfg, "pipe")
+    assert (
+        pipe.forward == tj.QuantSpec.parse("int8:64:H:bf16") and pipe.backward == tj.TacoConfig.preset("taco+").backward
+    )
+    with pytest.raises(ValueError, match="three positive degrees"):
+        TrainConfig.from_keys(mesh="2,2")

@@ -1,4 +1,9 @@
-"""Training configuration: a dataclass, YAML files (presets shipped in configs/), key=value overrides."""
+"""Training configuration: a dataclass, YAML files (presets shipped in configs/), key=value overrides.
+
+The configuration's keys (YAML, `key=value`, config.json, checkpoints) are flat; inside,
+the compression of each mesh axis is one `AxisCompression` group (`TrainConfig.compression`)
+and the mesh a named `MeshShape`. `COMPRESSION_KEYS` maps the flat keys onto the groups.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import typing
 from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -35,6 +41,57 @@ RESUMABLE_KEYS = (
     "taco_data_backward",
     "out",
 )
+
+
+class MeshShape(NamedTuple):
+    """The degrees of a run's (data, pipe, tensor) mesh."""
+
+    data: int
+    pipe: int
+    tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisCompression:
+    """How one mesh axis's traffic is compressed.
+
+    Attributes:
+      preset: TACO preset (`taco_jax.TacoConfig.preset`): off | fp8 | taco | taco+.
+      forward, backward: replace the preset's forward / backward quantizer, as
+        "fmt:group_size:H|-:scales" (e.g. "int4:128:H:bf16"); empty: the preset's.
+    """
+
+    preset: str
+    forward: str = ""
+    backward: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """The compression of each mesh axis's traffic (see `TrainConfig`)."""
+
+    tensor: AxisCompression = AxisCompression("taco+")
+    pipe: AxisCompression = AxisCompression("off")
+    data: AxisCompression = AxisCompression("off")
+
+    def of(self, axis: str) -> AxisCompression:
+        """The group of mesh axis `axis` ("tensor", "pipe" or "data")."""
+        return {"tensor": self.tensor, "pipe": self.pipe, "data": self.data}[axis]
+
+
+# The flat keys of the compression groups: key -> (axis, field). The data-parallel
+# reduction sends gradients only, so it has no forward quantizer.
+COMPRESSION_KEYS = {
+    "taco": ("tensor", "preset"),
+    "taco_forward": ("tensor", "forward"),
+    "taco_backward": ("tensor", "backward"),
+    "taco_pipe": ("pipe", "preset"),
+    "taco_pipe_forward": ("pipe", "forward"),
+    "taco_pipe_backward": ("pipe", "backward"),
+    "taco_data": ("data", "preset"),
+    "taco_data_backward": ("data", "backward"),
+}
+
 POSITIVE_KEYS = (
     "steps",
     "batch_size",
@@ -51,11 +108,16 @@ POSITIVE_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run needs; every field can be set from YAML or key=value.
+    """Everything a training run needs; every key can be set from YAML or key=value.
+
+    Build one from flat keys with `TrainConfig.from_keys(**keys)` (and change keys with
+    `cfg.with_keys(**keys)`); the keys are the attributes below, except that the
+    compression keys (taco, taco_forward, ..., `COMPRESSION_KEYS`) make up `compression`.
 
     Attributes:
       model: model preset (models.PRESETS).
-      mesh: (data, pipe, tensor) degrees; their product is the device count.
+      mesh: `MeshShape` (data, pipe, tensor) degrees; their product is the device count.
+      compression: the `Compression` of each axis, from the keys below.
       taco: TACO preset for the tensor-parallel collectives (off | fp8 | taco | taco+).
       taco_min_bytes: messages under this many bytes stay uncompressed (-1: preset's).
       taco_policy: where compression is used (train/link_policy.py): "auto" (on GPUs
@@ -118,17 +180,10 @@ class TrainConfig:
     """
 
     model: str = "gpt2-tiny"
-    mesh: tuple[int, int, int] = (2, 1, 4)
-    taco: str = "taco+"
+    mesh: MeshShape = MeshShape(2, 1, 4)
+    compression: Compression = Compression()
     taco_min_bytes: int = 0
     taco_policy: str = "auto"
-    taco_forward: str = ""
-    taco_backward: str = ""
-    taco_pipe: str = "off"
-    taco_pipe_forward: str = ""
-    taco_pipe_backward: str = ""
-    taco_data: str = "off"
-    taco_data_backward: str = ""
     sequence_parallel: bool = False
     steps: int = 300
     seed: int = 0
@@ -169,6 +224,20 @@ class TrainConfig:
         problems = self._problems()
         if problems:
             raise ValueError("bad training config: " + "; ".join(problems))
+        object.__setattr__(self, "mesh", MeshShape(*(int(d) for d in self.mesh)))
+
+    @classmethod
+    def from_keys(cls, **keys: Any) -> TrainConfig:
+        """A config from flat keys (as YAML and key=value give them), values converted.
+
+        Raises:
+          ValueError: an unknown key, a value of the wrong type, or a bad config.
+        """
+        return apply_overrides(cls(), keys)
+
+    def with_keys(self, **keys: Any) -> TrainConfig:
+        """This config with flat keys replaced (see `from_keys`)."""
+        return apply_overrides(self, keys)
 
     def _problems(self) -> list[str]:
         """What is wrong with this config, one phrase per key."""
@@ -183,7 +252,7 @@ class TrainConfig:
         if len(self.mesh) != 3 or any(int(d) < 1 for d in self.mesh):
             problems.append(f"mesh must be three positive degrees DATA,PIPE,TENSOR, got {tuple(self.mesh)}")
         elif not problems:
-            per_step = self.mesh[0] * self.grad_accum * self.microbatches
+            per_step = int(self.mesh[0]) * self.grad_accum * self.microbatches
             if self.batch_size % per_step:
                 problems.append(
                     f"batch_size {self.batch_size} is not divisible by data x grad_accum x microbatches = {per_step}"
@@ -198,26 +267,24 @@ class TrainConfig:
             )
         if self.taco_policy not in ("auto", "always") and not self.taco_policy.endswith(".json"):
             problems.append(f"taco_policy must be auto, always or a link_profile.json, got {self.taco_policy!r}")
-        for name in ("taco", "taco_pipe", "taco_data"):
-            if getattr(self, name) not in PRESETS:
-                problems.append(f"{name} must be a TACO preset, one of {sorted(PRESETS)}, got {getattr(self, name)!r}")
-        for name in ("taco_forward", "taco_backward", "taco_pipe_forward", "taco_pipe_backward", "taco_data_backward"):
-            if getattr(self, name):
+        for key, value in compression_keys(self.compression).items():
+            if COMPRESSION_KEYS[key][1] == "preset" and value not in PRESETS:
+                problems.append(f"{key} must be a TACO preset, one of {sorted(PRESETS)}, got {value!r}")
+            elif COMPRESSION_KEYS[key][1] != "preset" and value:
                 try:
-                    QuantSpec.parse(getattr(self, name))
+                    QuantSpec.parse(value)
                 except ValueError as error:
-                    problems.append(f"{name}: {error}")
+                    problems.append(f"{key}: {error}")
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         return problems
 
 
 def _coerce(name: str, text, kind):
-    """Convert a YAML/CLI value to the field's type."""
-    origin = typing.get_origin(kind)
-    if origin is tuple:
+    """Convert a YAML/CLI value to the key's type."""
+    if kind is MeshShape or typing.get_origin(kind) is tuple:
         items = text if isinstance(text, (list, tuple)) else [t for t in str(text).replace(" ", "").split(",") if t]
-        return tuple(int(v) for v in items)
+        return tuple(int(v) for v in items)  # TrainConfig checks and names a mesh
     if kind is bool:
         if isinstance(text, bool):
             return text
@@ -232,23 +299,40 @@ def _coerce(name: str, text, kind):
         raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None
 
 
-def _field_types() -> dict:
+def _key_types() -> dict:
+    """Every flat key and its type."""
     hints = typing.get_type_hints(TrainConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+    types = {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.name != "compression"}
+    return {**types, **dict.fromkeys(COMPRESSION_KEYS, str)}
+
+
+def compression_keys(compression: Compression) -> dict[str, str]:
+    """The flat keys of `compression` (`COMPRESSION_KEYS`)."""
+    return {key: getattr(compression.of(axis), field) for key, (axis, field) in COMPRESSION_KEYS.items()}
+
+
+def _with_compression_keys(compression: Compression, keys: dict[str, str]) -> Compression:
+    """`compression` with flat compression keys replaced."""
+    groups = {axis: compression.of(axis) for axis in ("tensor", "pipe", "data")}
+    for key, value in keys.items():
+        axis, field = COMPRESSION_KEYS[key]
+        groups[axis] = dataclasses.replace(groups[axis], **{field: value})
+    return Compression(**groups)
 
 
 def apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
-    """Replace fields, converting values to their types.
+    """Replace flat keys, converting values to their types.
 
     Raises:
-      ValueError: unknown field or a value of the wrong type.
+      ValueError: an unknown key, a value of the wrong type, or a bad config.
     """
-    types = _field_types()
+    types = _key_types()
     unknown = sorted(set(overrides) - set(types))
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(types)}")
     values = {k: _coerce(k, v, types[k]) for k, v in overrides.items()}
-    return dataclasses.replace(config, **values)
+    grouped = {k: values.pop(k) for k in list(values) if k in COMPRESSION_KEYS}
+    return dataclasses.replace(config, **values, compression=_with_compression_keys(config.compression, grouped))
 
 
 def preset_names() -> list[str]:
@@ -285,8 +369,15 @@ def parse_key_values(items: list[str]) -> dict:
 
 
 def to_dict(config: TrainConfig) -> dict:
-    """The config as JSON values (tuples as lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+    """The config as its flat keys, in JSON values (tuples as lists)."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name == "compression":
+            values.update(compression_keys(value))
+        else:
+            values[field.name] = list(value) if isinstance(value, tuple) else value
+    return values
 
 
 def changed_keys(saved: dict, config: TrainConfig) -> list[str]:

@@ -62,7 +62,7 @@ def link_for(cfg: TrainConfig) -> LinkProfile | None:
 def _why_not_probe(cfg: TrainConfig, mode: str) -> str | None:
     if mode == "off":
         return "compression is off"
-    if cfg.mesh[2] == 1:
+    if cfg.mesh.tensor == 1:
         return "no tensor axis to compress"
     if cfg.simulate_mesh or jax.default_backend() != "gpu":
         return f"no link to measure on {'a simulated mesh' if cfg.simulate_mesh else jax.default_backend().upper()}"
@@ -96,7 +96,7 @@ def choose(
     if reason is not None:
         log(f"taco_policy=auto: every message compressed ({reason})")
         return dataclasses.replace(cfg, taco_policy="always")
-    config = tj.TacoConfig.preset(cfg.taco)
+    config = tj.TacoConfig.preset(cfg.compression.tensor.preset)
     profile = probe_link(mesh, messages(), config, log=log)
     decisions = profile.decisions()
     for row in decisions:

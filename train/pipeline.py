@@ -27,10 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import taco_jax as tj
+from taco_jax.mesh import PIPE_AXIS
 from taco_jax.models.config import ModelConfig
 from taco_jax.models.transformer import Parallelism, embed, final_norm, loss_from_hidden, run_layers
-
-PIPE = "pipe"
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -39,7 +38,7 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 def pipeline_loss(
-    config: ModelConfig,
+    model_config: ModelConfig,
     params: dict,
     tokens,
     par: Parallelism,
@@ -49,7 +48,7 @@ def pipeline_loss(
     """Mean next-token loss of this rank's batch through the pipeline.
 
     Args:
-      config: model configuration.
+      model_config: model configuration.
       params: this rank's parameters (its stage's layers).
       tokens: (B, S + 1) token ids, B divisible by `microbatches`.
       par: tensor-parallel settings.
@@ -60,7 +59,7 @@ def pipeline_loss(
       This rank's share of the loss: the loss on the last stage, 0 elsewhere (their sum
       over "pipe" is the loss).
     """
-    stages, stage = lax.axis_size(PIPE), lax.axis_index(PIPE)
+    stages, stage = lax.axis_size(PIPE_AXIS), lax.axis_index(PIPE_AXIS)
     inputs = tokens[:, :-1].reshape(microbatches, -1, tokens.shape[1] - 1)
     targets = tokens[:, 1:].reshape(microbatches, -1, tokens.shape[1] - 1)
     carry, total, ticks = None, jnp.float32(0.0), microbatches + stages - 1
@@ -68,15 +67,15 @@ def pipeline_loss(
         # After the last microbatch stage 0 reruns it (masked); the compiler computes the
         # repeat once, so its messages are not counted again.
         with tj.accounting.paused() if tick >= microbatches else contextlib.nullcontext():
-            first = embed(config, params, inputs[min(tick, microbatches - 1)], par)
+            first = embed(model_config, params, inputs[min(tick, microbatches - 1)], par)
         x = first if carry is None else jnp.where(stage == 0, first, carry)
-        y = run_layers(config, params["layers"], x, par)
+        y = run_layers(model_config, params["layers"], x, par)
         out = tick - (stages - 1)
         if 0 <= out < microbatches:
-            loss = loss_from_hidden(config, params, final_norm(config, params, y), targets[out], par)
+            loss = loss_from_hidden(model_config, params, final_norm(model_config, params, y), targets[out], par)
             total = total + jnp.where(stage == stages - 1, loss, 0.0)
         if stages > 1 and tick < ticks - 1:
             carry = tj.ppermute(
-                y, PIPE, pipe, perm=[(i, (i + 1) % stages) for i in range(stages)], site="pipe.activations"
+                y, PIPE_AXIS, pipe, perm=[(i, (i + 1) % stages) for i in range(stages)], site="pipe.activations"
             )
     return total / microbatches

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import taco_jax as tj
 from taco_jax import models
 from taco_jax.calibration import Calibration
+from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from taco_jax.models.api import sequence_parallel_grads
 from taco_jax.models.transformer import Parallelism
 from taco_jax.probe import Message
@@ -30,37 +32,41 @@ from . import data as data_lib
 from . import link_policy
 from .checkpoint import Checkpointer
 from .config import RESUMABLE_KEYS, TrainConfig, changed_keys, to_dict
-from .pipeline import PIPE, bubble_fraction, pipeline_loss
+from .pipeline import bubble_fraction, pipeline_loss
 
 
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
-def _check_setup(cfg: TrainConfig, config: models.ModelConfig, vocab: int) -> None:
+def _check_setup(cfg: TrainConfig, model_config: models.ModelConfig, vocab: int) -> None:
     data, pipe, tensor = cfg.mesh
-    models.check_tensor_parallel(config, tensor)
-    if config.n_layers % pipe:
-        raise ValueError(f"{config.n_layers} layers do not split into pipe={pipe} stages")
-    if cfg.seq_len > config.max_positions:
-        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_positions {config.max_positions}")
+    models.check_tensor_parallel(model_config, tensor)
+    if model_config.n_layers % pipe:
+        raise ValueError(f"{model_config.n_layers} layers do not split into pipe={pipe} stages")
+    if cfg.seq_len > model_config.max_positions:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_positions {model_config.max_positions}")
     if cfg.sequence_parallel and cfg.seq_len % tensor:
         raise ValueError(f"seq_len {cfg.seq_len} is not divisible by tensor={tensor} (sequence parallelism)")
-    if vocab > config.vocab_size:
-        raise ValueError(f"the data has {vocab} token ids but model {cfg.model} has vocab_size {config.vocab_size}")
+    if vocab > model_config.vocab_size:
+        raise ValueError(
+            f"the data has {vocab} token ids but model {cfg.model} has vocab_size {model_config.vocab_size}"
+        )
 
 
-def _decay_mask(config: models.ModelConfig) -> dict:
+def _decay_mask(model_config: models.ModelConfig) -> dict:
     """Weight decay on matrices only, not on norm scales or biases (the stacked "layers"
     axis does not count as a dimension)."""
     return jax.tree.map(
         lambda leaf: sum(axis != "layers" for axis in leaf[1]) >= 2,
-        models.layout(config),
+        models.layout(model_config),
         is_leaf=models.params.is_layout_leaf,
     )
 
 
-def make_optimizer(cfg: TrainConfig, config: models.ModelConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+    cfg: TrainConfig, model_config: models.ModelConfig
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW (decay on matrices only) with warmup + cosine, after global-norm clipping."""
     decay_steps = cfg.decay_steps or cfg.steps
     schedule = optax.warmup_cosine_decay_schedule(
@@ -72,7 +78,9 @@ def make_optimizer(cfg: TrainConfig, config: models.ModelConfig) -> tuple[optax.
     )
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask(config)),
+        optax.adamw(
+            schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask(model_config)
+        ),
     )
     return tx, schedule
 
@@ -92,84 +100,86 @@ def optimizer_shardings(tx: optax.GradientTransformation, params: dict, mesh) ->
     )
 
 
-def init_state(config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTransformation) -> tuple[dict, dict]:
+def init_state(
+    model_config: models.ModelConfig, seed: int, mesh, tx: optax.GradientTransformation
+) -> tuple[dict, dict]:
     """Parameters (born sharded) and optimizer state on `mesh`: moments sharded like the
     parameters, scalars replicated."""
-    params = models.init_params(config, jax.random.key(seed), mesh)
+    params = models.init_params(model_config, jax.random.key(seed), mesh)
     return params, jax.jit(tx.init, out_shardings=optimizer_shardings(tx, params, mesh))(params)
 
 
-# The config keys naming each mesh axis's preset; its quantizer overrides are
-# KEY_forward / KEY_backward where they exist.
-AXIS_PRESET_KEYS = {"tensor": "taco", "pipe": "taco_pipe", "data": "taco_data"}
-
-
-def taco_config(cfg: TrainConfig, axis: str = "tensor") -> tj.TacoConfig:
-    """The run's TACO configuration for one mesh axis's traffic (its preset, the
-    min_bytes override, its quantizer overrides; for "tensor" also the measured link
+def taco_config(cfg: TrainConfig, axis: str = TENSOR_AXIS) -> tj.TacoConfig:
+    """The run's TACO configuration for one mesh axis's traffic (its compression group's
+    preset and quantizers, the min_bytes override; for "tensor" also the measured link
     profile of taco_policy)."""
-    key = AXIS_PRESET_KEYS[axis]
-    overrides = {"link": link_policy.link_for(cfg)} if axis == "tensor" else {}
+    group = cfg.compression.of(axis)
+    overrides: dict[str, Any] = {"link": link_policy.link_for(cfg)} if axis == TENSOR_AXIS else {}
     if cfg.taco_min_bytes >= 0:
         overrides["min_bytes"] = cfg.taco_min_bytes
-    for field in ("forward", "backward"):
-        if getattr(cfg, f"{key}_{field}", ""):
-            overrides[field] = tj.QuantSpec.parse(getattr(cfg, f"{key}_{field}"))
-    return tj.TacoConfig.preset(getattr(cfg, key), **overrides)
+    if group.forward:
+        overrides["forward"] = tj.QuantSpec.parse(group.forward)
+    if group.backward:
+        overrides["backward"] = tj.QuantSpec.parse(group.backward)
+    return tj.TacoConfig.preset(group.preset, **overrides)
 
 
 def uses_error_feedback(cfg: TrainConfig) -> bool:
     """Whether the run compresses its data-parallel reduction (and keeps residuals)."""
-    return taco_config(cfg, "data").enabled and cfg.mesh[0] > 1
+    return taco_config(cfg, DATA_AXIS).enabled and cfg.mesh.data > 1
 
 
-def _residual_specs(config: models.ModelConfig) -> dict:
+def _residual_specs(model_config: models.ModelConfig) -> dict:
     """(data, *parameter shape) split over "data" and then like the parameter."""
     return jax.tree.map(
-        lambda spec: P("data", *spec), models.partition_specs(config), is_leaf=lambda s: isinstance(s, P)
+        lambda spec: P(DATA_AXIS, *spec), models.partition_specs(model_config), is_leaf=lambda s: isinstance(s, P)
     )
 
 
-def feedback_specs(cfg: TrainConfig, config: models.ModelConfig) -> dict:
+def feedback_specs(cfg: TrainConfig, model_config: models.ModelConfig) -> dict:
     """PartitionSpecs of the error-feedback residuals, one per parameter and data rank;
     {} when the run keeps none."""
-    return _residual_specs(config) if uses_error_feedback(cfg) else {}
+    return _residual_specs(model_config) if uses_error_feedback(cfg) else {}
 
 
-def _feedback_layout(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
+def _feedback_layout(cfg: TrainConfig, model_config: models.ModelConfig, params: dict, mesh) -> dict:
     """Shapes and shardings of residuals for `params` (what a checkpoint holds)."""
     return jax.tree.map(
-        lambda p, spec: jax.ShapeDtypeStruct((cfg.mesh[0], *p.shape), jnp.float32, sharding=NamedSharding(mesh, spec)),
+        lambda p, spec: jax.ShapeDtypeStruct(
+            (cfg.mesh.data, *p.shape), jnp.float32, sharding=NamedSharding(mesh, spec)
+        ),
         params,
-        _residual_specs(config),
+        _residual_specs(model_config),
         is_leaf=lambda x: isinstance(x, jax.Array),
     )
 
 
-def init_error_feedback(cfg: TrainConfig, config: models.ModelConfig, params: dict, mesh) -> dict:
+def init_error_feedback(cfg: TrainConfig, model_config: models.ModelConfig, params: dict, mesh) -> dict:
     """Zero residuals (float32, laid out by `feedback_specs`); {} when the run keeps none."""
     if not uses_error_feedback(cfg):
         return {}
-    layout = _feedback_layout(cfg, config, params, mesh)
+    layout = _feedback_layout(cfg, model_config, params, mesh)
     zeros = lambda: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), layout)
     return jax.jit(zeros, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, layout))()
 
 
-def tp_messages(cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array) -> list[Message]:
+def tp_messages(
+    cfg: TrainConfig, model_config: models.ModelConfig, mesh, params: dict, tokens: jax.Array
+) -> list[Message]:
     """The tensor-parallel message shapes one step sends (traced, not run)."""
     always = dataclasses.replace(cfg, taco_policy="always")
     with tj.record_wire() as ledger:
-        feedback = _feedback_layout(cfg, config, params, mesh) if uses_error_feedback(cfg) else {}
-        jax.jit(make_grads_fn(always, config, mesh)).lower(params, tokens, feedback)
+        feedback = _feedback_layout(cfg, model_config, params, mesh) if uses_error_feedback(cfg) else {}
+        jax.jit(make_grads_fn(always, model_config, mesh)).lower(params, tokens, feedback)
     return [
         Message(r.op.removesuffix("_one_shot").removesuffix("_two_shot"), r.shape, r.dtype)
         for r in ledger.records
-        if r.compressed and r.axis == "tensor"
+        if r.compressed and r.axis == TENSOR_AXIS
     ]
 
 
 def resolve_taco_policy(
-    cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, tokens: jax.Array, out: Path | None
+    cfg: TrainConfig, model_config: models.ModelConfig, mesh, params: dict, tokens: jax.Array, out: Path | None
 ) -> TrainConfig:
     """`cfg` with taco_policy="auto" resolved (train/link_policy.py): probe the link on
     GPUs and write OUT/link_profile.json, or compress every message."""
@@ -177,7 +187,7 @@ def resolve_taco_policy(
         cfg,
         taco_config(dataclasses.replace(cfg, taco_policy="always")).mode,
         mesh,
-        lambda: tp_messages(cfg, config, mesh, params, tokens),
+        lambda: tp_messages(cfg, model_config, mesh, params, tokens),
         out,
         log=lambda line: print(line, file=sys.stderr),
     )
@@ -191,7 +201,7 @@ def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
 
 def _shard_map(cfg: TrainConfig, mesh, fn, in_specs, out_specs):
     if cfg.simulate_mesh:
-        return tj.simulated_shard_map(fn, dict(zip(tj.MESH_AXES, cfg.mesh)), in_specs, out_specs)
+        return tj.simulated_shard_map(fn, cfg.mesh._asdict(), in_specs, out_specs)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
@@ -202,13 +212,13 @@ def device_mesh(cfg: TrainConfig):
 
 def _sum_over_stages(grad: jax.Array) -> jax.Array:
     """psum over "pipe" of a parameter every stage holds, recorded as pipe traffic."""
-    tj.collectives.record_plain_all_reduce(grad, PIPE, site="pipe.shared_grads", direction="backward")
-    return lax.psum(grad, PIPE)
+    tj.collectives.record_plain_all_reduce(grad, PIPE_AXIS, site="pipe.shared_grads", direction="backward")
+    return lax.psum(grad, PIPE_AXIS)
 
 
 def make_grads_fn(
     cfg: TrainConfig,
-    config: models.ModelConfig,
+    model_config: models.ModelConfig,
     mesh,
     calibration: Calibration = Calibration(),
     collector: tj.calibration.Collector | None = None,
@@ -219,18 +229,18 @@ def make_grads_fn(
     accumulation steps, sharded like the parameters. With a `collector`, every
     compressed tensor-parallel collective reports what it sends to it."""
     par = _parallelism(cfg, calibration)
-    pipe, data = taco_config(cfg, "pipe"), taco_config(cfg, "data")
-    specs = models.partition_specs(config)
+    pipe, data = taco_config(cfg, PIPE_AXIS), taco_config(cfg, DATA_AXIS)
+    specs = models.partition_specs(model_config)
 
     def reduce_grads(loss, grads, feedback):
-        grads = sequence_parallel_grads(config, grads, par)
+        grads = sequence_parallel_grads(model_config, grads, par)
         # Parameters not split over "pipe" (embeddings, final norm, head) are used by one
         # stage each: sum their gradients over the stages.
-        grads = jax.tree.map(lambda g, s: g if PIPE in tuple(s) else _sum_over_stages(g), grads, specs)
-        loss = lax.psum(loss, PIPE)
+        grads = jax.tree.map(lambda g, s: g if PIPE_AXIS in tuple(s) else _sum_over_stages(g), grads, specs)
+        loss = lax.psum(loss, PIPE_AXIS)
         residual = jax.tree.map(lambda r: r[0], feedback) if feedback else None
-        grads, residual = tj.data_parallel.mean_gradients(grads, "data", data, residual)
-        return lax.pmean(loss, "data"), grads, jax.tree.map(lambda r: r[None], residual) if feedback else feedback
+        grads, residual = tj.data_parallel.mean_gradients(grads, DATA_AXIS, data, residual)
+        return lax.pmean(loss, DATA_AXIS), grads, jax.tree.map(lambda r: r[None], residual) if feedback else feedback
 
     def local_grads(params, tokens, feedback):
         with tj.calibration.observing(collector) if collector is not None else contextlib.nullcontext():
@@ -238,7 +248,7 @@ def make_grads_fn(
 
     def accumulated_grads(params, tokens, feedback):
         chunks = tokens.reshape(cfg.grad_accum, -1, tokens.shape[-1])
-        grad_fn = jax.value_and_grad(lambda p, t: pipeline_loss(config, p, t, par, cfg.microbatches, pipe))
+        grad_fn = jax.value_and_grad(lambda p, t: pipeline_loss(model_config, p, t, par, cfg.microbatches, pipe))
 
         def accumulate(total, chunk):
             loss, grads = grad_fn(params, chunk)
@@ -248,13 +258,13 @@ def make_grads_fn(
         (loss, grads), _ = lax.scan(accumulate, zeros, chunks)
         return reduce_grads(loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads), feedback)
 
-    fb_specs = feedback_specs(cfg, config)
-    return _shard_map(cfg, mesh, local_grads, (specs, P("data"), fb_specs), (P(), specs, fb_specs))
+    fb_specs = feedback_specs(cfg, model_config)
+    return _shard_map(cfg, mesh, local_grads, (specs, P(DATA_AXIS), fb_specs), (P(), specs, fb_specs))
 
 
 def make_step_functions(
     cfg: TrainConfig,
-    config: models.ModelConfig,
+    model_config: models.ModelConfig,
     mesh,
     tx,
     state_shardings,
@@ -268,9 +278,9 @@ def make_step_functions(
     feedback) are kept on the outputs, so every step reuses one compilation.
     `calibration` and `collector` as in `make_grads_fn`."""
     par = _parallelism(cfg, calibration)
-    pipe = taco_config(cfg, "pipe")
-    specs = models.partition_specs(config)
-    grads_fn = make_grads_fn(cfg, config, mesh, calibration, collector)
+    pipe = taco_config(cfg, PIPE_AXIS)
+    specs = models.partition_specs(model_config)
+    grads_fn = make_grads_fn(cfg, model_config, mesh, calibration, collector)
 
     def train_step(params, opt_state, feedback, tokens, poison):
         loss, grads, new_feedback = grads_fn(params, tokens, feedback)
@@ -287,17 +297,17 @@ def make_step_functions(
         )
 
     def local_eval(params, tokens):
-        loss = pipeline_loss(config, params, tokens, par, cfg.microbatches, pipe)
-        return lax.pmean(lax.psum(loss, PIPE), "data")
+        loss = pipeline_loss(model_config, params, tokens, par, cfg.microbatches, pipe)
+        return lax.pmean(lax.psum(loss, PIPE_AXIS), DATA_AXIS)
 
-    eval_fn = _shard_map(cfg, mesh, local_eval, (specs, P("data")), P())
+    eval_fn = _shard_map(cfg, mesh, local_eval, (specs, P(DATA_AXIS)), P())
     jitted = jax.jit(train_step, donate_argnums=(0, 1, 2), out_shardings=(*state_shardings, None))
     return jitted, jax.jit(eval_fn)
 
 
 def _global_batch(tokens: np.ndarray, mesh) -> jax.Array:
     """A batch every process computed identically, as a global array sharded over data."""
-    sharding = NamedSharding(mesh, P("data"))
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
     return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 
@@ -309,7 +319,7 @@ def _scalar(x: jax.Array) -> float:
 PER_STEP_SITES = ("pipe.shared_grads", "data.grads")
 
 
-def wire_bytes_per_step(cfg: TrainConfig, config, train_step, state: tuple, tokens) -> tuple[dict, dict]:
+def wire_bytes_per_step(cfg: TrainConfig, model_config, train_step, state: tuple, tokens) -> tuple[dict, dict]:
     """Bytes each rank sends per optimizer step on every mesh axis, as sent and as plain
     bfloat16: ({"tensor": .., "pipe": .., "data": ..}, the same as bf16), from the
     collectives traced in one step. Scanned layer sites count once per local layer,
@@ -323,13 +333,13 @@ def wire_bytes_per_step(cfg: TrainConfig, config, train_step, state: tuple, toke
     """
     with tj.record_wire() as ledger:
         train_step.lower(*state, tokens, jnp.bool_(False))
-    layers_per_stage = config.n_layers // cfg.mesh[1]
+    layers_per_stage = model_config.n_layers // cfg.mesh.pipe
     factor = lambda r: (
         (layers_per_stage if r.site.startswith("layers.") else 1) * (1 if r.site in PER_STEP_SITES else cfg.grad_accum)
     )
     sums = lambda bf16: {
         axis: sum(factor(r) * (r.bf16_sent_bytes if bf16 else r.sent_bytes) for r in ledger.records if r.axis == axis)
-        for axis in ("tensor", "pipe", "data")
+        for axis in tj.MESH_AXES
     }
     return sums(False), sums(True)
 
@@ -462,7 +472,7 @@ class _Run:
 
     cfg: TrainConfig
     mesh: jax.sharding.Mesh
-    config: models.ModelConfig
+    model_config: models.ModelConfig
     corpus: data_lib.TokenData
     out: Path
     tx: optax.GradientTransformation
@@ -518,9 +528,9 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
         `calibration_file`.
     """
     mesh = device_mesh(cfg)
-    config = models.preset(cfg.model)
+    model_config = models.preset(cfg.model)
     corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
-    _check_setup(cfg, config, corpus.vocab_size)
+    _check_setup(cfg, model_config, corpus.vocab_size)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
@@ -530,23 +540,23 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
             raise ValueError(
                 f"{out} already holds checkpoints (latest step {steps[0]}): pass --resume or another --out"
             )
-        run = _fresh_run(cfg, mesh, config, corpus, out, checkpoints)
+        run = _fresh_run(cfg, mesh, model_config, corpus, out, checkpoints)
     elif not steps:
         raise ValueError(f"--resume: no checkpoint in {checkpoints.directory}")
     else:
-        run = _restored_run(cfg, mesh, config, corpus, out, checkpoints, steps)
+        run = _restored_run(cfg, mesh, model_config, corpus, out, checkpoints, steps)
     if cfg.calibration_file:
         run.calibration, run.calibrated = load_calibration(cfg.calibration_file), True
     return run
 
 
-def _fresh_run(cfg, mesh, config, corpus, out, checkpoints) -> _Run:
-    tx, schedule = make_optimizer(cfg, config)
-    params, opt_state = init_state(config, cfg.seed, mesh, tx)
+def _fresh_run(cfg, mesh, model_config, corpus, out, checkpoints) -> _Run:
+    tx, schedule = make_optimizer(cfg, model_config)
+    params, opt_state = init_state(model_config, cfg.seed, mesh, tx)
     return _Run(
         cfg,
         mesh,
-        config,
+        model_config,
         corpus,
         out,
         tx,
@@ -554,16 +564,16 @@ def _fresh_run(cfg, mesh, config, corpus, out, checkpoints) -> _Run:
         checkpoints,
         params,
         opt_state,
-        init_error_feedback(cfg, config, params, mesh),
+        init_error_feedback(cfg, model_config, params, mesh),
     )
 
 
-def _restored_run(cfg, mesh, config, corpus, out, checkpoints, steps: list[int]) -> _Run:
+def _restored_run(cfg, mesh, model_config, corpus, out, checkpoints, steps: list[int]) -> _Run:
     """The run restored from the newest of `steps` that restores."""
     failures = []
     for step in steps:
         try:
-            run = _restore(cfg, mesh, config, corpus, out, checkpoints, step)
+            run = _restore(cfg, mesh, model_config, corpus, out, checkpoints, step)
         except _Unrestorable as error:
             failures.append(str(error.__cause__))
             continue
@@ -580,7 +590,7 @@ class _Unrestorable(Exception):
     """A checkpoint that cannot be read (its cause says why); an older one may be."""
 
 
-def _restore(cfg, mesh, config, corpus, out, checkpoints, step: int) -> _Run:
+def _restore(cfg, mesh, model_config, corpus, out, checkpoints, step: int) -> _Run:
     try:
         meta = checkpoints.meta(step)
     except ValueError as error:
@@ -588,8 +598,8 @@ def _restore(cfg, mesh, config, corpus, out, checkpoints, step: int) -> _Run:
     if meta.get("model") != cfg.model:
         raise ValueError(f"checkpoint at step {step} is for model {meta.get('model')!r}, not {cfg.model!r}")
     cfg = resumed_config(cfg, meta, step)
-    run = _fresh_run(cfg, mesh, config, corpus, out, checkpoints)
-    saved_feedback = _feedback_layout(cfg, config, run.params, mesh) if meta.get("error_feedback") else {}
+    run = _fresh_run(cfg, mesh, model_config, corpus, out, checkpoints)
+    saved_feedback = _feedback_layout(cfg, model_config, run.params, mesh) if meta.get("error_feedback") else {}
     try:
         state, meta = checkpoints.restore(step, _checkpoint_state(run.params, run.opt_state, saved_feedback))
     except ValueError as error:
@@ -638,12 +648,12 @@ def batch_maker(cfg: TrainConfig, mesh):
 
 
 def observe_batches(
-    cfg: TrainConfig, config: models.ModelConfig, mesh, params: dict, batches
+    cfg: TrainConfig, model_config: models.ModelConfig, mesh, params: dict, batches
 ) -> tj.calibration.Collector:
     """What every compressed site sends, forward and backward, over `batches` (no update)."""
     collector = tj.calibration.Collector()
-    grads_fn = jax.jit(make_grads_fn(cfg, config, mesh, collector=collector))
-    feedback = init_error_feedback(cfg, config, params, mesh)
+    grads_fn = jax.jit(make_grads_fn(cfg, model_config, mesh, collector=collector))
+    feedback = init_error_feedback(cfg, model_config, params, mesh)
     for tokens in batches:
         jax.block_until_ready(grads_fn(params, tokens, feedback))
     return collector
@@ -662,11 +672,13 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
       ValueError: as `train`, or a preset that is not calibrated (mode "taco" only).
     """
     if taco_config(cfg).mode != "taco" or cfg.calibration_steps < 1:
-        raise ValueError(f"--calibrate-only needs a taco preset (got {cfg.taco!r}) and calibration_steps >= 1")
+        raise ValueError(
+            f"--calibrate-only needs a taco preset (got {cfg.compression.tensor.preset!r}) and calibration_steps >= 1"
+        )
     run = start_run(cfg, resume)
     batch_of = batch_maker(cfg, run.mesh)
     batches = (batch_of(run.corpus.train, run.step + i, cfg.batch_size) for i in range(cfg.calibration_steps))
-    collector = observe_batches(cfg, run.config, run.mesh, run.params, batches)
+    collector = observe_batches(cfg, run.model_config, run.mesh, run.params, batches)
     run.checkpoints.close()
     main_process = jax.process_index() == 0
     calibration = calibrate_run(cfg, collector, run.out if main_process else None)
@@ -678,8 +690,212 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
     }
 
 
+@dataclasses.dataclass
+class TrainLoop:
+    """What the training loop runs with (`setup_train_loop`): the run and its state, the
+    step functions compiled for them, and what one step sends.
+
+    Attributes:
+      run: the run's setup and state (advanced by `run_step`).
+      given: the configuration as given, which checkpoints record and a resume is
+        checked against (`run.cfg` has taco_policy resolved).
+      batch_of: (tokens, position, size) -> the global batch at that data position.
+      train_step, eval_step: from `make_step_functions`.
+      shardings: of (params, optimizer state, feedback), kept across recompilations.
+      wire, wire_bf16: bytes one step sends per mesh axis, compressed and as bf16.
+      log: metrics.jsonl.
+      collector: what calibration observes until `calibrate_at`; None once calibrated.
+      calibrate_at: the step after which the run calibrates, or None.
+      main_process: this process writes the run directory.
+      consecutive_bad: non-finite steps in a row so far.
+    """
+
+    run: _Run
+    given: TrainConfig
+    batch_of: Any
+    train_step: Any
+    eval_step: Any
+    shardings: tuple
+    wire: dict
+    wire_bf16: dict
+    log: MetricsLog
+    collector: tj.calibration.Collector | None
+    calibrate_at: int | None
+    main_process: bool
+    consecutive_bad: int = 0
+
+
+def setup_train_loop(cfg: TrainConfig, *, resume: bool = False) -> TrainLoop:
+    """Start (or restore) the run, resolve taco_policy, compile its steps and count what
+    one step sends.
+
+    Raises:
+      ValueError: as `train`.
+    """
+    run = start_run(cfg, resume)
+    main_process = jax.process_index() == 0
+    batch_of = batch_maker(run.cfg, run.mesh)
+    first_batch = batch_of(run.corpus.train, 0, run.cfg.batch_size)
+    run.cfg = resolve_taco_policy(
+        run.cfg, run.model_config, run.mesh, run.params, first_batch, run.out if main_process else None
+    )
+    if main_process and not resume:
+        (run.out / "config.json").write_text(json.dumps(to_dict(run.cfg), indent=1))
+    shardings = jax.tree.map(lambda x: x.sharding, (run.params, run.opt_state, run.feedback))
+    resolved = run.cfg
+    observe = (
+        taco_config(resolved).mode == "taco"
+        and resolved.calibration_steps > 0
+        and (resolved.recalibrate or not run.calibrated)
+    )
+    collector = tj.calibration.Collector() if observe else None
+    train_step, eval_step = make_step_functions(
+        resolved, run.model_config, run.mesh, run.tx, shardings, run.calibration, collector
+    )
+    state = (run.params, run.opt_state, run.feedback)
+    wire, wire_bf16 = wire_bytes_per_step(resolved, run.model_config, train_step, state, first_batch)
+    return TrainLoop(
+        run=run,
+        given=cfg,
+        batch_of=batch_of,
+        train_step=train_step,
+        eval_step=eval_step,
+        shardings=shardings,
+        wire=wire,
+        wire_bf16=wire_bf16,
+        log=MetricsLog(run.out / "metrics.jsonl", run.step, main_process),
+        collector=collector,
+        calibrate_at=run.step + resolved.calibration_steps if observe else None,
+        main_process=main_process,
+    )
+
+
+def run_step(loop: TrainLoop, bar=None) -> dict:
+    """One optimizer step: update the run's state, calibrate when it is due, evaluate
+    at the eval cadence, and return the step's metrics row (also written to the log).
+
+    Raises:
+      TrainingError: `max_bad_steps` consecutive non-finite steps.
+    """
+    run, cfg = loop.run, loop.run.cfg
+    tick = time.perf_counter()
+    tokens = loop.batch_of(run.corpus.train, run.step, cfg.batch_size)
+    run.params, run.opt_state, run.feedback, metrics = loop.train_step(
+        run.params, run.opt_state, run.feedback, tokens, jnp.bool_(run.step in cfg.debug_nan_steps)
+    )
+    jax.block_until_ready(metrics)  # also keeps CPU collective programs from overlapping
+    elapsed = time.perf_counter() - tick
+    ok = bool(np.asarray(metrics["ok"].addressable_shards[0].data))
+    loop.consecutive_bad = 0 if ok else loop.consecutive_bad + 1
+    run.bad_total += 0 if ok else 1
+    row = {
+        "step": run.step + 1,
+        "loss": _scalar(metrics["loss"]),
+        "lr": float(run.schedule(run.step)),
+        "grad_norm": _scalar(metrics["grad_norm"]),
+        "tokens_per_s": cfg.batch_size * cfg.seq_len / elapsed,
+        "step_time_s": elapsed,
+        "wire_bytes": loop.wire[TENSOR_AXIS],
+        "wire_bytes_bf16": loop.wire_bf16[TENSOR_AXIS],
+        "wire_bytes_by_axis": loop.wire,
+        "wire_bytes_bf16_by_axis": loop.wire_bf16,
+        "skipped_steps": run.bad_total,
+        "finite": ok,
+    }
+    run.step += 1
+    if run.step == loop.calibrate_at and loop.collector is not None:
+        _calibrate(loop, bar)
+    if loop.consecutive_bad >= cfg.max_bad_steps:
+        raise TrainingError(f"{loop.consecutive_bad} consecutive non-finite steps (last: step {run.step}); stopping")
+    if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+        row["val_loss"] = evaluate(loop)
+    loop.log.write(row)
+    return row
+
+
+def _calibrate(loop: TrainLoop, bar) -> None:
+    """Decide the calibration from what the collector observed and recompile the steps."""
+    run = loop.run
+    assert loop.collector is not None
+    run.calibration = calibrate_run(run.cfg, loop.collector, run.out if loop.main_process else None, bar)
+    run.calibrated, loop.collector = True, None
+    loop.train_step, loop.eval_step = make_step_functions(
+        run.cfg, run.model_config, run.mesh, run.tx, loop.shardings, run.calibration
+    )
+
+
+def evaluate(loop: TrainLoop) -> float:
+    """Mean validation loss over fixed batches: positions no training step uses."""
+    run = loop.run
+    losses = [
+        _scalar(loop.eval_step(run.params, loop.batch_of(run.corpus.val, 10**9 + i, run.cfg.batch_size)))
+        for i in range(run.cfg.eval_batches)
+    ]
+    return float(np.mean(losses))
+
+
+def save_checkpoint(loop: TrainLoop) -> None:
+    """Checkpoint the run's state at its current step, with what a resume checks."""
+    run = loop.run
+    meta = {
+        "step": run.step,
+        "data_position": run.step,
+        "skipped_steps": run.bad_total,
+        "model": run.cfg.model,
+        "seed": run.cfg.seed,
+        "calibrated": run.calibrated,
+        "calibration": run.calibration.to_json(),
+        "error_feedback": bool(run.feedback),
+        "config": to_dict(loop.given),
+        "schedule_steps": run.cfg.decay_steps or run.cfg.steps,
+    }
+    run.checkpoints.save(run.step, _checkpoint_state(run.params, run.opt_state, run.feedback), meta)
+
+
+def train_loop(loop: TrainLoop, stop: _StopFlag, bar=None) -> None:
+    """Run steps up to `steps` or until every process agrees to stop, checkpointing at
+    the cadence, at the end and when stopped."""
+    run, cfg = loop.run, loop.run.cfg
+    while run.step < cfg.steps and stop.agree() is None:
+        row = run_step(loop, bar)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", step_s=f"{row['step_time_s']:.3f}"
+            )
+        if run.step % cfg.checkpoint_every == 0 or run.step == cfg.steps or stop.signal_name:
+            save_checkpoint(loop)
+
+
+def _summary(loop: TrainLoop, stopped_by: str | None, seconds: float) -> dict:
+    run, cfg = loop.run, loop.run.cfg
+    rows = loop.log.rows() if loop.main_process else []
+    return {
+        "model": cfg.model,
+        "mesh": list(cfg.mesh),
+        "taco": cfg.compression.tensor.preset,
+        "taco_policy": cfg.taco_policy,
+        "steps": run.step,
+        "stopped_by": stopped_by,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
+        "skipped_steps": run.bad_total,
+        "seconds": round(seconds, 1),
+        "taco_pipe": cfg.compression.pipe.preset,
+        "taco_data": cfg.compression.data.preset,
+        "wire_bytes_per_step": loop.wire[TENSOR_AXIS],
+        "wire_bytes_per_step_bf16": loop.wire_bf16[TENSOR_AXIS],
+        "wire_bytes_by_axis": loop.wire,
+        "wire_bytes_bf16_by_axis": loop.wire_bf16,
+        "pipeline_bubble": bubble_fraction(cfg.mesh.pipe, cfg.microbatches),
+        **_calibration_summary(run.calibration),
+    }
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
-    """Run (or resume) training as configured.
+    """Run (or resume) training as configured: `setup_train_loop`, then `train_loop`
+    under SIGTERM/SIGINT handlers that stop it at a step every process agrees on (and
+    checkpoint there), then the summary and the loss plot.
 
     Args:
       cfg: the configuration.
@@ -695,143 +911,32 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         (with `resume`).
       TrainingError: `max_bad_steps` consecutive non-finite steps.
     """
-    given = cfg  # what a checkpoint records, and a resume is checked against
-    run = start_run(cfg, resume)
-    cfg = run.cfg
-    mesh, config, corpus, out, tx, schedule, checkpoints = (
-        run.mesh,
-        run.config,
-        run.corpus,
-        run.out,
-        run.tx,
-        run.schedule,
-        run.checkpoints,
-    )
-    params, opt_state, feedback, step, bad_total = run.params, run.opt_state, run.feedback, run.step, run.bad_total
-    calibration, calibrated = run.calibration, run.calibrated
-    main_process = jax.process_index() == 0
-    batch_of = batch_maker(cfg, mesh)
-    cfg = resolve_taco_policy(
-        cfg, config, mesh, params, batch_of(corpus.train, 0, cfg.batch_size), out if main_process else None
-    )
-    if main_process and not resume:
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, feedback))
-    observe = taco_config(cfg).mode == "taco" and cfg.calibration_steps > 0 and (cfg.recalibrate or not calibrated)
-    calibrate_at = step + cfg.calibration_steps if observe else None
-    collector = tj.calibration.Collector() if observe else None
-    train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration, collector)
-    wire, wire_bf16 = wire_bytes_per_step(
-        cfg, config, train_step, (params, opt_state, feedback), batch_of(corpus.train, 0, cfg.batch_size)
-    )
-    log = MetricsLog(out / "metrics.jsonl", step, main_process)
+    loop = setup_train_loop(cfg, resume=resume)
+    run = loop.run
     stop = _StopFlag()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def save(at_step):
-        meta = {
-            "step": at_step,
-            "data_position": at_step,
-            "skipped_steps": bad_total,
-            "model": cfg.model,
-            "seed": cfg.seed,
-            "calibrated": calibrated,
-            "calibration": calibration.to_json(),
-            "error_feedback": bool(feedback),
-            "config": to_dict(given),
-            "schedule_steps": cfg.decay_steps or cfg.steps,
-        }
-        checkpoints.save(at_step, _checkpoint_state(params, opt_state, feedback), meta)
-
-    def evaluate():
-        # Fixed validation batches: positions no training step uses.
-        losses = [
-            _scalar(eval_step(params, batch_of(corpus.val, 10**9 + i, cfg.batch_size))) for i in range(cfg.eval_batches)
-        ]
-        return float(np.mean(losses))
-
     bar = None
-    if progress and main_process:
+    if progress and loop.main_process:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=step, desc=f"{cfg.model} {cfg.taco}", unit="step", file=sys.stderr)
-    consecutive_bad, tokens_per_step = 0, cfg.batch_size * cfg.seq_len
+        description = f"{run.cfg.model} {run.cfg.compression.tensor.preset}"
+        bar = tqdm(total=run.cfg.steps, initial=run.step, desc=description, unit="step", file=sys.stderr)
     started = time.time()
     try:
-        while step < cfg.steps and stop.agree() is None:
-            tick = time.perf_counter()
-            params, opt_state, feedback, metrics = train_step(
-                params,
-                opt_state,
-                feedback,
-                batch_of(corpus.train, step, cfg.batch_size),
-                jnp.bool_(step in cfg.debug_nan_steps),
-            )
-            jax.block_until_ready(metrics)  # also keeps CPU collective programs from overlapping
-            elapsed = time.perf_counter() - tick
-            ok = bool(np.asarray(metrics["ok"].addressable_shards[0].data))
-            consecutive_bad = 0 if ok else consecutive_bad + 1
-            bad_total += 0 if ok else 1
-            row = {
-                "step": step + 1,
-                "loss": _scalar(metrics["loss"]),
-                "lr": float(schedule(step)),
-                "grad_norm": _scalar(metrics["grad_norm"]),
-                "tokens_per_s": tokens_per_step / elapsed,
-                "step_time_s": elapsed,
-                "wire_bytes": wire["tensor"],
-                "wire_bytes_bf16": wire_bf16["tensor"],
-                "wire_bytes_by_axis": wire,
-                "wire_bytes_bf16_by_axis": wire_bf16,
-                "skipped_steps": bad_total,
-                "finite": ok,
-            }
-            step += 1
-            if step == calibrate_at:
-                calibration = calibrate_run(cfg, collector, out if main_process else None, bar)
-                calibrated, collector = True, None
-                train_step, eval_step = make_step_functions(cfg, config, mesh, tx, shardings, calibration)
-            if consecutive_bad >= cfg.max_bad_steps:
-                raise TrainingError(f"{consecutive_bad} consecutive non-finite steps (last: step {step}); stopping")
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                row["val_loss"] = evaluate()
-            log.write(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", step_s=f"{elapsed:.3f}")
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop.signal_name:
-                save(step)
+        train_loop(loop, stop, bar)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if bar is not None:
             bar.close()
-    if stop.signal_name and (checkpoints.latest_step() or 0) < step:
-        save(step)
-    checkpoints.close()
-    rows = log.rows() if main_process else []
-    summary = {
-        "model": cfg.model,
-        "mesh": list(cfg.mesh),
-        "taco": cfg.taco,
-        "taco_policy": cfg.taco_policy,
-        "steps": step,
-        "stopped_by": stop.signal_name,
-        "final_loss": rows[-1]["loss"] if rows else None,
-        "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
-        "skipped_steps": bad_total,
-        "seconds": round(time.time() - started, 1),
-        "taco_pipe": cfg.taco_pipe,
-        "taco_data": cfg.taco_data,
-        "wire_bytes_per_step": wire["tensor"],
-        "wire_bytes_per_step_bf16": wire_bf16["tensor"],
-        "wire_bytes_by_axis": wire,
-        "wire_bytes_bf16_by_axis": wire_bf16,
-        "pipeline_bubble": bubble_fraction(cfg.mesh[1], cfg.microbatches),
-        **_calibration_summary(calibration),
-    }
-    if main_process:
-        (out / "summary.json").write_text(strict_json(summary, indent=1))
+    if stop.signal_name and (run.checkpoints.latest_step() or 0) < run.step:
+        save_checkpoint(loop)
+    run.checkpoints.close()
+    summary = _summary(loop, stop.signal_name, time.time() - started)
+    if loop.main_process:
+        (run.out / "summary.json").write_text(strict_json(summary, indent=1))
+        rows = loop.log.rows()
         if rows:
-            plot_losses(rows, out / "loss.png", f"{cfg.model}, mesh {tuple(cfg.mesh)}, taco={cfg.taco}")
+            title = f"{run.cfg.model}, mesh {tuple(run.cfg.mesh)}, taco={run.cfg.compression.tensor.preset}"
+            plot_losses(rows, run.out / "loss.png", title)
     return summary
