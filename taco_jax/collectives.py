@@ -537,10 +537,11 @@ def run_all_reduce(x: jax.Array, call: Call, *, direction: str, algorithm: str =
     rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
     exchange = _one_shot if plan.algorithm == "one_shot" else _two_shot
     out, sent = exchange(rows, call, plan, x.dtype)
+    op = f"all_reduce_{plan.algorithm}"  # the ledger names the algorithm
     record_collective(
         x,
-        site=call.site_of("all_reduce"),
-        op=f"all_reduce_{plan.algorithm}",
+        site=call.site_of(op),
+        op=op,
         direction=direction,
         axis_name=call.axis_name,
         spec=plan.spec,
