@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Sequence
 
 import jax
@@ -11,9 +10,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from taco_jax.tracing import TraceScope
+
 MESH_AXES = ("data", "pipe", "tensor")
 DATA_AXIS, PIPE_AXIS, TENSOR_AXIS = MESH_AXES
-_SIMULATING = contextvars.ContextVar("simulating", default=False)
+_SIMULATING = TraceScope("simulated mesh", False)
 
 
 def simulating() -> bool:
@@ -119,11 +120,8 @@ def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out
         )
         split = per_spec(lambda x, spec: _split(x, spec, axis, size))
         in_axes = per_spec(lambda x, spec: None if _sharded_dim(spec, axis) is None else 0)
-        token = _SIMULATING.set(True)
-        try:
+        with _SIMULATING.set(True):
             out = jax.vmap(inner, in_axes=in_axes, axis_name=axis, axis_size=size)(*split)
-        finally:
-            _SIMULATING.reset(token)
         return jax.tree.map(
             lambda spec, tree: jax.tree.map(lambda y: _merge(y, spec, axis), tree), out_specs, out, is_leaf=is_spec
         )

@@ -1,9 +1,9 @@
 """Trace-time recording: values that code traced inside a `with` block sees.
 
 The wire ledger (`accounting.record_wire`), the calibration collector
-(`calibration.observing`) and the collectives' own bookkeeping all work while a function
-is traced, not while it runs: a `with` block makes a value visible to every collective
-traced inside it. They share this one mechanism, a context variable set for the block
+(`calibration.observing`), the collectives' own bookkeeping and the simulated mesh
+(`mesh.simulated_shard_map`) all work while a function is traced, not while it runs: a
+`with` block makes a value visible to everything traced inside it. They share this one mechanism, a context variable set for the block
 (per thread, as tracing is).
 """
 

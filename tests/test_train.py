@@ -585,3 +585,18 @@ def test_compression_groups_come_from_the_flat_keys_and_go_back_to_them():
     )
     with pytest.raises(ValueError, match="three positive degrees"):
         TrainConfig.from_keys(mesh="2,2")
+
+
+def test_the_simulated_mesh_is_visible_to_what_it_traces():
+    """Layers choose implementations whose batching rules fit the vmaps by
+    `taco_jax.mesh.simulating()`: True inside `simulated_shard_map`, False after."""
+    from jax.sharding import PartitionSpec as P
+
+    seen = []
+
+    def body(a):
+        seen.append(tj.mesh.simulating())
+        return a
+
+    tj.simulated_shard_map(body, {"tensor": 2}, (P("tensor"),), P("tensor"))(jnp.ones(4))
+    assert seen == [True] and not tj.mesh.simulating()
