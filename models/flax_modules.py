@@ -84,6 +84,7 @@ class Block(nnx.Module):
         sequence_parallel: bool,
         dtype: Any,
         calibration: tj.calibration.Calibration | None,
+        overlap: bool = False,
     ):
         self.config = config
         gpt2 = config.family == "gpt2"
@@ -94,6 +95,7 @@ class Block(nnx.Module):
             sequence_parallel=sequence_parallel,
             dtype=dtype,
             calibration=calibration,
+            overlap=overlap,
             kernel_init=jax.nn.initializers.normal(_INIT_STD),
         )
         residual = dict(common, kernel_init=jax.nn.initializers.normal(_INIT_STD / np.sqrt(2 * config.n_layers)))
@@ -149,6 +151,7 @@ class Transformer(nnx.Module):
         sequence_parallel: bool = False,
         dtype: Any = jnp.float32,
         calibration: tj.calibration.Calibration | None = None,
+        overlap: bool = False,
     ):
         """
         Args:
@@ -159,14 +162,17 @@ class Transformer(nnx.Module):
           sequence_parallel: norms and residuals on sequence shards over "tensor".
           dtype: compute dtype of the matmuls (parameters stay float32).
           calibration: per-site channel permutations / transform decisions.
+          overlap: with sequence_parallel, every layer's gather and matmul and its matmul
+            and reduce-scatter as collective matmuls (`taco_jax.flax.ParallelDotGeneral`).
 
         Raises:
           ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
-            padded vocabulary.
+            padded vocabulary; overlap without sequence_parallel.
         """
         check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
         self.config, self.mesh, self.taco = config, mesh, taco
         self.sequence_parallel, self.dtype, self.calibration = sequence_parallel, dtype, calibration
+        self.overlap = overlap
         self.embed = _param(rngs, (padded_vocab(config), config.d_model), (TENSOR_AXIS, None), mesh)
         if config.family == "gpt2":
             self.positions = _param(rngs, (config.max_positions, config.d_model), (None, None), mesh)
@@ -180,6 +186,7 @@ class Transformer(nnx.Module):
                     sequence_parallel=sequence_parallel,
                     dtype=dtype,
                     calibration=calibration,
+                    overlap=overlap,
                 )
                 for _ in range(config.n_layers)
             ]
@@ -234,7 +241,13 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         table = self.embed if self.config.tie_embeddings else self.head
         head = ParallelDotGeneral(
-            self.mesh, self.taco, "column", layers.SITE_HEAD_IN, self.sequence_parallel, calibration=self.calibration
+            self.mesh,
+            self.taco,
+            "column",
+            layers.SITE_HEAD_IN,
+            self.sequence_parallel,
+            calibration=self.calibration,
+            overlap=self.overlap,
         )
         kernel = table[...].T.astype(self.dtype)
         logits = head(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
@@ -314,7 +327,7 @@ def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoC
     Args:
       config: the model configuration.
       params: functional parameters (host or device).
-      mesh, taco, **kwargs: as `Transformer` (sequence_parallel, dtype, calibration).
+      mesh, taco, **kwargs: as `Transformer` (sequence_parallel, dtype, calibration, overlap).
 
     Returns:
       The module, its parameters placed on `mesh` with their partitioning.

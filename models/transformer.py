@@ -40,6 +40,9 @@ class Parallelism:
         wire form (`taco_jax.tp.gather_matmul`) instead of decoded.
       calibration: per-site channel permutations and transform decisions
         (`taco_jax.calibration`); empty = identity before calibration.
+      overlap: with sequence parallelism, run the all-gather -> column matmul and the
+        row matmul -> reduce-scatter as collective matmuls (`taco_jax.collective_matmul`:
+        one message per peer, each chunk's matmul beside the other chunks' transfers).
       remat: activation checkpointing of each layer: "none" (keep what autodiff
         needs), "dots" (keep the matmul outputs, recompute the rest) or "block"
         (keep only each layer's input, recompute the layer in the backward pass).
@@ -51,10 +54,16 @@ class Parallelism:
     compressed_residuals: bool = True
     calibration: tj.calibration.Calibration = tj.calibration.Calibration()
     remat: str = "none"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {self.remat!r}; expected one of {list(REMAT_POLICIES)}")
+        if self.overlap and not self.sequence_parallel:
+            raise ValueError(
+                "overlap needs sequence_parallel: the collective matmuls replace its all-gather and "
+                "reduce-scatter (the all-reduce form without sequence parallelism is not built)"
+            )
 
 
 # What a layer keeps for its backward pass (jax.checkpoint policies); None = no remat.
@@ -75,8 +84,10 @@ def _enter(x, par: Parallelism, site: str):
 def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
     """`_enter(x) @ kernel` for kernels (D, ...) sharded on their output axes."""
     flat = tuple(k.reshape(k.shape[0], -1).astype(par.compute_dtype) for k in kernels)
-    if par.sequence_parallel and par.compressed_residuals:
-        outputs = tj.tp.gather_matmul(x, flat, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
+    if par.sequence_parallel and (par.compressed_residuals or par.overlap):
+        outputs = tj.tp.gather_matmul(
+            x, flat, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration, overlap=par.overlap
+        )
     else:
         h = _enter(x, par, site)
         outputs = tuple(h @ k for k in flat)
@@ -88,6 +99,18 @@ def _leave(x, par: Parallelism, site: str):
     if par.sequence_parallel:
         return tj.tp.reduce_scatter_to_sp(x, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
     return tj.tp.reduce_from_tp(x, TENSOR_AXIS, par.taco, site=site, calibration=par.calibration)
+
+
+def _row_parallel(x, kernel, par: Parallelism, site: str, contract: str | None = None):
+    """`_leave` of the row-parallel matmul `x @ kernel` (or `einsum(contract, x,
+    kernel)`); with `overlap`, one collective matmul over x and the kernel flattened to
+    (F, D)."""
+    if par.overlap:
+        flat_x, flat_kernel = x.reshape(*x.shape[:2], -1), kernel.reshape(-1, kernel.shape[-1])
+        return tj.tp.matmul_reduce_scatter(
+            flat_x, flat_kernel, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration, overlap=True
+        )
+    return _leave(x @ kernel if contract is None else jnp.einsum(contract, x, kernel), par, site)
 
 
 def _norm(config: ModelConfig, x, layer: dict, name: str):
@@ -106,27 +129,27 @@ def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parall
             out + c(layer[f"{n}_bias"]) for out, n in zip(_column_parallel(x, kernels, par, layers.SITE_ATTN_IN), "qkv")
         )
         q, k = layers.rotary(q, positions, config.rope_theta), layers.rotary(k, positions, config.rope_theta)
-    return jnp.einsum("bshe,hed->bsd", layers.causal_attention(q, k, v), c(layer["out_kernel"]))
+    return layers.causal_attention(q, k, v)
 
 
 def _mlp_block(config: ModelConfig, layer: dict, x, par: Parallelism):
     c = lambda w: w.astype(par.compute_dtype)
     if config.family == "gpt2":
         (hidden,) = _column_parallel(x, (layer["fc_kernel"],), par, layers.SITE_MLP_IN)
-        return layers.gpt2_mlp_activation(hidden + c(layer["fc_bias"])) @ c(layer["proj_kernel"])
+        return layers.gpt2_mlp_activation(hidden + c(layer["fc_bias"])), c(layer["proj_kernel"])
     gate, up = _column_parallel(x, (layer["gate_kernel"], layer["up_kernel"]), par, layers.SITE_MLP_IN)
-    return layers.swiglu(gate, up) @ c(layer["down_kernel"])
+    return layers.swiglu(gate, up), c(layer["down_kernel"])
 
 
 def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions):
     dtype = par.compute_dtype
-    out = _leave(
-        _attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par), par, layers.SITE_ATTN_OUT
-    )
+    attended = _attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par)
+    out = _row_parallel(attended, layer["out_kernel"].astype(dtype), par, layers.SITE_ATTN_OUT, "bshe,hed->bsd")
     if config.family == "gpt2":
         out = out + layer["out_bias"].astype(dtype)
     x = x + out
-    out = _leave(_mlp_block(config, layer, _norm(config, x, layer, "norm2"), par), par, layers.SITE_MLP_OUT)
+    activation, kernel = _mlp_block(config, layer, _norm(config, x, layer, "norm2"), par)
+    out = _row_parallel(activation, kernel, par, layers.SITE_MLP_OUT)
     if config.family == "gpt2":
         out = out + layer["proj_bias"].astype(dtype)
     return x + out

@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -208,14 +208,21 @@ def planned_spec(
     return plan.spec(spec), None if plan.is_identity else plan
 
 
-def compressible(x: jax.Array, config: TacoConfig) -> bool:
+def compressible(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> bool:
     """Whether `config` compresses `x`: a non-empty float array of at least `min_bytes`
     (an empty one has nothing to send, so it takes the plain collective)."""
     return x.size > 0 and jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(x.size * x.dtype.itemsize)
 
 
 def plan_message(
-    x: jax.Array, call: Call, *, op: str, direction: str, algorithm: str = "auto", moves_channels: bool = False
+    x: jax.Array | jax.ShapeDtypeStruct,
+    call: Call,
+    *,
+    op: str,
+    direction: str,
+    algorithm: str = "auto",
+    moves_channels: bool = False,
+    report: bool = True,
 ) -> WirePlan | None:
     """How `x` travels in `op` (`taco_jax.policy`): None for the plain collective, else
     its `WirePlan`. A compressed message is reported to an active calibration collector.
@@ -227,6 +234,8 @@ def plan_message(
       direction: "forward" or "backward".
       algorithm: the caller's all-reduce algorithm ("auto": the policy's choice).
       moves_channels: the op gathers or scatters along the channel axis.
+      report: report `x` to an active calibration collector (False: the caller reports
+        the pieces it compresses; `x` may then be a ShapeDtypeStruct).
 
     Raises:
       ValueError: a channel permutation on a site whose op moves the channel axis, or
@@ -244,7 +253,10 @@ def plan_message(
     if not route.compressed:
         return None
     site = call.site_of(op)
-    calibration_lib.observe(x, site, direction)
+    if report:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise ValueError("plan_message reports the message's values: pass the array, or report=False")
+        calibration_lib.observe(x, site, direction)
     spec, permutation = planned_spec(call.spec(direction), call.calibration, site, direction, x.shape[-1])
     if permutation is not None and moves_channels:
         raise ValueError(
@@ -608,21 +620,34 @@ def run_ppermute(x: jax.Array, call: Call, *, direction: str, pairs: tuple[tuple
 # ----------------------------------------------------------------------------- differentiable API
 
 
-# True while a straight-through op is being called (not re-traced by JAX later).
-_CALLING = TraceScope("straight-through op called", False)
+# True while a differentiable op is being called (not re-traced by JAX later).
+_CALLING = TraceScope("differentiable op called", False)
+
+
+@contextlib.contextmanager
+def forward_recording() -> Iterator[None]:
+    """Around the forward body of a `custom_vjp` op: its messages are recorded in the
+    wire ledger only while the op is being called (`called`). JAX may trace the
+    forward rule once more later (differentiating a scan traces its body's primal and
+    then its forward rule), and that second trace sends nothing more."""
+    with contextlib.nullcontext() if _CALLING.get() else accounting.paused():
+        yield
+
+
+def called(op: Callable[..., Any], *args: Any) -> Any:
+    """`op(*args)`, a `custom_vjp` op whose forward body is in `forward_recording`."""
+    with _CALLING.set(True):
+        return op(*args)
 
 
 def straight_through(forward: Callable[..., jax.Array], backward: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """A differentiable op `op(x, call, **options)` = `forward(x, call, **options)` whose
     cotangent is `backward(cotangent, call, **options)`: an explicit rule, so autodiff
-    never differentiates the quantizer. `options` are hashable non-array keywords.
-
-    The forward messages are recorded in the wire ledger while the op is called: JAX may
-    trace the forward rule once more later (differentiating a scan traces its body's
-    primal and then its forward rule), and that second trace sends nothing more."""
+    never differentiates the quantizer. `options` are hashable non-array keywords. The
+    forward messages are recorded once (`forward_recording`)."""
 
     def counted_forward(x, call, options):
-        with contextlib.nullcontext() if _CALLING.get() else accounting.paused():
+        with forward_recording():
             return forward(x, call, **dict(options))
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -635,8 +660,7 @@ def straight_through(forward: Callable[..., jax.Array], backward: Callable[..., 
     )
 
     def apply(x: jax.Array, call: Call, **options: Any) -> jax.Array:
-        with _CALLING.set(True):
-            return op(x, call, tuple(sorted(options.items())))
+        return called(op, x, call, tuple(sorted(options.items())))
 
     return apply
 

@@ -63,6 +63,10 @@ class ParallelDotGeneral:
         axis (second to last) over the tensor axis.
       axis_name: the tensor-parallel mesh axis.
       calibration: per-site channel permutations / transform decisions (None: identity).
+      overlap: with sequence parallelism, the gather and matmul (column) or the matmul
+        and reduce-scatter (row) as one collective matmul (`taco_jax.collective_matmul`),
+        each chunk's matmul beside the other chunks' transfers; its matmuls use the
+        default precision.
     """
 
     mesh: Mesh
@@ -72,6 +76,7 @@ class ParallelDotGeneral:
     sequence_parallel: bool = False
     axis_name: str = "tensor"
     calibration: Calibration | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -80,6 +85,8 @@ class ParallelDotGeneral:
             raise ValueError(f"mesh must be a jax.sharding.Mesh with a {self.axis_name!r} axis, got {self.mesh!r}")
         if not isinstance(self.config, TacoConfig):
             raise ValueError(f"config must be a TacoConfig, got {type(self.config).__name__}")
+        if self.overlap and not self.sequence_parallel:
+            raise ValueError("overlap needs sequence_parallel: it overlaps that all-gather or reduce-scatter")
 
     def __call__(
         self,
@@ -135,14 +142,25 @@ class ParallelDotGeneral:
         axis_name, config, site, calibration = self.axis_name, self.config, self.site, self.calibration
         if self.sequence_parallel:
             (out,) = tp.gather_matmul(
-                x, (kernel,), axis_name, config, axis=x.ndim - 2, site=site, calibration=calibration
+                x,
+                (kernel,),
+                axis_name,
+                config,
+                axis=x.ndim - 2,
+                site=site,
+                calibration=calibration,
+                overlap=self.overlap,
             )
             return out
         return matmul(tp.copy_to_tp(x, axis_name, config, site=site, calibration=calibration), kernel)
 
     def _row(self, x: jax.Array, kernel: jax.Array, matmul) -> jax.Array:
-        partial = matmul(x, kernel)
         axis_name, config, site, calibration = self.axis_name, self.config, self.site, self.calibration
+        if self.overlap:
+            return tp.matmul_reduce_scatter(
+                x, kernel, axis_name, config, axis=x.ndim - 2, site=site, calibration=calibration, overlap=True
+            )
+        partial = matmul(x, kernel)
         if self.sequence_parallel:
             return tp.reduce_scatter_to_sp(
                 partial, axis_name, config, axis=x.ndim - 2, site=site, calibration=calibration
@@ -155,18 +173,14 @@ def _parallel_linear(
     in_features: int,
     out_features: int,
     mesh: Mesh,
-    config: TacoConfig,
-    site: str | None,
+    dot_general: ParallelDotGeneral,
     use_bias: bool,
     rngs: nnx.Rngs,
-    sequence_parallel: bool,
-    calibration: Calibration | None,
     linear_kwargs: dict,
 ) -> dict:
     """nnx.Linear arguments of a parallel layer: the dot_general and the parameters'
     partitioning (kernel split over the tensor axis on its output or input axis; the
     bias split with the output of a column layer, replicated after a row layer)."""
-    dot_general = ParallelDotGeneral(mesh, config, kind, site, sequence_parallel, calibration=calibration)
     kernel_axes, bias_axes = (
         ((None, dot_general.axis_name), (dot_general.axis_name,))
         if kind == "column"
@@ -213,6 +227,7 @@ class ColumnParallelLinear(nnx.Linear):
         rngs: nnx.Rngs,
         sequence_parallel: bool = False,
         calibration: Calibration | None = None,
+        overlap: bool = False,
         **linear_kwargs: Any,
     ) -> None:
         """
@@ -226,12 +241,14 @@ class ColumnParallelLinear(nnx.Linear):
           sequence_parallel: the input is split over "tensor" along its sequence axis
             (second to last) and gathered here (compressed, the backward a reduce-scatter).
           calibration: per-site channel permutations / transform decisions.
+          overlap: with sequence_parallel, gather and multiply as one collective matmul
+            (`ParallelDotGeneral.overlap`).
           **linear_kwargs: further `nnx.Linear` arguments (dtype, param_dtype,
             kernel_init, bias_init, precision, ...).
 
         Raises:
           ValueError: out_features not divisible by the tensor axis, a mesh without it, or
-            a config that is not a `TacoConfig`.
+            a config that is not a `TacoConfig`; overlap without sequence_parallel.
         """
         super().__init__(
             **_parallel_linear(
@@ -239,12 +256,11 @@ class ColumnParallelLinear(nnx.Linear):
                 in_features,
                 out_features,
                 mesh,
-                config,
-                site,
+                ParallelDotGeneral(
+                    mesh, config, "column", site, sequence_parallel, calibration=calibration, overlap=overlap
+                ),
                 use_bias,
                 rngs,
-                sequence_parallel,
-                calibration,
                 linear_kwargs,
             )
         )
@@ -272,6 +288,7 @@ class RowParallelLinear(nnx.Linear):
         rngs: nnx.Rngs,
         sequence_parallel: bool = False,
         calibration: Calibration | None = None,
+        overlap: bool = False,
         **linear_kwargs: Any,
     ) -> None:
         """
@@ -280,11 +297,13 @@ class RowParallelLinear(nnx.Linear):
           mesh, config, site, use_bias, rngs, calibration: as `ColumnParallelLinear`.
           sequence_parallel: reduce-scatter the sum along the sequence axis (second to
             last) instead of all-reducing it; the output is split over "tensor" there.
+          overlap: with sequence_parallel, multiply and reduce-scatter as one collective
+            matmul (`ParallelDotGeneral.overlap`).
           **linear_kwargs: further `nnx.Linear` arguments.
 
         Raises:
           ValueError: in_features not divisible by the tensor axis, a mesh without it, or
-            a config that is not a `TacoConfig`.
+            a config that is not a `TacoConfig`; overlap without sequence_parallel.
         """
         super().__init__(
             **_parallel_linear(
@@ -292,12 +311,11 @@ class RowParallelLinear(nnx.Linear):
                 in_features,
                 out_features,
                 mesh,
-                config,
-                site,
+                ParallelDotGeneral(
+                    mesh, config, "row", site, sequence_parallel, calibration=calibration, overlap=overlap
+                ),
                 use_bias,
                 rngs,
-                sequence_parallel,
-                calibration,
                 linear_kwargs,
             )
         )

@@ -20,7 +20,10 @@ quantizer itself is never differentiated (straight-through).
   gather_from_sp        all-gather forward, reduce-scatter backward
   reduce_scatter_to_sp  reduce-scatter forward, all-gather backward
   gather_matmul         gather_from_sp followed by column-parallel matmuls, saving the
-                        gathered input for the backward pass in its 8-bit wire form
+                        gathered input for the backward pass in its 8-bit wire form;
+                        overlap=True: as a collective matmul (taco_jax.collective_matmul)
+  matmul_reduce_scatter a row-parallel matmul followed by reduce_scatter_to_sp;
+                        overlap=True: as a collective matmul
   sum_sequence_parallel_grads
                         sum over the axis the gradients of replicated parameters
                         applied to sequence shards (check_vma=False; JAX does it itself
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from taco_jax import collectives
+from taco_jax import collective_matmul, collectives
 from taco_jax.calibration import Calibration
 from taco_jax.kernels import jax_compat
 from taco_jax.spec import TacoConfig
@@ -223,7 +226,8 @@ def _gather_matmul(x, weights, call, axis):
 def _gather_matmul_fwd(x, weights, call, axis):
     # Keep what was received (the 8-bit buffers when compressed), not the decoded
     # activation: ~half the bytes of bf16 (as Transformer Engine keeps FP8 residuals).
-    gathered, residual = collectives.run_all_gather(x, call, direction="forward", axis=axis)
+    with collectives.forward_recording():
+        gathered, residual = collectives.run_all_gather(x, call, direction="forward", axis=axis)
     return tuple(gathered @ weight for weight in weights), (residual, weights)
 
 
@@ -245,6 +249,14 @@ def _gather_matmul_bwd(call, axis, residuals, cotangents):
 _gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
 
 
+def _varying_together(axis_name: str, *arrays: jax.Array) -> list[jax.Array]:
+    """The arrays with one varying type (the casts JAX inserts itself around a matmul;
+    their transposes sum the weight gradients over e.g. the data axis)."""
+    arrays = tuple(jnp.asarray(a) for a in arrays)
+    axes = tuple(sorted({axis_name}.union(*map(collectives.varying_axes, arrays))))
+    return [collectives.vary(a, axes) for a in arrays]
+
+
 def gather_matmul(
     x: jax.Array,
     weights: tuple[jax.Array, ...],
@@ -254,6 +266,7 @@ def gather_matmul(
     axis: int = 1,
     site: str | None = None,
     calibration: Calibration | None = None,
+    overlap: bool = False,
 ) -> tuple[jax.Array, ...]:
     """Sequence-parallel column-parallel matmuls: `gather_from_sp(x) @ w` for each weight.
 
@@ -269,20 +282,64 @@ def gather_matmul(
       axis: the sequence axis of `x`.
       site: call-site name for wire-byte accounting and calibration.
       calibration: per-site channel permutations / transform decisions (None: identity).
+      overlap: send the gather as one message per peer (`collective_matmul`), so the
+        matmul of a chunk that has arrived can run while the others are on the wire;
+        the backward pass is then the overlapped `matmul_reduce_scatter`.
 
     Returns:
       One output (..., N_i) per weight, over the gathered sequence.
 
     Raises:
-      ValueError: `config` is not a `TacoConfig`, or a bad calibration.
+      ValueError: `config` is not a `TacoConfig`, a bad calibration, or (with
+        `overlap`) an `axis` that is the feature axis.
     """
     call = _call(axis_name, config, site, calibration)
-    arrays = (jnp.asarray(x), *(jnp.asarray(w) for w in weights))
-    # One varying type for all operands (the casts JAX inserts itself around a matmul;
-    # their transposes sum the weight gradients over e.g. the data axis).
-    axes = tuple(sorted({axis_name}.union(*map(collectives.varying_axes, arrays))))
-    x, *varying_weights = (collectives.vary(a, axes) for a in arrays)
-    return _gather_matmul(x, tuple(varying_weights), call, axis)
+    x, *varying_weights = _varying_together(axis_name, x, *weights)
+    if overlap:
+        axis = collective_matmul.check_sequence_axis(x.shape, axis, lax.axis_size(axis_name), scattered=False)
+        return collectives.called(collective_matmul.all_gather_matmul, x, tuple(varying_weights), call, axis)
+    return collectives.called(_gather_matmul, x, tuple(varying_weights), call, axis)
+
+
+def matmul_reduce_scatter(
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    axis: int = 1,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+    overlap: bool = False,
+) -> jax.Array:
+    """A row-parallel matmul entering a sequence-parallel region:
+    `reduce_scatter_to_sp(x @ weight)`.
+
+    Args:
+      x: this rank's input (..., F_shard) over the whole sequence.
+      weight: this rank's row-parallel weight shard (F_shard, D), in x's dtype.
+      axis_name: the tensor-parallel mesh axis.
+      config: `TacoConfig`.
+      axis: the sequence axis (its size must divide by the axis size).
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
+      overlap: compute and send the block of each peer in turn (`collective_matmul`),
+        so each block's transfer can run beside the next block's matmul; the backward
+        pass is then the overlapped `gather_matmul`.
+
+    Returns:
+      This rank's sequence block of the sum, (..., D).
+
+    Raises:
+      ValueError: the sequence axis does not divide by the axis size, or is the feature
+        axis; a bad config or calibration.
+    """
+    if not overlap:
+        return reduce_scatter_to_sp(x @ weight, axis_name, config, axis=axis, site=site, calibration=calibration)
+    call = _call(axis_name, config, site, calibration)
+    x, weight = _varying_together(axis_name, x, weight)
+    axis = collective_matmul.check_sequence_axis(x.shape, axis, lax.axis_size(axis_name), scattered=True)
+    return collectives.called(collective_matmul.matmul_reduce_scatter, x, weight, call, axis)
 
 
 def sum_sequence_parallel_grads(grads: Any, specs: Any, axis_name: str) -> Any:

@@ -565,3 +565,32 @@ def test_nested_wire_ledgers_each_record_the_collectives_traced_inside():
         fn.lower(jnp.zeros((4 * 16, 128), jnp.float32))
     assert [r.shape for r in inner.records] == [(8, 128)]
     assert [r.shape for r in outer.records] == [(8, 128), (16, 128)]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["gather_matmul", "collective_matmul"])
+def test_ledger_counts_each_matmul_message_of_a_differentiated_scan_once(overlap):
+    """The sequence-parallel matmul ops (custom_vjp rules of their own) record each
+    forward message once in a differentiated scan, as the collectives do."""
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    config = _config("taco+")
+    x = jnp.ones((2, 4 * 8, 128), jnp.float32)
+    weights = jnp.ones((2, 128, 128), jnp.float32)
+
+    def body(v):
+        def layer(h, w):
+            (g,) = tj.tp.gather_matmul(h, (w,), "tensor", config, axis=1, site="in", overlap=overlap)
+            return tj.tp.matmul_reduce_scatter(g, w, "tensor", config, axis=1, site="out", overlap=overlap), None
+
+        return jax.grad(lambda u: jnp.sum(jax.lax.scan(layer, u, weights)[0] ** 2))(v)
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P(None, "tensor"), out_specs=P(None, "tensor"), check_vma=False)
+    )
+    with tj.record_wire() as ledger:
+        fn.lower(x)
+    assert sorted((r.site, r.op, r.direction) for r in ledger.records) == [
+        ("in", "all_gather", "forward"),
+        ("in", "reduce_scatter", "backward"),
+        ("out", "all_gather", "backward"),
+        ("out", "reduce_scatter", "forward"),
+    ]

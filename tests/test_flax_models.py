@@ -109,3 +109,33 @@ def test_bad_model_shapes_are_clear_errors():
         model(jnp.zeros((2, 6), jnp.int32))
     with pytest.raises(ValueError, match="exceeds max_positions"):
         model(jnp.zeros((1, config.max_positions + 4), jnp.int32))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_overlapped_layers_equal_the_collective_path(name):
+    """`overlap=True` (collective matmuls in every sequence-parallel layer and the head):
+    uncompressed, the logits and gradients of the collective path to float rounding;
+    compressed, within codec error of the uncompressed model."""
+    config, params, tokens = _setup(name)
+    mesh = tj.make_mesh(2, 1, 4)
+
+    def run(preset, overlap):
+        model = flax_modules.from_params(
+            config,
+            params,
+            mesh=mesh,
+            taco=tj.TacoConfig.preset(preset, min_bytes=0),
+            sequence_parallel=True,
+            overlap=overlap,
+        )
+        logits = nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1])
+        grads = nnx.jit(nnx.grad(_loss))(model, tokens)
+        return [np.asarray(logits, np.float64)] + [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+
+    plain, overlapped = run("off", False), run("off", True)
+    for got, want in zip(overlapped, plain, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max() + 1e-9)
+    compressed = run("taco+", True)
+    assert 1e-5 < _rel(compressed[0], plain[0]) < 0.05
+    with pytest.raises(ValueError, match="overlap needs sequence_parallel"):
+        flax_modules.from_params(config, params, mesh=mesh, taco=tj.TacoConfig.preset("off"), overlap=True)

@@ -9,7 +9,7 @@ import sys
 EPILOG = """
 Any config field can also be set as key=value (after the flags), e.g.
   python -m taco_jax.train --steps 50 lr=1e-3 batch_size=32 sequence_parallel=true
-Fields: model mesh taco taco_min_bytes taco_policy sequence_parallel steps seed data_seed batch_size seq_len
+Fields: model mesh taco taco_min_bytes taco_policy sequence_parallel tp_overlap steps seed data_seed batch_size seq_len
 microbatches grad_accum lr warmup_steps decay_steps min_lr_ratio weight_decay beta1 beta2 grad_clip
 compute_dtype data tokenizer data_dtype val_fraction eval_every eval_batches out
 checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps calibration_steps

@@ -39,6 +39,7 @@ RESUMABLE_KEYS = (
     "calibration_steps",
     "taco_data",
     "taco_data_backward",
+    "tp_overlap",
     "out",
 )
 
@@ -138,6 +139,10 @@ class TrainConfig:
       taco_data_backward: replace taco_data's quantizer (gradients are backward-pass
         tensors), e.g. "int4:128:H:bf16" for 4-bit gradients.
       sequence_parallel: norms and residuals on sequence shards.
+      tp_overlap: "on": the sequence-parallel all-gather -> matmul and matmul ->
+        reduce-scatter of every layer run as collective matmuls (one message per peer,
+        a chunk's matmul beside the other chunks' transfers; `taco_jax.collective_matmul`);
+        needs sequence_parallel. "off": the collectives, then the matmuls.
       steps: optimizer steps to run (a resumed run continues up to this step).
       seed: parameter init seed (and data order seed unless data_seed is set).
       data_seed: data order seed; -1 uses `seed` (set it to compare seeds on one data order).
@@ -185,6 +190,7 @@ class TrainConfig:
     taco_min_bytes: int = 0
     taco_policy: str = "auto"
     sequence_parallel: bool = False
+    tp_overlap: str = "off"
     steps: int = 300
     seed: int = 0
     data_seed: int = -1
@@ -275,6 +281,12 @@ class TrainConfig:
                     QuantSpec.parse(value)
                 except ValueError as error:
                     problems.append(f"{key}: {error}")
+        if self.tp_overlap not in ("off", "on"):
+            problems.append(f"tp_overlap must be on or off, got {self.tp_overlap!r}")
+        elif self.tp_overlap == "on" and not self.sequence_parallel:
+            problems.append(
+                "tp_overlap=on needs sequence_parallel=true (it overlaps that all-gather and reduce-scatter)"
+            )
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         return problems

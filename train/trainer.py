@@ -195,7 +195,12 @@ def resolve_taco_policy(
 
 def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
     return Parallelism(
-        taco_config(cfg), cfg.sequence_parallel, jnp.dtype(cfg.compute_dtype), calibration=calibration, remat=cfg.remat
+        taco_config(cfg),
+        cfg.sequence_parallel,
+        jnp.dtype(cfg.compute_dtype),
+        calibration=calibration,
+        remat=cfg.remat,
+        overlap=cfg.tp_overlap == "on",
     )
 
 

@@ -1,0 +1,283 @@
+"""Collective matmuls: the sequence-parallel all-gather and reduce-scatter decomposed
+into one point-to-point message per peer, so that the matmul of a chunk already present
+can run while the next chunk is on the wire (the decomposition of Wang et al., ASPLOS'23;
+JAX's collective-matmul guide; PyTorch's async TP).
+
+Over k ranks, rank r's chunk reaches rank r + s (mod k) by the collective-permute of
+shift s, s = 1 .. k-1. The k-1 permutes depend on nothing but the sender's chunk, so
+the compiler is free to run each beside the matmuls of the chunks already received.
+Compressed, every chunk is one 8-bit wire message (the codec's, `taco_jax.collectives`
+plans it as it plans the collective it replaces): the message is encoded once, moved
+by the permutes, and decoded where it arrives; a reduce-scatter sums the k messages of
+a chunk in float32 and transforms back once, as the all-to-all form does. The wire
+bytes equal the collective's, and so does the ledger entry.
+
+  all_gather_matmul       all-gather along the sequence, then x @ w for each weight;
+                          backward: matmul_reduce_scatter of the cotangents (and the
+                          weight gradients from the gathered input, kept 8-bit)
+  matmul_reduce_scatter   x @ w, reduce-scattered along the sequence; backward:
+                          all_gather_matmul of the cotangent
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from taco_jax import calibration as calibration_lib
+from taco_jax.codec import decode, encode
+from taco_jax.collectives import (
+    Call,
+    WirePlan,
+    _check_axis,
+    forward_recording,
+    from_rows,
+    group_count,
+    per_rank,
+    plan_message,
+    record_collective,
+    to_rows,
+)
+
+
+def shift_pairs(ranks: int, shift: int) -> tuple[tuple[int, int], ...]:
+    """The (source, destination) pairs of the collective-permute that moves every
+    rank's message `shift` ranks on."""
+    return tuple((rank, (rank + shift) % ranks) for rank in range(ranks))
+
+
+def _shifted(message: jax.Array, axis_name: str, shift: int) -> jax.Array:
+    ranks = lax.axis_size(axis_name)
+    return lax.ppermute(per_rank(message, axis_name), axis_name, shift_pairs(ranks, shift))
+
+
+# ----------------------------------------------------------------------------- all-gather
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkDecoder:
+    """Decodes one received chunk message back to the sender's chunk (`plan` None: the
+    message is the chunk itself)."""
+
+    plan: WirePlan | None
+    shape: tuple[int, ...]
+    dtype: Any
+    kernel_mode: str
+
+    def __call__(self, message: jax.Array) -> jax.Array:
+        if self.plan is None:
+            return message
+        spec = self.plan.spec
+        groups = group_count(self.shape, spec.group_size)
+        rows = decode(message[None, None], groups, spec, self.dtype, self.kernel_mode)[0]
+        return self.plan.from_wire_order(from_rows(rows, self.shape, 0))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShiftedChunks:
+    """The chunks of an all-gather by shifts as received: `messages[s]` came from rank
+    r - s (mod k), 8-bit wire messages when compressed. `values()` decodes them.
+
+    Attributes:
+      messages: one message per shift, s = 0 (this rank's own) .. k-1.
+      decoder: what turns a message back into its chunk.
+    """
+
+    messages: tuple[jax.Array, ...]
+    decoder: _ChunkDecoder = dataclasses.field(metadata=dict(static=True))
+
+    def values(self) -> list[jax.Array]:
+        """The chunks, in shift order."""
+        return [self.decoder(message) for message in self.messages]
+
+
+def gather_by_shifts(x: jax.Array, call: Call, *, direction: str) -> ShiftedChunks:
+    """Every rank's `x`, moved by the k-1 shift permutes (compressed where the plan of
+    the all-gather it replaces says so), recorded as that all-gather."""
+    ranks = lax.axis_size(call.axis_name)
+    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
+    plan = plan_message(x, call, op="all_gather", direction=direction)
+    decoder = _ChunkDecoder(plan, tuple(x.shape), x.dtype, call.config.kernel_mode)
+    if plan is None:
+        message, sent = x, plain_sent
+    else:
+        rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
+        message = encode(rows, plan.spec, call.config.kernel_mode)
+        sent = (ranks - 1) * plan.message_bytes(rows.shape[0])
+    record_collective(
+        x,
+        site=call.site_of("all_gather"),
+        op="all_gather",
+        direction=direction,
+        axis_name=call.axis_name,
+        spec=None if plan is None else plan.spec,
+        sent=sent,
+        plain_sent=plain_sent,
+    )
+    received = tuple(_shifted(message, call.axis_name, shift) for shift in range(1, ranks))
+    return ShiftedChunks((message, *received), decoder)
+
+
+def in_rank_order(pieces: list[jax.Array], axis_name: str, axis: int) -> jax.Array:
+    """Pieces in shift order (piece s from rank r - s) concatenated along `axis` in rank
+    order, as `lax.all_gather(tiled=True)` lays them out."""
+    ranks, me = len(pieces), lax.axis_index(axis_name)
+    stacked = jnp.stack(pieces)
+    ordered = jnp.take(stacked, (me - jnp.arange(ranks)) % ranks, axis=0)
+    ordered = jnp.moveaxis(ordered, 0, axis)
+    shape = ordered.shape
+    return ordered.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
+
+
+# ----------------------------------------------------------------------------- reduce-scatter
+
+
+def reduce_scatter_by_shifts(
+    partial_for: Callable[[jax.Array], jax.Array],
+    message: jax.ShapeDtypeStruct,
+    block: jax.ShapeDtypeStruct,
+    call: Call,
+    *,
+    direction: str,
+) -> jax.Array:
+    """This rank's block of the sum over ranks of `partial_for(j)`, the rank's
+    contribution to rank j's block (j a traced rank index), each block sent by the
+    shift permute that reaches its owner; compressed, and recorded, as the
+    reduce-scatter of `message` it replaces.
+
+    Args:
+      partial_for: j -> this rank's contribution to block j, shaped like `block`.
+      message: the whole contribution the reduce-scatter would send (shape, dtype).
+      block: one block's shape and dtype.
+      call: the call.
+      direction: "forward" or "backward".
+    """
+    ranks, me = lax.axis_size(call.axis_name), lax.axis_index(call.axis_name)
+    plain_sent = (ranks - 1) * message.size * jnp.dtype(message.dtype).itemsize // ranks
+    plan = plan_message(message, call, op="reduce_scatter", direction=direction, report=False)
+    partials = [partial_for((me + shift) % ranks) for shift in range(ranks)]
+    record = functools.partial(
+        record_collective,
+        message,
+        site=call.site_of("reduce_scatter"),
+        op="reduce_scatter",
+        direction=direction,
+        axis_name=call.axis_name,
+        plain_sent=plain_sent,
+    )
+    if plan is None:
+        record(spec=None, sent=plain_sent)
+        return functools.reduce(jnp.add, [_shifted(p, call.axis_name, s) if s else p for s, p in enumerate(partials)])
+    spec, kernel_mode = plan.spec, call.config.kernel_mode
+    groups = group_count(tuple(block.shape), spec.group_size)
+    for partial in partials:
+        calibration_lib.observe(partial, call.site_of("reduce_scatter"), direction)
+    messages = [encode(to_rows(plan.to_wire_order(p), spec.group_size, 0), spec, kernel_mode) for p in partials]
+    record(spec=spec, sent=(ranks - 1) * plan.message_bytes(groups))
+    received = [_shifted(m, call.axis_name, s) if s else m for s, m in enumerate(messages)]
+    rows = decode(jnp.stack(received)[None], groups, spec, block.dtype, kernel_mode)[0]
+    return plan.from_wire_order(from_rows(rows, tuple(block.shape), 0))
+
+
+# ----------------------------------------------------------------------------- the matmuls
+
+
+def _chunk(x: jax.Array, index: jax.Array, size: int, axis: int) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
+
+
+def _gather_matmul_forward(x, weights, call, axis, direction):
+    with forward_recording() if direction == "forward" else contextlib.nullcontext():
+        chunks = gather_by_shifts(x, call, direction=direction)
+    values = chunks.values()
+    outputs = tuple(in_rank_order([value @ w for value in values], call.axis_name, axis) for w in weights)
+    return outputs, chunks
+
+
+def _gathered(chunks: ShiftedChunks, call: Call, axis: int) -> jax.Array:
+    return in_rank_order(chunks.values(), call.axis_name, axis)
+
+
+def _matmul_scatter(xs, weights, call, axis, direction):
+    """sum_i xs[i] @ weights[i], reduce-scattered along `axis` by shifts."""
+    ranks = lax.axis_size(call.axis_name)
+    size = xs[0].shape[axis] // ranks
+    out_shape = (*xs[0].shape[:-1], weights[0].shape[-1])
+    block = (*out_shape[:axis], size, *out_shape[axis + 1 :])
+
+    def partial_for(j):
+        return sum(_chunk(x, j, size, axis) @ w for x, w in zip(xs, weights, strict=True)).astype(xs[0].dtype)
+
+    message = jax.ShapeDtypeStruct(out_shape, xs[0].dtype)
+    block_type = jax.ShapeDtypeStruct(block, xs[0].dtype)
+    with forward_recording() if direction == "forward" else contextlib.nullcontext():
+        return reduce_scatter_by_shifts(partial_for, message, block_type, call, direction=direction)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def all_gather_matmul(x, weights, call: Call, axis: int):
+    """`all_gather(x, tiled) @ w` for each weight, by shifts (see the module doc)."""
+    return _gather_matmul_forward(x, weights, call, axis, "forward")[0]
+
+
+def _all_gather_matmul_fwd(x, weights, call, axis):
+    outputs, chunks = _gather_matmul_forward(x, weights, call, axis, "forward")
+    return outputs, (chunks, weights)
+
+
+def _all_gather_matmul_bwd(call, axis, residuals, cotangents):
+    chunks, weights = residuals
+    flat = _gathered(chunks, call, axis).reshape(-1, weights[0].shape[0])
+    weight_grads = tuple(
+        (flat.T @ ct.reshape(-1, ct.shape[-1])).astype(w.dtype) for w, ct in zip(weights, cotangents, strict=True)
+    )
+    cts = tuple(ct.astype(w.dtype) for ct, w in zip(cotangents, weights, strict=True))
+    input_grad = _matmul_scatter(cts, tuple(w.T for w in weights), call, axis, "backward")
+    return input_grad.astype(weights[0].dtype), weight_grads
+
+
+all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def matmul_reduce_scatter(x, weight, call: Call, axis: int):
+    """`reduce_scatter(x @ weight)` along `axis`, by shifts (see the module doc)."""
+    return _matmul_scatter((x,), (weight,), call, axis, "forward")
+
+
+def _matmul_reduce_scatter_fwd(x, weight, call, axis):
+    return _matmul_scatter((x,), (weight,), call, axis, "forward"), (x, weight)
+
+
+def _matmul_reduce_scatter_bwd(call, axis, residuals, cotangent):
+    x, weight = residuals
+    (input_grad,), chunks = _gather_matmul_forward(cotangent, (weight.T,), call, axis, "backward")
+    gathered = _gathered(chunks, call, axis)
+    weight_grad = x.reshape(-1, x.shape[-1]).T @ gathered.reshape(-1, gathered.shape[-1])
+    return input_grad.astype(x.dtype), weight_grad.astype(weight.dtype)
+
+
+matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+
+
+def check_sequence_axis(shape: tuple[int, ...], axis: int, ranks: int, *, scattered: bool) -> int:
+    """The sequence axis normalized; ValueError unless it is a middle axis (not the
+    feature axis) whose size divides by the ranks where it is scattered."""
+    axis = _check_axis(axis, len(shape), "axis")
+    if axis == len(shape) - 1:
+        raise ValueError(
+            f"axis {axis} of shape {shape} is the feature axis the matmul contracts; pass the sequence axis"
+        )
+    if scattered and shape[axis] % ranks:
+        raise ValueError(
+            f"sequence axis {axis} of shape {shape} has size {shape[axis]}, not divisible by {ranks} ranks"
+        )
+    return axis

@@ -1,0 +1,131 @@
+"""Collective matmuls (`overlap=True`) against the collective-then-matmul path (8 CPU devices)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import taco_jax as tj
+
+# One quantization of INT8 after the transform per message, twice along the block
+# (gather in, reduce-scatter out), and gradients through both directions.
+COMPRESSED_BOUND = 0.05
+
+
+def _config(mode):
+    return tj.TacoConfig.preset(mode, min_bytes=0)
+
+
+def _block(config, overlap):
+    """A sequence-parallel MLP: gather -> column matmul -> tanh -> row matmul -> reduce-scatter."""
+
+    def block(x, w_in, w_out):
+        (h,) = tj.tp.gather_matmul(x, (w_in,), "tensor", config, axis=1, site="in", overlap=overlap)
+        return tj.tp.matmul_reduce_scatter(jnp.tanh(h), w_out, "tensor", config, axis=1, site="out", overlap=overlap)
+
+    return block
+
+
+def _inputs(mesh_shape, seq_shard=5, d=96, ff=24):
+    rng = np.random.default_rng(3)
+    data, _, tensor = mesh_shape
+    x = rng.standard_normal((2 * data, seq_shard * tensor, d))
+    w_in = rng.standard_normal((d, ff * tensor)) / np.sqrt(d)
+    w_out = rng.standard_normal((ff * tensor, d)) / np.sqrt(ff * tensor)
+    return tuple(jnp.asarray(a, jnp.float32) for a in (x, w_in, w_out))
+
+
+SPECS = (P("data", "tensor"), P(None, "tensor"), P("tensor", None))
+
+
+def _grads_inside(mesh, config, overlap, args):
+    """Values and gradients with the gradient taken inside a check_vma=False shard_map."""
+    block = _block(config, overlap)
+
+    def body(x, w_in, w_out):
+        loss = lambda *a: jnp.sum(jnp.sin(block(*a)))
+        grads = jax.grad(loss, argnums=(0, 1, 2))(x, w_in, w_out)
+        return block(x, w_in, w_out), *grads
+
+    out_specs = (P("data", "tensor"), *SPECS)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPECS, out_specs=out_specs, check_vma=False))
+    return [np.asarray(a, np.float64) for a in jax.block_until_ready(fn(*args))]
+
+
+def _grads_outside(mesh, config, overlap, args):
+    """Values and gradients with jax.grad outside a check_vma=True shard_map."""
+    block = jax.shard_map(_block(config, overlap), mesh=mesh, in_specs=SPECS, out_specs=P("data", "tensor"))
+    loss = lambda *a: jnp.sum(jnp.sin(block(*a)))
+    fn = jax.jit(lambda *a: (block(*a), *jax.grad(loss, argnums=(0, 1, 2))(*a)))
+    return [np.asarray(a, np.float64) for a in jax.block_until_ready(fn(*args))]
+
+
+def _rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 1, 8), (4, 1, 2)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("convention", ["inside", "outside"])
+def test_overlapped_block_matches_the_collective_path(mesh_shape, convention):
+    """Uncompressed, the collective matmuls give the values and gradients of the
+    collective-then-matmul path to float rounding; compressed (taco+), close to both
+    paths and not equal to the uncompressed result, under both shard_map conventions."""
+    mesh = tj.make_mesh(*mesh_shape)
+    run = _grads_inside if convention == "inside" else _grads_outside
+    args = _inputs(mesh_shape)
+    reference = run(mesh, _config("off"), False, args)
+    plain = run(mesh, _config("off"), True, args)
+    for got, want in zip(plain, reference, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    compressed = run(mesh, _config("taco+"), True, args)
+    unoverlapped = run(mesh, _config("taco+"), False, args)
+    for got, same_codec, exact in zip(compressed, unoverlapped, reference, strict=True):
+        assert _rel(got, same_codec) < 1e-4
+        assert 0 < _rel(got, exact) < COMPRESSED_BOUND
+
+
+def _hlo(mesh, fn, *args):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=SPECS, out_specs=SPECS, check_vma=False)).lower(*args)
+
+
+def test_compiled_collective_matmul_sends_uint8_permutes_of_the_chunk_sizes():
+    """Forward and backward of an overlapped compressed block move only 8-bit
+    collective-permutes of one chunk message each: no all-gather, all-to-all or
+    reduce-scatter is left, and the bytes equal the ledger's (= the collectives')."""
+    mesh_shape = (1, 1, 4)
+    mesh = tj.make_mesh(*mesh_shape, devices=jax.devices()[:4])
+    config = _config("taco+")
+    block = _block(config, True)
+    args = _inputs(mesh_shape, seq_shard=16, d=256, ff=64)
+
+    def grads(*a):
+        return jax.grad(lambda *b: jnp.sum(jnp.sin(block(*b))), argnums=(0, 1, 2))(*a)
+
+    with tj.record_wire() as ledger:
+        compiled = _hlo(mesh, grads, *args).compile().as_text()
+    found = tj.collectives_in_hlo(compiled)
+    permutes = [c for c in found if c.op == "collective-permute"]
+    assert {c.op for c in found} == {"collective-permute"} and {c.dtype for c in permutes} == {"u8"}
+    # Forward: gather (3 shifts) and scatter (3); backward: scatter of the input
+    # gradient and gather of the output gradient (3 each).
+    assert len(permutes) == 4 * 3
+    sent = sum(r.sent_bytes for r in ledger.records)
+    assert sum(c.operand_bytes for c in permutes) == sent
+    gather = tj.wire_bytes((2, 16, 256), jnp.float32, config.forward)
+    assert {c.operand_bytes for c in permutes} == {gather}
+
+
+def test_overlap_refuses_the_feature_axis_and_an_undivided_sequence():
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    x = jnp.ones((2, 6, 128))
+    w = jnp.ones((128, 128))
+    config = _config("taco+")
+
+    def run(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))(x, w)
+
+    with pytest.raises(ValueError, match="feature axis"):
+        run(lambda a, b: tj.tp.gather_matmul(a, (b,), "tensor", config, axis=2, overlap=True)[0])
+    with pytest.raises(ValueError, match="not divisible by 4 ranks"):
+        run(lambda a, b: tj.tp.matmul_reduce_scatter(a, b, "tensor", config, axis=1, overlap=True))
