@@ -129,3 +129,14 @@ def test_overlap_refuses_the_feature_axis_and_an_undivided_sequence():
         run(lambda a, b: tj.tp.gather_matmul(a, (b,), "tensor", config, axis=2, overlap=True)[0])
     with pytest.raises(ValueError, match="not divisible by 4 ranks"):
         run(lambda a, b: tj.tp.matmul_reduce_scatter(a, b, "tensor", config, axis=1, overlap=True))
+
+
+def test_collective_matmul_on_a_simulated_mesh_equals_the_device_mesh():
+    """The shift permutes work under `simulated_shard_map` (named vmaps, as the quality
+    runs use): the same values as on the device mesh."""
+    mesh_shape = (2, 1, 4)
+    args = _inputs(mesh_shape)
+    block = _block(_config("taco+"), True)
+    want = jax.jit(jax.shard_map(block, mesh=tj.make_mesh(*mesh_shape), in_specs=SPECS, out_specs=P("data", "tensor")))
+    simulated = tj.simulated_shard_map(block, dict(zip(tj.MESH_AXES, mesh_shape)), SPECS, P("data", "tensor"))
+    np.testing.assert_allclose(np.asarray(jax.jit(simulated)(*args)), np.asarray(want(*args)), rtol=1e-5, atol=1e-6)

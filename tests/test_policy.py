@@ -172,3 +172,39 @@ def test_trainer_resolves_taco_policy(tmp_path):
     assert trainer.taco_config(reused).link == _profile(FAST_LINK)
     with pytest.raises(ValueError, match="cannot be read"):
         trainer.taco_config(dataclasses.replace(cfg, taco_policy=str(tmp_path / "missing.json")))
+
+
+def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
+    """tp_overlap=auto: off where there is nothing to measure (CPU, no sequence
+    parallelism); where there is, the step's gradients are timed both ways on the mesh
+    and the faster setting is used and written down."""
+    lines = []
+    cfg = TrainConfig.from_keys(
+        model="gpt2-tiny",
+        mesh=(2, 1, 4),
+        batch_size=8,
+        seq_len=32,
+        out=str(tmp_path),
+        tp_overlap="auto",
+        sequence_parallel=True,
+        taco_policy="always",
+    )
+    assert link_policy.choose_overlap(cfg, lambda s: 1.0, tmp_path, lines.append).tp_overlap == "off"
+    assert lines == ["tp_overlap=auto: off (no link to measure on CPU)"]
+    times = {"off": 2e-3, "on": 1e-3}
+    chosen = link_policy.choose_overlap(cfg, times.__getitem__, tmp_path, lines.append, measure=True)
+    assert chosen.tp_overlap == "on" and "-> on" in lines[-1]
+    assert json.loads((tmp_path / "overlap_probe.json").read_text()) == {"seconds": times, "chosen": "on"}
+    with pytest.raises(ValueError, match="tp_overlap must be on, off or auto"):
+        cfg.with_keys(tp_overlap="sometimes")
+
+    # The trainer's own timer, on the CPU mesh (the decision itself is the machine's).
+    monkeypatch.setattr(link_policy, "_why_not_time_overlap", lambda cfg: None)
+    model_config = tj.models.preset(cfg.model)
+    mesh = trainer.device_mesh(cfg)
+    tx, _ = trainer.make_optimizer(cfg, model_config)
+    params, _ = trainer.init_state(model_config, 0, mesh, tx)
+    tokens = trainer.batch_maker(cfg, mesh)(np.arange(4096) % 64, 0, cfg.batch_size)
+    resolved = trainer.resolve_tp_overlap(cfg, model_config, mesh, params, tokens, tmp_path)
+    probe = json.loads((tmp_path / "overlap_probe.json").read_text())
+    assert resolved.tp_overlap == probe["chosen"] and all(t > 0 for t in probe["seconds"].values())

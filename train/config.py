@@ -142,7 +142,9 @@ class TrainConfig:
       tp_overlap: "on": the sequence-parallel all-gather -> matmul and matmul ->
         reduce-scatter of every layer run as collective matmuls (one message per peer,
         a chunk's matmul beside the other chunks' transfers; `taco_jax.collective_matmul`);
-        needs sequence_parallel. "off": the collectives, then the matmuls.
+        needs sequence_parallel. "off": the collectives, then the matmuls. "auto": on
+        GPUs, the faster of the two in a start-up timing of the step (train/link_policy.py,
+        OUT/overlap_probe.json); elsewhere "off".
       steps: optimizer steps to run (a resumed run continues up to this step).
       seed: parameter init seed (and data order seed unless data_seed is set).
       data_seed: data order seed; -1 uses `seed` (set it to compare seeds on one data order).
@@ -281,8 +283,8 @@ class TrainConfig:
                     QuantSpec.parse(value)
                 except ValueError as error:
                     problems.append(f"{key}: {error}")
-        if self.tp_overlap not in ("off", "on"):
-            problems.append(f"tp_overlap must be on or off, got {self.tp_overlap!r}")
+        if self.tp_overlap not in ("off", "on", "auto"):
+            problems.append(f"tp_overlap must be on, off or auto, got {self.tp_overlap!r}")
         elif self.tp_overlap == "on" and not self.sequence_parallel:
             problems.append(
                 "tp_overlap=on needs sequence_parallel=true (it overlaps that all-gather and reduce-scatter)"

@@ -9,6 +9,11 @@ messages pays on the link at hand.
             tests and the default CPU run expect).
   "always"  compress every message of at least taco_min_bytes.
   a path    a link_profile.json of an earlier probe on the same machine: reuse it.
+
+`tp_overlap=auto` is decided the same way (`choose_overlap`): on GPUs with a tensor axis
+> 1 and sequence parallelism, the step's gradients are timed with the collective matmuls
+and without, the faster is used and both times go to OUT/overlap_probe.json; elsewhere
+there is nothing to measure and the collectives run as they are ("off").
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from taco_jax.probe import Message, probe_link
 from .config import TrainConfig
 
 PROFILE_FILE = "link_profile.json"
+OVERLAP_FILE = "overlap_probe.json"
 # Profiles measured by this process, by the path they are (or, off process 0, would be)
 # written to: every process routes by the same profile without reading a shared file.
 _measured: dict[str, LinkProfile] = {}
@@ -67,6 +73,53 @@ def _why_not_probe(cfg: TrainConfig, mode: str) -> str | None:
     if cfg.simulate_mesh or jax.default_backend() != "gpu":
         return f"no link to measure on {'a simulated mesh' if cfg.simulate_mesh else jax.default_backend().upper()}"
     return None
+
+
+def _why_not_time_overlap(cfg: TrainConfig) -> str | None:
+    if not cfg.sequence_parallel:
+        return "it needs sequence_parallel"
+    if cfg.mesh.tensor == 1:
+        return "no tensor axis"
+    if cfg.simulate_mesh or jax.default_backend() != "gpu":
+        return f"no link to measure on {'a simulated mesh' if cfg.simulate_mesh else jax.default_backend().upper()}"
+    return None
+
+
+def choose_overlap(
+    cfg: TrainConfig,
+    time_step: Callable[[str], float],
+    out: Path | None,
+    log: Callable[[str], None] = print,
+    *,
+    measure: bool | None = None,
+) -> TrainConfig:
+    """Resolve tp_overlap="auto" into "on" or "off".
+
+    Args:
+      cfg: the run's configuration.
+      time_step: tp_overlap value -> seconds of the step's gradients run that way (the
+        same on every process).
+      out: run directory for overlap_probe.json (None: a process that writes nothing).
+      log: the decision line.
+      measure: time even where `_why_not_time_overlap` finds nothing to measure (tests).
+
+    Returns:
+      `cfg` with tp_overlap "on" or "off".
+    """
+    if cfg.tp_overlap != "auto":
+        return cfg
+    reason = _why_not_time_overlap(cfg)
+    if reason is not None and not measure:
+        log(f"tp_overlap=auto: off ({reason})")
+        return cfg.with_keys(tp_overlap="off")
+    times = {setting: time_step(setting) for setting in ("off", "on")}
+    chosen = min(times, key=times.__getitem__)
+    log(
+        f"tp_overlap=auto: collectives {1e3 * times['off']:.2f} ms, collective matmuls {1e3 * times['on']:.2f} ms -> {chosen}"
+    )
+    if out is not None:
+        (out / OVERLAP_FILE).write_text(json.dumps({"seconds": times, "chosen": chosen}, indent=1))
+    return cfg.with_keys(tp_overlap=chosen)
 
 
 def choose(

@@ -193,6 +193,40 @@ def resolve_taco_policy(
     )
 
 
+def resolve_tp_overlap(
+    cfg: TrainConfig, model_config: models.ModelConfig, mesh, params: dict, tokens: jax.Array, out: Path | None
+) -> TrainConfig:
+    """`cfg` with tp_overlap="auto" resolved (train/link_policy.py): on GPUs, the faster
+    of the step's gradients with and without the collective matmuls."""
+
+    def time_step(setting: str) -> float:
+        variant = cfg.with_keys(tp_overlap=setting)
+        feedback = init_error_feedback(variant, model_config, params, mesh)
+        grads = jax.jit(make_grads_fn(variant, model_config, mesh))
+        jax.block_until_ready(grads(params, tokens, feedback))  # compile and warm up
+        times = []
+        for _ in range(OVERLAP_PROBE_STEPS):
+            start = time.perf_counter()
+            jax.block_until_ready(grads(params, tokens, feedback))
+            times.append(time.perf_counter() - start)
+        return _agreed(float(np.median(times)))
+
+    return link_policy.choose_overlap(cfg, time_step, out, log=lambda line: print(line, file=sys.stderr))
+
+
+# Timed calls per setting of the tp_overlap=auto probe (after one to compile).
+OVERLAP_PROBE_STEPS = 3
+
+
+def _agreed(seconds: float) -> float:
+    """The slowest process's time, so every process decides alike."""
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+
+    return float(np.max(multihost_utils.process_allgather(np.float64(seconds))))
+
+
 def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
     return Parallelism(
         taco_config(cfg),
@@ -744,6 +778,9 @@ def setup_train_loop(cfg: TrainConfig, *, resume: bool = False) -> TrainLoop:
     run.cfg = resolve_taco_policy(
         run.cfg, run.model_config, run.mesh, run.params, first_batch, run.out if main_process else None
     )
+    run.cfg = resolve_tp_overlap(
+        run.cfg, run.model_config, run.mesh, run.params, first_batch, run.out if main_process else None
+    )
     if main_process and not resume:
         (run.out / "config.json").write_text(json.dumps(to_dict(run.cfg), indent=1))
     shardings = jax.tree.map(lambda x: x.sharding, (run.params, run.opt_state, run.feedback))
@@ -880,6 +917,7 @@ def _summary(loop: TrainLoop, stopped_by: str | None, seconds: float) -> dict:
         "mesh": list(cfg.mesh),
         "taco": cfg.compression.tensor.preset,
         "taco_policy": cfg.taco_policy,
+        "tp_overlap": cfg.tp_overlap,
         "steps": run.step,
         "stopped_by": stopped_by,
         "final_loss": rows[-1]["loss"] if rows else None,
