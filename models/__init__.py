@@ -7,6 +7,7 @@ logical axis names that map to the (data, pipe, tensor) mesh in one place
 
 from .api import logits, loss_and_grads, shard_loss_and_grads
 from .config import PRESETS, GPT2Config, ModelConfig, Qwen2Config, check_tensor_parallel, preset
+from .generate import generate, prompt_logits
 from .hf import load_hf
 from .params import LOGICAL_RULES, abstract_params, init_params, layout, partition_specs, shard_params
 from .transformer import Parallelism
@@ -19,6 +20,7 @@ __all__ = [
     "Parallelism",
     "Qwen2Config",
     "abstract_params",
+    "generate",
     "check_tensor_parallel",
     "init_params",
     "layout",
@@ -26,6 +28,7 @@ __all__ = [
     "logits",
     "loss_and_grads",
     "partition_specs",
+    "prompt_logits",
     "preset",
     "shard_loss_and_grads",
     "shard_params",

@@ -59,12 +59,14 @@ def norm(config: ModelConfig, x: jax.Array, scale: jax.Array, bias: jax.Array | 
 
 
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding in HF's rotate-half layout. x: (B, S, heads, hd), positions: (S,)."""
+    """Rotary embedding in HF's rotate-half layout. x: (B, S, heads, hd), positions: (S,)
+    or (B, S) (each sequence at its own positions, as in cached decoding)."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float32) / half))
-    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[None, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[None, :, None, :]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    lead = (None,) if positions.ndim == 1 else ()
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[(*lead, ..., None, slice(None))]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[(*lead, ..., None, slice(None))]
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], -1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
@@ -92,6 +94,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     if not flash_eligible(q):
         return attention("xla")(q, k, v)
     return launch.on_cuda(attention("cudnn"), attention("xla"), q, k, v)
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, valid: jax.Array) -> jax.Array:
+    """Attention of queries (B, S, heads, hd) over a KV cache (B, T, kv heads, hd),
+    reading the cache entries where `valid` (B, S, T) holds (grouped queries as in
+    `causal_attention`)."""
+    return jax.nn.dot_product_attention(q, k_cache, v_cache, mask=valid[:, None], implementation="xla")
 
 
 @jax.checkpoint

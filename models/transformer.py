@@ -117,7 +117,9 @@ def _norm(config: ModelConfig, x, layer: dict, name: str):
     return layers.norm(config, x, layer[f"{name}_scale"], layer.get(f"{name}_bias"))
 
 
-def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parallelism):
+def _qkv(config: ModelConfig, layer: dict, x, positions, par: Parallelism):
+    """This rank's query, key and value heads (B, S, heads, hd), rotary applied (Qwen2)
+    at `positions` ((S,), or (B, S) per sequence)."""
     c = lambda w: w.astype(par.compute_dtype)
     if not isinstance(config, Qwen2Config):
         (qkv,) = _column_parallel(x, (layer["qkv_kernel"],), par, layers.SITE_ATTN_IN)
@@ -129,7 +131,7 @@ def _attention_block(config: ModelConfig, layer: dict, x, positions, par: Parall
             out + c(layer[f"{n}_bias"]) for out, n in zip(_column_parallel(x, kernels, par, layers.SITE_ATTN_IN), "qkv")
         )
         q, k = layers.rotary(q, positions, config.rope_theta), layers.rotary(k, positions, config.rope_theta)
-    return layers.causal_attention(q, k, v)
+    return q, k, v
 
 
 def _mlp_block(config: ModelConfig, layer: dict, x, par: Parallelism):
@@ -141,9 +143,11 @@ def _mlp_block(config: ModelConfig, layer: dict, x, par: Parallelism):
     return layers.swiglu(gate, up), c(layer["down_kernel"])
 
 
-def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions):
+def _block(config: ModelConfig, par: Parallelism, x, layer: dict, positions, attention=layers.causal_attention):
+    """One transformer layer; `attention(q, k, v)` attends (causally over the sequence
+    by default; generation passes one that also reads and writes a KV cache)."""
     dtype = par.compute_dtype
-    attended = _attention_block(config, layer, _norm(config, x, layer, "norm1"), positions, par)
+    attended = attention(*_qkv(config, layer, _norm(config, x, layer, "norm1"), positions, par))
     out = _row_parallel(attended, layer["out_kernel"].astype(dtype), par, layers.SITE_ATTN_OUT, "bshe,hed->bsd")
     if config.family == "gpt2":
         out = out + layer["out_bias"].astype(dtype)
@@ -160,14 +164,15 @@ def _vocab_range(config: ModelConfig) -> tuple[jax.Array, int]:
     return lax.axis_index(TENSOR_AXIS) * local, local
 
 
-def _embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
+def _embed(config: ModelConfig, params: dict, tokens, par: Parallelism, positions=None):
     """Vocabulary-parallel embedding: each rank looks up its rows, the partial sums are
-    reduced (the sequence-parallel variant leaves each rank its sequence shard)."""
+    reduced (the sequence-parallel variant leaves each rank its sequence shard). GPT-2
+    adds its position rows: `positions` ((B, S) per sequence), or the sequence's own."""
     start, _ = _vocab_range(config)
     rows = layers.vocab_rows(params["embed"]["tokens"], tokens, start)
     x = _leave(rows.astype(par.compute_dtype), par, layers.SITE_EMBED)
     if config.family == "gpt2":
-        positions = _local_positions(tokens.shape[1], par)
+        positions = _local_positions(tokens.shape[1], par) if positions is None else positions
         x = x + jnp.take(params["embed"]["positions"], positions, axis=0).astype(par.compute_dtype)
     return x
 

@@ -1,0 +1,272 @@
+"""Generation with a KV cache over the same tensor-parallel model (`models.transformer`).
+
+A batch of prompts of different lengths is padded to one length bucket and prefilled in
+one pass (its messages through the run's `TacoConfig`), which writes every layer's keys
+and values into a preallocated cache sharded over "tensor" by (kv) heads. Then one
+jitted decode step, reused for every token, feeds each sequence's last token at its own
+position, writes its keys and values and attends over the cache; its messages are a few
+rows per layer (latency-bound) and go uncompressed unless `decode_taco` says otherwise.
+Greedy at temperature 0, else sampled (temperature, top-k, top-p) from a seeded key.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import taco_jax as tj
+from taco_jax.mesh import DATA_AXIS, TENSOR_AXIS
+
+from . import layers
+from .api import _mesh_or_default
+from .config import ModelConfig, check_tensor_parallel, head_dim
+from .params import partition_specs, shard_params
+from .transformer import Parallelism, _block, _embed, final_norm, logits_from_hidden
+
+# Prompt lengths are padded up to a power of two at least this long, so prompts of
+# similar lengths share one compiled prefill.
+MIN_BUCKET = 16
+
+
+def _bucket(length: int, limit: int) -> int:
+    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), limit)
+
+
+def _kv_heads(config: ModelConfig) -> int:
+    return getattr(config, "n_kv_heads", config.n_heads)
+
+
+def _cache_spec(batch_axis: str | None) -> P:
+    return P(None, batch_axis, None, TENSOR_AXIS, None)
+
+
+def _full_logits(config: ModelConfig, params: dict, hidden: jax.Array, par: Parallelism) -> jax.Array:
+    """float32 logits (B, vocab_size) of hidden states (B, 1, D) on every rank."""
+    local = logits_from_hidden(config, params, hidden, par)[:, 0].astype(jnp.float32)
+    return lax.all_gather(local, TENSOR_AXIS, axis=1, tiled=True)[:, : config.vocab_size]
+
+
+def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Next tokens (B,) from float32 logits (B, V): argmax at temperature 0, else a draw
+    from the softmax of logits / temperature restricted to the top_k tokens (0: all) and
+    to the smallest set whose probability reaches top_p."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k:
+        kth = lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # Keep a token while the probability before it is under top_p (the first always).
+        kept = jnp.cumsum(probs, axis=-1) - probs < top_p
+        threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _run_layers(config, params, x, positions, cache, par, attend):
+    """The layers with `attend(q, k, v, k_cache, v_cache) -> (out, k_cache, v_cache)`."""
+
+    def step(h, xs):
+        layer, k_cache, v_cache = xs
+        written = {}
+
+        def attention(q, k, v):
+            out, written["k"], written["v"] = attend(q, k, v, k_cache, v_cache)
+            return out
+
+        return _block(config, par, h, layer, positions, attention), (written["k"], written["v"])
+
+    return lax.scan(step, x, (params["layers"], *cache))
+
+
+def _prefill_logits(config, par, params, tokens, lengths, cache):
+    """Prompts (B, S) right-padded, their lengths (B,) -> (cache with positions [0, S)
+    written, float32 next-token logits (B, vocab_size) at each prompt's end)."""
+
+    def attend(q, k, v, k_cache, v_cache):
+        return layers.causal_attention(q, k, v), k_cache.at[:, : k.shape[1]].set(k), v_cache.at[:, : v.shape[1]].set(v)
+
+    x = _embed(config, params, tokens, par)
+    hidden, cache = _run_layers(config, params, x, jnp.arange(tokens.shape[1]), cache, par, attend)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
+    return cache, _full_logits(config, params, final_norm(config, params, last), par)
+
+
+def _prefill(config, par, sampling, params, tokens, lengths, cache, key):
+    """`_prefill_logits`, then each prompt's first new token."""
+    cache, logits = _prefill_logits(config, par, params, tokens, lengths, cache)
+    return cache, sample(logits, key, **sampling)
+
+
+def _decode(config, par, sampling, params, tokens, positions, cache, key):
+    """Each sequence's last token (B,) at its position (B,) -> (cache with that position
+    written, the next tokens)."""
+    cached = jnp.arange(cache[0].shape[2])
+    valid = (cached[None, :] <= positions[:, None])[:, None, :]
+
+    def attend(q, k, v, k_cache, v_cache):
+        write = jax.vmap(lambda c, new, at: lax.dynamic_update_slice_in_dim(c, new, at, axis=0))
+        k_cache, v_cache = write(k_cache, k, positions), write(v_cache, v, positions)
+        return layers.cached_attention(q, k_cache, v_cache, valid), k_cache, v_cache
+
+    x = _embed(config, params, tokens[:, None], par, positions[:, None])
+    hidden, cache = _run_layers(config, params, x, positions[:, None], cache, par, attend)
+    logits = _full_logits(config, params, final_norm(config, params, hidden), par)
+    return cache, sample(logits, key, **sampling)
+
+
+def _check(config: ModelConfig, prompts, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token id lists")
+    for index, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt {index} is empty or not a flat list of token ids")
+        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= config.vocab_size:
+            raise ValueError(f"prompt {index} has token ids outside [0, {config.vocab_size})")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > config.max_positions:
+        raise ValueError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+            f"max_positions {config.max_positions} (the cache length)"
+        )
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+
+
+class _Batch:
+    """Prompts padded to a length bucket (and the batch to a multiple of the data axis),
+    the cache they need, and the shard_map every phase runs under."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh, prompts, max_new_tokens: int):
+        check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
+        self.mesh, data = mesh, mesh.shape[DATA_AXIS]
+        rows = -(-len(prompts) // data) * data
+        lengths = np.array([len(p) for p in prompts] + [1] * (rows - len(prompts)), np.int32)
+        tokens = np.zeros((rows, _bucket(int(lengths.max()), config.max_positions)), np.int32)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = prompt
+        self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+        cache_length = _bucket(int(lengths.max()) + max_new_tokens, config.max_positions)
+        self.cache_shape = (config.n_layers, rows, cache_length, _kv_heads(config), head_dim(config))
+        self.batch_axis = DATA_AXIS if data > 1 else None
+        self.specs = partition_specs(config)
+
+    def empty_cache(self) -> tuple[jax.Array, jax.Array]:
+        """Zero keys and values, sharded over "tensor" by (kv) heads."""
+        sharding = jax.sharding.NamedSharding(self.mesh, _cache_spec(self.batch_axis))
+        return tuple(jax.device_put(jnp.zeros(self.cache_shape, jnp.float32), sharding) for _ in range(2))
+
+    def compiled(self, body, extra_in: tuple = (P(),)):
+        """jit(shard_map(body)) over (params, batch rows, batch rows, cache, *extra)."""
+        rows, cache = P(self.batch_axis), (_cache_spec(self.batch_axis),) * 2
+        in_specs = (self.specs, rows, rows, cache, *extra_in)
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=(cache, rows), check_vma=False)
+        return jax.jit(mapped, donate_argnums=(3,))
+
+
+def prompt_logits(
+    config: ModelConfig,
+    params: dict,
+    prompts: list[list[int]],
+    *,
+    mesh: Mesh | None = None,
+    taco: tj.TacoConfig | None = None,
+) -> np.ndarray:
+    """The next-token logits at the end of each prompt, through generation's prefill
+    (what its first token is drawn from).
+
+    Args:
+      config, params, prompts, mesh, taco: as `generate`.
+
+    Returns:
+      float32 (len(prompts), vocab_size).
+
+    Raises:
+      ValueError: as `generate`.
+    """
+    _check(config, prompts, 1, 0.0, 0, 1.0)
+    batch = _Batch(config, _mesh_or_default(mesh), prompts, 1)
+    par = Parallelism(taco or tj.TacoConfig.preset("off"))
+    prefill = batch.compiled(functools.partial(_prefill_logits, config, par), extra_in=())
+    _, logits = prefill(shard_params(params, config, batch.mesh), batch.tokens, batch.lengths, batch.empty_cache())
+    return np.asarray(logits)[: len(prompts)]
+
+
+def generate(
+    config: ModelConfig,
+    params: dict,
+    prompts: list[list[int]],
+    *,
+    mesh: Mesh | None = None,
+    taco: tj.TacoConfig | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    decode_taco: tj.TacoConfig | None = None,
+) -> list[list[int]]:
+    """Continue each prompt with the model, through a KV cache.
+
+    Args:
+      config: model configuration (as `models.load_hf` or the trainer gives it).
+      params: parameters in the global layout (host or device arrays).
+      prompts: token id lists, of any lengths.
+      mesh: (data, 1, tensor) mesh from `taco_jax.make_mesh`; one device if None.
+      taco: compression of the prefill's tensor-parallel collectives (None: uncompressed).
+      max_new_tokens: tokens generated at most per prompt.
+      temperature: 0 is greedy; above, the softmax temperature of sampling.
+      top_k: sample among the k most likely tokens (0: all).
+      top_p: sample among the most likely tokens whose probability reaches top_p.
+      seed: seed of the sampling key.
+      eos_id: stop a sequence after this token (included).
+      decode_taco: compression of the decode steps' collectives (None: uncompressed,
+        as their few rows per layer are latency-bound).
+
+    Returns:
+      One list of new token ids per prompt (the prompt not included).
+
+    Raises:
+      ValueError: empty prompts, token ids outside the vocabulary, a prompt plus
+        max_new_tokens longer than the model's positions, bad sampling arguments, a
+        pipelined mesh, or a tensor axis that does not divide the (kv) heads.
+    """
+    _check(config, prompts, max_new_tokens, temperature, top_k, top_p)
+    off = tj.TacoConfig.preset("off")
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)
+    prefill = batch.compiled(functools.partial(_prefill, config, Parallelism(taco or off), sampling))
+    decode = batch.compiled(functools.partial(_decode, config, Parallelism(decode_taco or off), sampling))
+    placed = shard_params(params, config, batch.mesh)
+    key = jax.random.key(seed)
+    cache, next_tokens = prefill(placed, batch.tokens, batch.lengths, batch.empty_cache(), jax.random.fold_in(key, 0))
+    count = len(prompts)
+    lengths = np.asarray(batch.lengths)
+    new: list[list[int]] = [[] for _ in range(count)]
+    done = [False] * count
+    positions = lengths
+    for step in range(max_new_tokens):
+        host = np.asarray(next_tokens)
+        for row in range(count):
+            if not done[row]:
+                new[row].append(int(host[row]))
+                done[row] = eos_id is not None and new[row][-1] == eos_id
+        if all(done) or step + 1 == max_new_tokens:
+            break
+        key_step = jax.random.fold_in(key, step + 1)
+        cache, next_tokens = decode(placed, next_tokens, jnp.asarray(positions), cache, key_step)
+        positions = positions + 1
+    return new
