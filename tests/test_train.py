@@ -556,6 +556,10 @@ def test_an_installed_package_finds_its_presets(tmp_path):
         timeout=120,
     )
     assert helped.returncode == 0 and "--resume" in helped.stdout
+    generate = subprocess.run(
+        [sys.executable, "-m", "taco_jax.generate", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert generate.returncode == 0 and "--max-new-tokens" in generate.stdout
 
 
 def test_compression_groups_come_from_the_flat_keys_and_go_back_to_them():
@@ -615,3 +619,30 @@ def test_tp_overlap_trains_as_the_collective_path_does(tmp_path):
     assert on["wire_bytes_by_axis"] == off["wire_bytes_by_axis"] and on["wire_bytes_by_axis"]["tensor"] > 0
     with pytest.raises(ValueError, match="tp_overlap=on needs sequence_parallel"):
         TrainConfig.from_keys(tp_overlap="on")
+
+
+def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, capsys):
+    """`python -m taco_jax.generate --run DIR` restores the run's newest parameters and
+    prints each prompt with its greedy continuation (the shipped byte-level tokens)."""
+    from taco_jax.train import sample
+
+    cfg = _cfg(tmp_path, "sampled", steps=3, checkpoint_every=3)
+    trainer.train(cfg, progress=False)
+    restored_cfg, model_config, params, step = trainer.restore_params(cfg.out)
+    assert step == 3 and restored_cfg.model == cfg.model
+    args = ["--run", cfg.out, "--prompt", "ROMEO:", "--prompt", "To be", "--max-new-tokens", "5", "--mesh", "1,1,2"]
+    assert sample.main(args) == 0
+    printed = capsys.readouterr()
+    want = tj.models.generate(
+        model_config,
+        params,
+        [list(b"ROMEO:"), list(b"To be")],
+        mesh=tj.make_mesh(1, 1, 2, devices=jax.devices()[:2]),
+        max_new_tokens=5,
+    )
+    lines = printed.out.split("-" * 40 + "\n")
+    assert lines[0] == "ROMEO:" + bytes(want[0]).decode("utf-8", errors="replace") + "\n"
+    assert "10 tokens" in printed.err
+    assert sample.main(["--run", cfg.out]) == 2 and "error: give at least one --prompt" in capsys.readouterr().err
+    assert sample.main(["--run", str(tmp_path), "--prompt", "x"]) == 2
+    assert "not a trainer run directory" in capsys.readouterr().err

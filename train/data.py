@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +104,39 @@ def batch(tokens: np.ndarray, *, seed: int, position: int, batch_size: int, seq_
         raise ValueError(f"{len(tokens)} tokens cannot fill a sequence of {seq_len + 1}")
     offsets = np.random.default_rng([seed, position]).integers(0, windows, batch_size)
     return np.stack([np.asarray(tokens[o : o + seq_len + 1], np.int32) for o in offsets])
+
+
+@dataclasses.dataclass(frozen=True)
+class TextCodec:
+    """Text to the token ids a run trained on, and back.
+
+    Attributes:
+      name: what the ids are ("bytes" or the tokenizer folder).
+      encode: text -> token ids.
+      decode: token ids -> text.
+    """
+
+    name: str
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+
+def text_codec(data: str, tokenizer: str = "") -> TextCodec:
+    """The text codec of a run's data: its HF tokenizer folder, or bytes for the shipped
+    byte-level corpus.
+
+    Raises:
+      ValueError: token files without a tokenizer (there is no text to map them to).
+    """
+    if tokenizer:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError("a tokenizer folder needs the 'tokenizers' package") from None
+        hf = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json"))
+        return TextCodec(tokenizer, lambda text: hf.encode(text).ids, lambda ids: hf.decode(ids))
+    if data == "shakespeare":
+        return TextCodec(
+            "bytes", lambda text: list(text.encode()), lambda ids: bytes(ids).decode("utf-8", errors="replace")
+        )
+    raise ValueError(f"the run's data {data!r} has no tokenizer to turn text into its token ids: pass --tokenizer")

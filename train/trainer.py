@@ -665,6 +665,42 @@ def _checkpoint_state(params: dict, opt_state, feedback: dict) -> dict:
     return {"params": params, "opt_state": opt_state, **({"error_feedback": feedback} if feedback else {})}
 
 
+def restore_params(run_dir: str | Path) -> tuple[TrainConfig, models.ModelConfig, dict, int]:
+    """The parameters of a run's newest restorable checkpoint, on one device.
+
+    Returns:
+      (the run's config, its model config, the parameters, the checkpoint's step).
+
+    Raises:
+      ValueError: no config.json or no restorable checkpoint in `run_dir`.
+    """
+    folder = Path(run_dir)
+    try:
+        cfg = TrainConfig.from_keys(**json.loads((folder / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{folder} is not a trainer run directory (config.json: {error})") from None
+    model_config = models.preset(cfg.model)
+    mesh = tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    checkpoints = Checkpointer(folder / "checkpoints", cfg.keep_checkpoints)
+    try:
+        steps = checkpoints.steps()
+        if not steps:
+            raise ValueError(f"no checkpoint in {checkpoints.directory}")
+        tx, _ = make_optimizer(cfg, model_config)
+        params = models.abstract_params(model_config, mesh)
+        opt_state = jax.tree.map(
+            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+            jax.eval_shape(tx.init, params),
+            optimizer_shardings(tx, params, mesh),
+        )
+        meta = checkpoints.meta(steps[0])
+        feedback = _feedback_layout(cfg, model_config, params, mesh) if meta.get("error_feedback") else {}
+        state, _ = checkpoints.restore(steps[0], _checkpoint_state(params, opt_state, feedback))
+    finally:
+        checkpoints.close()
+    return cfg, model_config, state["params"], steps[0]
+
+
 def load_calibration(path: str | Path) -> Calibration:
     """A `Calibration` from a calibration.json (of a run or `--calibrate-only`).
 

@@ -1,0 +1,26 @@
+"""Entry point of `python -m taco_jax.generate` (and the `taco-jax-generate` command).
+
+It checks the trainer's extra dependencies (a run's checkpoints are read with them)
+before importing its command line, so a missing one is one line naming the extra."""
+
+import sys
+
+from taco_jax.train.__main__ import missing_trainer_packages
+
+
+def main() -> int:
+    """Run the generation command line.
+
+    Returns:
+      The process exit status.
+    """
+    missing = missing_trainer_packages()
+    if missing:
+        sys.exit(f"generation needs {', '.join(missing)} (the 'train' extra): pip install 'taco_jax[train]'")
+    from taco_jax.train.sample import main as sample_main
+
+    return sample_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
