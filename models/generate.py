@@ -11,6 +11,7 @@ Greedy at temperature 0, else sampled (temperature, top-k, top-p) from a seeded 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -50,6 +51,13 @@ def _full_logits(config: ModelConfig, params: dict, hidden: jax.Array, par: Para
     """float32 logits (B, vocab_size) of hidden states (B, 1, D) on every rank."""
     local = logits_from_hidden(config, params, hidden, par)[:, 0].astype(jnp.float32)
     return lax.all_gather(local, TENSOR_AXIS, axis=1, tiled=True)[:, : config.vocab_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -104,7 +112,7 @@ def _prefill_logits(config, par, params, tokens, lengths, cache):
 def _prefill(config, par, sampling, params, tokens, lengths, cache, key):
     """`_prefill_logits`, then each prompt's first new token."""
     cache, logits = _prefill_logits(config, par, params, tokens, lengths, cache)
-    return cache, sample(logits, key, **sampling)
+    return cache, sample(logits, key, **dataclasses.asdict(sampling))
 
 
 def _decode(config, par, sampling, params, tokens, positions, cache, key):
@@ -121,7 +129,7 @@ def _decode(config, par, sampling, params, tokens, positions, cache, key):
     x = _embed(config, params, tokens[:, None], par, positions[:, None])
     hidden, cache = _run_layers(config, params, x, positions[:, None], cache, par, attend)
     logits = _full_logits(config, params, final_norm(config, params, hidden), par)
-    return cache, sample(logits, key, **sampling)
+    return cache, sample(logits, key, **dataclasses.asdict(sampling))
 
 
 def _check(config: ModelConfig, prompts, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
@@ -161,19 +169,25 @@ class _Batch:
         cache_length = _bucket(int(lengths.max()) + max_new_tokens, config.max_positions)
         self.cache_shape = (config.n_layers, rows, cache_length, _kv_heads(config), head_dim(config))
         self.batch_axis = DATA_AXIS if data > 1 else None
-        self.specs = partition_specs(config)
 
-    def empty_cache(self) -> tuple[jax.Array, jax.Array]:
+    def empty_cache(self, dtype) -> tuple[jax.Array, jax.Array]:
         """Zero keys and values, sharded over "tensor" by (kv) heads."""
         sharding = jax.sharding.NamedSharding(self.mesh, _cache_spec(self.batch_axis))
-        return tuple(jax.device_put(jnp.zeros(self.cache_shape, jnp.float32), sharding) for _ in range(2))
+        return tuple(jax.device_put(jnp.zeros(self.cache_shape, dtype), sharding) for _ in range(2))
 
-    def compiled(self, body, extra_in: tuple = (P(),)):
-        """jit(shard_map(body)) over (params, batch rows, batch rows, cache, *extra)."""
-        rows, cache = P(self.batch_axis), (_cache_spec(self.batch_axis),) * 2
-        in_specs = (self.specs, rows, rows, cache, *extra_in)
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=(cache, rows), check_vma=False)
-        return jax.jit(mapped, donate_argnums=(3,))
+    def compiled(self, phase, config: ModelConfig, par: Parallelism, *static):
+        """`phase(config, par, *static, params, rows, rows, cache, ...)` as jit(shard_map),
+        built once per configuration (later calls reuse its compilations)."""
+        return _compiled(phase, config, par, static, self.mesh, self.batch_axis)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(phase, config: ModelConfig, par: Parallelism, static: tuple, mesh: Mesh, batch_axis: str | None):
+    rows, cache = P(batch_axis), (_cache_spec(batch_axis),) * 2
+    in_specs = (partition_specs(config), rows, rows, cache, *((P(),) if phase is not _prefill_logits else ()))
+    body = functools.partial(phase, config, par, *static)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(cache, rows), check_vma=False)
+    return jax.jit(mapped, donate_argnums=(3,))
 
 
 def prompt_logits(
@@ -183,12 +197,13 @@ def prompt_logits(
     *,
     mesh: Mesh | None = None,
     taco: tj.TacoConfig | None = None,
+    dtype=jnp.float32,
 ) -> np.ndarray:
     """The next-token logits at the end of each prompt, through generation's prefill
     (what its first token is drawn from).
 
     Args:
-      config, params, prompts, mesh, taco: as `generate`.
+      config, params, prompts, mesh, taco, dtype: as `generate`.
 
     Returns:
       float32 (len(prompts), vocab_size).
@@ -198,9 +213,10 @@ def prompt_logits(
     """
     _check(config, prompts, 1, 0.0, 0, 1.0)
     batch = _Batch(config, _mesh_or_default(mesh), prompts, 1)
-    par = Parallelism(taco or tj.TacoConfig.preset("off"))
-    prefill = batch.compiled(functools.partial(_prefill_logits, config, par), extra_in=())
-    _, logits = prefill(shard_params(params, config, batch.mesh), batch.tokens, batch.lengths, batch.empty_cache())
+    par = Parallelism(taco or tj.TacoConfig.preset("off"), compute_dtype=jnp.dtype(dtype))
+    prefill = batch.compiled(_prefill_logits, config, par)
+    placed = shard_params(params, config, batch.mesh)
+    _, logits = prefill(placed, batch.tokens, batch.lengths, batch.empty_cache(par.compute_dtype))
     return np.asarray(logits)[: len(prompts)]
 
 
@@ -218,6 +234,7 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     decode_taco: tj.TacoConfig | None = None,
+    dtype=jnp.float32,
 ) -> list[list[int]]:
     """Continue each prompt with the model, through a KV cache.
 
@@ -235,6 +252,8 @@ def generate(
       eos_id: stop a sequence after this token (included).
       decode_taco: compression of the decode steps' collectives (None: uncompressed,
         as their few rows per layer are latency-bound).
+      dtype: compute dtype of the matmuls, activations and KV cache (parameters stay
+        as given); bfloat16 on GPUs.
 
     Returns:
       One list of new token ids per prompt (the prompt not included).
@@ -245,14 +264,15 @@ def generate(
         pipelined mesh, or a tensor axis that does not divide the (kv) heads.
     """
     _check(config, prompts, max_new_tokens, temperature, top_k, top_p)
-    off = tj.TacoConfig.preset("off")
-    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    off, compute = tj.TacoConfig.preset("off"), jnp.dtype(dtype)
+    sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)
-    prefill = batch.compiled(functools.partial(_prefill, config, Parallelism(taco or off), sampling))
-    decode = batch.compiled(functools.partial(_decode, config, Parallelism(decode_taco or off), sampling))
+    prefill = batch.compiled(_prefill, config, Parallelism(taco or off, compute_dtype=compute), sampling)
+    decode = batch.compiled(_decode, config, Parallelism(decode_taco or off, compute_dtype=compute), sampling)
     placed = shard_params(params, config, batch.mesh)
     key = jax.random.key(seed)
-    cache, next_tokens = prefill(placed, batch.tokens, batch.lengths, batch.empty_cache(), jax.random.fold_in(key, 0))
+    cache = batch.empty_cache(compute)
+    cache, next_tokens = prefill(placed, batch.tokens, batch.lengths, cache, jax.random.fold_in(key, 0))
     count = len(prompts)
     lengths = np.asarray(batch.lengths)
     new: list[list[int]] = [[] for _ in range(count)]

@@ -1,0 +1,103 @@
+"""Generation speed: prefill tokens/s and decode ms/token of `models.generate` per TACO
+mode on the devices present (bf16 compute, random weights, greedy).
+
+On one device the collectives move nothing, so the difference between a compressed
+mode and `off` is the codec's own cost on the prefill (the decode steps stay plain).
+A run of one new token times the prefill; a run of N new tokens adds N - 1 decode
+steps, so decode ms/token = (t_N - t_1) / (N - 1). Each is the median of `--repeats`
+after a warm-up run that compiles.
+
+Usage:
+  python -m benchmarks.generate [--mesh 1,1,1] [--families gpt2,qwen2] [--prompt-len 512] [--batch 4]
+      [--new-tokens 65] [--modes off,taco+] [--out benchmarks/results/generate.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import taco_jax as tj
+from benchmarks.step import custom_model
+from taco_jax import models
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(config, mesh, mode: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    taco = tj.TacoConfig.preset(mode, min_bytes=0) if mode != "off" else None
+    params = models.init_params(config, jax.random.key(0), mesh)
+    run = lambda n: models.generate(config, params, prompts, mesh=mesh, taco=taco, max_new_tokens=n, dtype=jnp.bfloat16)
+    prefill_s = _timed(lambda: run(1), repeats)
+    total_s = _timed(lambda: run(new_tokens), repeats)
+    tokens = sum(len(p) for p in prompts)
+    return {
+        "family": config.family,
+        "mode": mode,
+        "batch": len(prompts),
+        "prompt_len": len(prompts[0]),
+        "prefill_ms": 1e3 * prefill_s,
+        "prefill_tokens_per_s": tokens / prefill_s,
+        "decode_ms_per_token": 1e3 * (total_s - prefill_s) / (new_tokens - 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mesh", default="1,1,1")
+    parser.add_argument("--families", default="gpt2,qwen2")
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--qwen2-d-ff", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=65)
+    parser.add_argument("--modes", default="off,taco+")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generate.json"))
+    args = parser.parse_args()
+    args.seq = args.prompt_len + args.new_tokens
+    data, pipe, tensor = (int(d) for d in args.mesh.split(","))
+    mesh = tj.make_mesh(data, pipe, tensor, devices=jax.devices()[: data * pipe * tensor])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, args.vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    rows = []
+    for family in args.families.split(","):
+        config = custom_model(family, args)
+        for mode in args.modes.split(","):
+            row = measure(config, mesh, mode, prompts, args.new_tokens, args.repeats)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    device = f"{jax.devices()[0].device_kind} x {jax.device_count()}"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": device, "mesh": args.mesh, "rows": rows}, indent=1))
+    print(f"| family | mode | prefill ms | prefill tok/s | decode ms/token |  ({device}, mesh {args.mesh})")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['family']} | {r['mode']} | {r['prefill_ms']:.1f} | {r['prefill_tokens_per_s']:.0f} | "
+            f"{r['decode_ms_per_token']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
