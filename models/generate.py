@@ -252,8 +252,8 @@ def generate(
       eos_id: stop a sequence after this token (included).
       decode_taco: compression of the decode steps' collectives (None: uncompressed,
         as their few rows per layer are latency-bound).
-      dtype: compute dtype of the matmuls, activations and KV cache (parameters stay
-        as given); bfloat16 on GPUs.
+      dtype: compute dtype of the weights (cast once), activations and KV cache;
+        bfloat16 on GPUs.
 
     Returns:
       One list of new token ids per prompt (the prompt not included).
@@ -269,7 +269,8 @@ def generate(
     batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)
     prefill = batch.compiled(_prefill, config, Parallelism(taco or off, compute_dtype=compute), sampling)
     decode = batch.compiled(_decode, config, Parallelism(decode_taco or off, compute_dtype=compute), sampling)
-    placed = shard_params(params, config, batch.mesh)
+    # Cast once: every decode step reads all the weights, and in the compute dtype.
+    placed = jax.tree.map(lambda w: w.astype(compute), shard_params(params, config, batch.mesh))
     key = jax.random.key(seed)
     cache = batch.empty_cache(compute)
     cache, next_tokens = prefill(placed, batch.tokens, batch.lengths, cache, jax.random.fold_in(key, 0))
