@@ -36,7 +36,7 @@ from taco_jax.codec import decode, encode
 from taco_jax.collectives import (
     Call,
     WirePlan,
-    _check_axis,
+    check_axis,
     forward_recording,
     from_rows,
     group_count,
@@ -271,7 +271,7 @@ matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_
 def check_sequence_axis(shape: tuple[int, ...], axis: int, ranks: int, *, scattered: bool) -> int:
     """The sequence axis normalized; ValueError unless it is a middle axis (not the
     feature axis) whose size divides by the ranks where it is scattered."""
-    axis = _check_axis(axis, len(shape), "axis")
+    axis = check_axis(axis, len(shape), "axis")
     if axis == len(shape) - 1:
         raise ValueError(
             f"axis {axis} of shape {shape} is the feature axis the matmul contracts; pass the sequence axis"

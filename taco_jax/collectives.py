@@ -314,7 +314,8 @@ def _concatenated(pieces: list[jax.Array], axis: int) -> jax.Array:
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
 
 
-def _check_axis(axis: int, ndim: int, what: str) -> int:
+def check_axis(axis: int, ndim: int, what: str) -> int:
+    """`axis` normalized for an array of rank `ndim`; ValueError naming `what` if out of range."""
     if not -ndim <= axis < max(ndim, 1):
         raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")
     return axis % max(ndim, 1)
@@ -437,7 +438,7 @@ def run_all_gather(
       ValueError: `axis` out of range.
     """
     ranks = lax.axis_size(call.axis_name)
-    axis = _check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
+    axis = check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
     plan = plan_message(x, call, op="all_gather", direction=direction)
     record = functools.partial(
@@ -488,7 +489,7 @@ def run_reduce_scatter(
         channel permutation on a site that scatters along the channel axis.
     """
     ranks = lax.axis_size(call.axis_name)
-    dim = _check_axis(dimension, x.ndim, "scatter_dimension")
+    dim = check_axis(dimension, x.ndim, "scatter_dimension")
     size = x.shape[dim]
     if (tiled and size % ranks) or (not tiled and size != ranks):
         need = f"divisible by {ranks}" if tiled else f"equal to {ranks}"
