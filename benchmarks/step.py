@@ -11,8 +11,8 @@ Usage:
       [--seq 2048] [--batch 4] [--modes off,taco,taco+,default] [--remat none] [--reference torch] [--steps 10]
       [--profile] [--out benchmarks/results/step.json]
 
-Overlap rows (issue: collective matmul): `--modes "off,off+overlap,taco+,taco+ +overlap,default"
---sequence-parallel` on two GPUs gives `benchmarks/results/step_tp2_overlap_*.json`.
+Overlap rows: `--modes "off,off+overlap,taco+,taco+ +overlap,default"` (with or without
+`--sequence-parallel`) on two GPUs gives `benchmarks/results/step_tp2_overlap_*.json`.
 
 Mode "default" is the trainer's default: its preset with taco_policy=auto (on GPUs a
 start-up probe of the link decides which messages are compressed). `--reference torch`
@@ -62,7 +62,7 @@ def measure(
     # "default": the trainer's defaults (preset and taco_policy, which probes the link);
     # a preset name: that preset with every tensor message compressed; "pipe:PRESET" or
     # "data:PRESET": tensor traffic plain, that axis's traffic with the preset. A
-    # "+overlap" suffix runs the sequence-parallel layers as collective matmuls.
+    # "+overlap" suffix runs the tensor-parallel layers as collective matmuls.
     overlap = mode.endswith("+overlap")
     base = mode.removesuffix("+overlap").strip() if overlap else mode
     axis, _, name = base.rpartition(":")
@@ -72,7 +72,7 @@ def measure(
         else {"taco": "off", f"taco_{axis}": name}
     )
     if overlap:
-        preset, sequence_parallel = {**preset, "tp_overlap": "on"}, True
+        preset = {**preset, "tp_overlap": "on"}
     cfg = TrainConfig.from_keys(
         model="custom",
         mesh=mesh_shape,
@@ -231,7 +231,7 @@ def main() -> None:
         default="off,taco,taco+,default",
         help="presets (every tensor message compressed), 'default' (the trainer's default "
         "policy), and pipe:PRESET / data:PRESET (that axis's traffic compressed); a '+overlap' "
-        "suffix (e.g. off+overlap, 'taco+ +overlap') adds tp_overlap=on with sequence parallelism",
+        "suffix (e.g. off+overlap, 'taco+ +overlap') adds tp_overlap=on",
     )
     parser.add_argument("--remat", default="none", help="activation checkpointing (models.transformer.REMAT_POLICIES)")
     parser.add_argument("--reference", choices=("torch",), help="also time the PyTorch reference step")

@@ -162,12 +162,12 @@ class Transformer(nnx.Module):
           sequence_parallel: norms and residuals on sequence shards over "tensor".
           dtype: compute dtype of the matmuls (parameters stay float32).
           calibration: per-site channel permutations / transform decisions.
-          overlap: with sequence_parallel, every layer's gather and matmul and its matmul
-            and reduce-scatter as collective matmuls (`taco_jax.flax.ParallelDotGeneral`).
+          overlap: every layer's tensor-parallel matmuls and their collectives as
+            collective matmuls (`taco_jax.flax.ParallelDotGeneral`).
 
         Raises:
           ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
-            padded vocabulary; overlap without sequence_parallel.
+            padded vocabulary.
         """
         check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
         self.config, self.mesh, self.taco = config, mesh, taco

@@ -13,6 +13,7 @@ around their column- and row-parallel matmuls.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +41,11 @@ class Parallelism:
         wire form (`taco_jax.tp.gather_matmul`) instead of decoded.
       calibration: per-site channel permutations and transform decisions
         (`taco_jax.calibration`); empty = identity before calibration.
-      overlap: with sequence parallelism, run the all-gather -> column matmul and the
-        row matmul -> reduce-scatter as collective matmuls (`taco_jax.collective_matmul`:
-        one message per peer, each chunk's matmul beside the other chunks' transfers).
+      overlap: run the tensor-parallel matmuls as collective matmuls
+        (`taco_jax.collective_matmul`: one message per peer, each chunk's matmul beside
+        the other chunks' transfers): with sequence parallelism the all-gather -> column
+        matmul and the row matmul -> reduce-scatter, without it the row matmul ->
+        all-reduce and the column matmul's backward all-reduce.
       remat: activation checkpointing of each layer: "none" (keep what autodiff
         needs), "dots" (keep the matmul outputs, recompute the rest) or "block"
         (keep only each layer's input, recompute the layer in the backward pass).
@@ -59,11 +62,6 @@ class Parallelism:
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {self.remat!r}; expected one of {list(REMAT_POLICIES)}")
-        if self.overlap and not self.sequence_parallel:
-            raise ValueError(
-                "overlap needs sequence_parallel: the collective matmuls replace its all-gather and "
-                "reduce-scatter (the all-reduce form without sequence parallelism is not built)"
-            )
 
 
 # What a layer keeps for its backward pass (jax.checkpoint policies); None = no remat.
@@ -74,22 +72,17 @@ REMAT_POLICIES = {
 }
 
 
-def _enter(x, par: Parallelism, site: str):
-    """Full activation for a column-parallel matmul (Megatron f / SP all-gather)."""
-    if par.sequence_parallel:
-        return tj.tp.gather_from_sp(x, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration)
-    return tj.tp.copy_to_tp(x, TENSOR_AXIS, par.taco, site=site, calibration=par.calibration)
-
-
 def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
-    """`_enter(x) @ kernel` for kernels (D, ...) sharded on their output axes."""
+    """`x @ kernel` for kernels (D, ...) sharded on their output axes, entering the
+    tensor-parallel region (Megatron f / the sequence-parallel all-gather)."""
     flat = tuple(k.reshape(k.shape[0], -1).astype(par.compute_dtype) for k in kernels)
-    if par.sequence_parallel and (par.compressed_residuals or par.overlap):
-        outputs = tj.tp.gather_matmul(
-            x, flat, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration, overlap=par.overlap
-        )
+    options: dict[str, typing.Any] = dict(site=site, calibration=par.calibration)
+    if not par.sequence_parallel:
+        outputs = tj.tp.copy_matmul(x, flat, TENSOR_AXIS, par.taco, overlap=par.overlap, **options)
+    elif par.compressed_residuals or par.overlap:
+        outputs = tj.tp.gather_matmul(x, flat, TENSOR_AXIS, par.taco, axis=1, overlap=par.overlap, **options)
     else:
-        h = _enter(x, par, site)
+        h = tj.tp.gather_from_sp(x, TENSOR_AXIS, par.taco, axis=1, **options)
         outputs = tuple(h @ k for k in flat)
     return tuple(o.reshape(*o.shape[:-1], *k.shape[1:]) for o, k in zip(outputs, kernels))
 
@@ -107,9 +100,10 @@ def _row_parallel(x, kernel, par: Parallelism, site: str, contract: str | None =
     (F, D)."""
     if par.overlap:
         flat_x, flat_kernel = x.reshape(*x.shape[:2], -1), kernel.reshape(-1, kernel.shape[-1])
-        return tj.tp.matmul_reduce_scatter(
-            flat_x, flat_kernel, TENSOR_AXIS, par.taco, axis=1, site=site, calibration=par.calibration, overlap=True
-        )
+        options: dict[str, typing.Any] = dict(site=site, calibration=par.calibration, overlap=True)
+        if par.sequence_parallel:
+            return tj.tp.matmul_reduce_scatter(flat_x, flat_kernel, TENSOR_AXIS, par.taco, axis=1, **options)
+        return tj.tp.matmul_all_reduce(flat_x, flat_kernel, TENSOR_AXIS, par.taco, **options)
     return _leave(x @ kernel if contract is None else jnp.einsum(contract, x, kernel), par, site)
 
 

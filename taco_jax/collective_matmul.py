@@ -1,5 +1,5 @@
-"""Collective matmuls: the sequence-parallel all-gather and reduce-scatter decomposed
-into one point-to-point message per peer, so that the matmul of a chunk already present
+"""Collective matmuls: the sequence-parallel all-gather and reduce-scatter, and the
+all-reduce without sequence parallelism, decomposed into one point-to-point message per peer, so that the matmul of a chunk already present
 can run while the next chunk is on the wire (the decomposition of Wang et al., ASPLOS'23;
 JAX's collective-matmul guide; PyTorch's async TP).
 
@@ -17,6 +17,11 @@ bytes equal the collective's, and so does the ledger entry.
                           weight gradients from the gathered input, kept 8-bit)
   matmul_reduce_scatter   x @ w, reduce-scattered along the sequence; backward:
                           all_gather_matmul of the cotangent
+  matmul_all_reduce       x @ w summed over the ranks (no sequence parallelism): the
+                          two-shot all-reduce whose reduce-scatter runs by shifts beside
+                          the matmuls of the row blocks; backward: local matmuls
+  copy_matmul             x @ w for a replicated x; backward: the input gradient's
+                          matmul_all_reduce
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,18 +38,22 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import calibration as calibration_lib
-from taco_jax.codec import decode, encode
+from taco_jax.codec import decode, encode, requantize
 from taco_jax.collectives import (
     Call,
     WirePlan,
     check_axis,
     forward_recording,
     from_rows,
+    gather_invariant,
     group_count,
     per_rank,
     plan_message,
     record_collective,
+    refuse_gradient_outside,
+    ring_all_reduce_bytes,
     to_rows,
+    vary,
 )
 
 
@@ -140,6 +150,25 @@ def in_rank_order(pieces: list[jax.Array], axis_name: str, axis: int) -> jax.Arr
 # ----------------------------------------------------------------------------- reduce-scatter
 
 
+def _sent_by_shifts(
+    partial_for: Callable[[jax.Array], jax.Array], call: Call, plan: WirePlan | None, *, op: str, direction: str
+) -> list[jax.Array]:
+    """This rank's block of a sum, as received: element s is rank r - s's contribution
+    `partial_for(r)` (s = 0 this rank's own), sent s ranks on by its shift permute, a
+    wire message where `plan` compresses it. Each contribution is computed just before
+    its send, so its matmul can run beside the previous one's transfer."""
+    ranks, me = lax.axis_size(call.axis_name), lax.axis_index(call.axis_name)
+    received = []
+    for shift in range(ranks):
+        partial = partial_for((me + shift) % ranks)
+        if plan is not None:
+            calibration_lib.observe(partial, call.site_of(op), direction)
+            rows = to_rows(plan.to_wire_order(partial), plan.spec.group_size, 0)
+            partial = encode(rows, plan.spec, call.config.kernel_mode)
+        received.append(_shifted(partial, call.axis_name, shift) if shift else partial)
+    return received
+
+
 def reduce_scatter_by_shifts(
     partial_for: Callable[[jax.Array], jax.Array],
     message: jax.ShapeDtypeStruct,
@@ -160,31 +189,65 @@ def reduce_scatter_by_shifts(
       call: the call.
       direction: "forward" or "backward".
     """
-    ranks, me = lax.axis_size(call.axis_name), lax.axis_index(call.axis_name)
+    ranks = lax.axis_size(call.axis_name)
     plain_sent = (ranks - 1) * message.size * jnp.dtype(message.dtype).itemsize // ranks
     plan = plan_message(message, call, op="reduce_scatter", direction=direction, report=False)
-    partials = [partial_for((me + shift) % ranks) for shift in range(ranks)]
-    record = functools.partial(
-        record_collective,
+    received = _sent_by_shifts(partial_for, call, plan, op="reduce_scatter", direction=direction)
+    groups = 0 if plan is None else group_count(tuple(block.shape), plan.spec.group_size)
+    record_collective(
         message,
         site=call.site_of("reduce_scatter"),
         op="reduce_scatter",
         direction=direction,
         axis_name=call.axis_name,
+        spec=None if plan is None else plan.spec,
+        sent=plain_sent if plan is None else (ranks - 1) * plan.message_bytes(groups),
         plain_sent=plain_sent,
     )
     if plan is None:
-        record(spec=None, sent=plain_sent)
-        return functools.reduce(jnp.add, [_shifted(p, call.axis_name, s) if s else p for s, p in enumerate(partials)])
-    spec, kernel_mode = plan.spec, call.config.kernel_mode
-    groups = group_count(tuple(block.shape), spec.group_size)
-    for partial in partials:
-        calibration_lib.observe(partial, call.site_of("reduce_scatter"), direction)
-    messages = [encode(to_rows(plan.to_wire_order(p), spec.group_size, 0), spec, kernel_mode) for p in partials]
-    record(spec=spec, sent=(ranks - 1) * plan.message_bytes(groups))
-    received = [_shifted(m, call.axis_name, s) if s else m for s, m in enumerate(messages)]
-    rows = decode(jnp.stack(received)[None], groups, spec, block.dtype, kernel_mode)[0]
+        return functools.reduce(jnp.add, received)
+    rows = decode(jnp.stack(received)[None], groups, plan.spec, block.dtype, call.config.kernel_mode)[0]
     return plan.from_wire_order(from_rows(rows, tuple(block.shape), 0))
+
+
+def all_reduce_by_shifts(
+    partial_for: Callable[[jax.Array], jax.Array],
+    message: jax.ShapeDtypeStruct,
+    call: Call,
+    *,
+    direction: str,
+) -> jax.Array:
+    """The sum over ranks of a (rows, D) `message` whose row blocks `partial_for(j)`
+    computes (rows divisible by the ranks): the two-shot all-reduce, its reduce-scatter
+    by shifts (each block's matmul beside the previous block's transfer) and its
+    all-gather of the reduced blocks (the result invariant over the axis, as `lax.psum`'s);
+    compressed, and recorded, as the two-shot all-reduce of `message` it replaces.
+    """
+    ranks = lax.axis_size(call.axis_name)
+    block_shape = (message.shape[0] // ranks, *message.shape[1:])
+    plain_sent = ring_all_reduce_bytes(message.size * jnp.dtype(message.dtype).itemsize, ranks)
+    plan = plan_message(message, call, op="all_reduce", direction=direction, algorithm="two_shot", report=False)
+    received = _sent_by_shifts(partial_for, call, plan, op="all_reduce", direction=direction)
+    if plan is None:
+        blocks, sent = gather_invariant(functools.reduce(jnp.add, received), call.axis_name), plain_sent
+    else:
+        spec, kernel_mode = plan.spec, call.config.kernel_mode
+        groups = group_count(block_shape, spec.group_size)
+        summed = gather_invariant(requantize(jnp.stack(received), groups, spec, kernel_mode), call.axis_name)
+        rows = decode(summed[:, None], groups, spec, message.dtype, kernel_mode)
+        blocks = plan.from_wire_order(from_rows(rows, block_shape, 1))
+        sent = 2 * (ranks - 1) * plan.message_bytes(groups)
+    record_collective(
+        message,
+        site=call.site_of("all_reduce_two_shot"),
+        op="all_reduce_two_shot",
+        direction=direction,
+        axis_name=call.axis_name,
+        spec=None if plan is None else plan.spec,
+        sent=sent,
+        plain_sent=plain_sent,
+    )
+    return blocks.reshape(message.shape)
 
 
 # ----------------------------------------------------------------------------- the matmuls
@@ -192,6 +255,10 @@ def reduce_scatter_by_shifts(
 
 def _chunk(x: jax.Array, index: jax.Array, size: int, axis: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
+
+
+def _weight_grad(x: jax.Array, cotangent: jax.Array, weight: jax.Array) -> jax.Array:
+    return (x.reshape(-1, x.shape[-1]).T @ cotangent.reshape(-1, cotangent.shape[-1])).astype(weight.dtype)
 
 
 def _gather_matmul_forward(x, weights, call, axis, direction):
@@ -235,10 +302,8 @@ def _all_gather_matmul_fwd(x, weights, call, axis):
 
 def _all_gather_matmul_bwd(call, axis, residuals, cotangents):
     chunks, weights = residuals
-    flat = _gathered(chunks, call, axis).reshape(-1, weights[0].shape[0])
-    weight_grads = tuple(
-        (flat.T @ ct.reshape(-1, ct.shape[-1])).astype(w.dtype) for w, ct in zip(weights, cotangents, strict=True)
-    )
+    gathered = _gathered(chunks, call, axis)
+    weight_grads = tuple(_weight_grad(gathered, ct, w) for w, ct in zip(weights, cotangents, strict=True))
     cts = tuple(ct.astype(w.dtype) for ct, w in zip(cotangents, weights, strict=True))
     input_grad = _matmul_scatter(cts, tuple(w.T for w in weights), call, axis, "backward")
     return input_grad.astype(weights[0].dtype), weight_grads
@@ -260,12 +325,75 @@ def _matmul_reduce_scatter_fwd(x, weight, call, axis):
 def _matmul_reduce_scatter_bwd(call, axis, residuals, cotangent):
     x, weight = residuals
     (input_grad,), chunks = _gather_matmul_forward(cotangent, (weight.T,), call, axis, "backward")
-    gathered = _gathered(chunks, call, axis)
-    weight_grad = x.reshape(-1, x.shape[-1]).T @ gathered.reshape(-1, gathered.shape[-1])
-    return input_grad.astype(x.dtype), weight_grad.astype(weight.dtype)
+    return input_grad.astype(x.dtype), _weight_grad(x, _gathered(chunks, call, axis), weight)
 
 
 matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+
+
+def _matmul_all_reduce(xs, weights, call, direction):
+    """sum_i xs[i] @ weights[i] summed over ranks by `all_reduce_by_shifts`, over the
+    rows (every axis but the last, flattened; zero rows pad them to a multiple of the
+    ranks)."""
+    ranks, lead = lax.axis_size(call.axis_name), xs[0].shape[:-1]
+    rows = math.prod(lead)
+    size = -(-rows // ranks)
+    flats = [x.reshape(rows, x.shape[-1]) for x in xs]
+    if size * ranks != rows:
+        flats = [jnp.pad(flat, ((0, size * ranks - rows), (0, 0))) for flat in flats]
+
+    def partial_for(j):
+        return sum(_chunk(x, j, size, 0) @ w for x, w in zip(flats, weights, strict=True)).astype(xs[0].dtype)
+
+    message = jax.ShapeDtypeStruct((size * ranks, weights[0].shape[-1]), xs[0].dtype)
+    with forward_recording() if direction == "forward" else contextlib.nullcontext():
+        summed = all_reduce_by_shifts(partial_for, message, call, direction=direction)
+    return summed[:rows].reshape(*lead, weights[0].shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul_all_reduce(x, weight, call: Call):
+    """`psum(x @ weight)` over the axis, by shifts (see the module doc); its backward
+    pass sends nothing (the result is replicated, as Megatron's g)."""
+    return _matmul_all_reduce((x,), (weight,), call, "forward")
+
+
+def _matmul_all_reduce_fwd(x, weight, call):
+    return _matmul_all_reduce((x,), (weight,), call, "forward"), (x, weight)
+
+
+def _matmul_all_reduce_bwd(call, residuals, cotangent):
+    refuse_gradient_outside("matmul_all_reduce", call.axis_name)
+    x, weight = residuals
+    cotangent = vary(cotangent, (call.axis_name,)).astype(x.dtype)
+    return (cotangent @ weight.T).astype(x.dtype), _weight_grad(x, cotangent, weight)
+
+
+matmul_all_reduce.defvjp(_matmul_all_reduce_fwd, _matmul_all_reduce_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def copy_matmul(x, weights, call: Call):
+    """`x @ w` for each weight with `x` replicated over the axis (Megatron's f): the
+    backward pass sums the input gradient over the ranks by `matmul_all_reduce`'s shifts."""
+    varying = vary(x, (call.axis_name,))
+    return tuple(varying @ w for w in weights)
+
+
+def _copy_matmul_fwd(x, weights, call):
+    return copy_matmul(x, weights, call), (x, weights)
+
+
+def _copy_matmul_bwd(call, residuals, cotangents):
+    refuse_gradient_outside("copy_matmul", call.axis_name)
+    x, weights = residuals
+    weight_grads = tuple(_weight_grad(x, ct, w) for w, ct in zip(weights, cotangents, strict=True))
+    cts = tuple(ct.astype(w.dtype) for ct, w in zip(cotangents, weights, strict=True))
+    input_grad = _matmul_all_reduce(cts, tuple(w.T for w in weights), call, "backward")
+    return input_grad.astype(x.dtype), weight_grads
+
+
+copy_matmul.defvjp(_copy_matmul_fwd, _copy_matmul_bwd)
 
 
 def check_sequence_axis(shape: tuple[int, ...], axis: int, ranks: int, *, scattered: bool) -> int:

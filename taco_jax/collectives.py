@@ -42,7 +42,7 @@ from taco_jax import accounting, policy
 from taco_jax import calibration as calibration_lib
 from taco_jax.calibration import Calibration
 from taco_jax.codec import decode, encode, message_layout, requantize
-from taco_jax.kernels.jax_compat import checks_vma
+from taco_jax.kernels.jax_compat import checks_vma, transposing_whole_shard_map
 from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
 from taco_jax.tracing import TraceScope
@@ -55,6 +55,18 @@ CHUNK_ALIGN = 64
 # ----------------------------------------------------------------------------- varying manual axes
 # `checks_vma` (public API) lives in `taco_jax.kernels.jax_compat`, beside the detection
 # of a gradient taken outside a shard_map, which has no public form.
+
+
+def refuse_gradient_outside(mapping: str, axis_name: str) -> None:
+    """In a gradient rule: raise if a check_vma=False shard_map is being differentiated
+    from outside (JAX's transpose would scale the gradients of `mapping`'s inputs)."""
+    if not checks_vma(axis_name) and transposing_whole_shard_map():
+        raise ValueError(
+            f"taco_jax.tp.{mapping} inside jax.shard_map(check_vma=False) is differentiated from outside the "
+            "shard_map: JAX would scale the weight gradients by 1/axis size. Take the gradient inside the "
+            "shard_map body (Megatron's convention), or use check_vma=True (JAX's default), which is correct "
+            "either way."
+        )
 
 
 def varying_axes(x: jax.Array) -> frozenset[str]:

@@ -63,10 +63,12 @@ class ParallelDotGeneral:
         axis (second to last) over the tensor axis.
       axis_name: the tensor-parallel mesh axis.
       calibration: per-site channel permutations / transform decisions (None: identity).
-      overlap: with sequence parallelism, the gather and matmul (column) or the matmul
-        and reduce-scatter (row) as one collective matmul (`taco_jax.collective_matmul`),
-        each chunk's matmul beside the other chunks' transfers; its matmuls use the
-        default precision.
+      overlap: the matmul and its collective as one collective matmul
+        (`taco_jax.collective_matmul`), each chunk's matmul beside the other chunks'
+        transfers: with sequence parallelism the gather and matmul (column) or the matmul
+        and reduce-scatter (row); without it the matmul and all-reduce (row) or the
+        backward all-reduce of the input gradient (column). Its matmuls use the default
+        precision.
     """
 
     mesh: Mesh
@@ -85,8 +87,6 @@ class ParallelDotGeneral:
             raise ValueError(f"mesh must be a jax.sharding.Mesh with a {self.axis_name!r} axis, got {self.mesh!r}")
         if not isinstance(self.config, TacoConfig):
             raise ValueError(f"config must be a TacoConfig, got {type(self.config).__name__}")
-        if self.overlap and not self.sequence_parallel:
-            raise ValueError("overlap needs sequence_parallel: it overlaps that all-gather or reduce-scatter")
 
     def __call__(
         self,
@@ -152,14 +152,18 @@ class ParallelDotGeneral:
                 overlap=self.overlap,
             )
             return out
+        if self.overlap:
+            return tp.copy_matmul(x, (kernel,), axis_name, config, site=site, calibration=calibration, overlap=True)[0]
         return matmul(tp.copy_to_tp(x, axis_name, config, site=site, calibration=calibration), kernel)
 
     def _row(self, x: jax.Array, kernel: jax.Array, matmul) -> jax.Array:
         axis_name, config, site, calibration = self.axis_name, self.config, self.site, self.calibration
-        if self.overlap:
+        if self.overlap and self.sequence_parallel:
             return tp.matmul_reduce_scatter(
                 x, kernel, axis_name, config, axis=x.ndim - 2, site=site, calibration=calibration, overlap=True
             )
+        if self.overlap:
+            return tp.matmul_all_reduce(x, kernel, axis_name, config, site=site, calibration=calibration, overlap=True)
         partial = matmul(x, kernel)
         if self.sequence_parallel:
             return tp.reduce_scatter_to_sp(
@@ -241,14 +245,14 @@ class ColumnParallelLinear(nnx.Linear):
           sequence_parallel: the input is split over "tensor" along its sequence axis
             (second to last) and gathered here (compressed, the backward a reduce-scatter).
           calibration: per-site channel permutations / transform decisions.
-          overlap: with sequence_parallel, gather and multiply as one collective matmul
+          overlap: the matmul and its collective as one collective matmul
             (`ParallelDotGeneral.overlap`).
           **linear_kwargs: further `nnx.Linear` arguments (dtype, param_dtype,
             kernel_init, bias_init, precision, ...).
 
         Raises:
           ValueError: out_features not divisible by the tensor axis, a mesh without it, or
-            a config that is not a `TacoConfig`; overlap without sequence_parallel.
+            a config that is not a `TacoConfig`.
         """
         super().__init__(
             **_parallel_linear(
@@ -297,13 +301,13 @@ class RowParallelLinear(nnx.Linear):
           mesh, config, site, use_bias, rngs, calibration: as `ColumnParallelLinear`.
           sequence_parallel: reduce-scatter the sum along the sequence axis (second to
             last) instead of all-reducing it; the output is split over "tensor" there.
-          overlap: with sequence_parallel, multiply and reduce-scatter as one collective
-            matmul (`ParallelDotGeneral.overlap`).
+          overlap: the matmul and its collective as one collective matmul
+            (`ParallelDotGeneral.overlap`).
           **linear_kwargs: further `nnx.Linear` arguments.
 
         Raises:
           ValueError: in_features not divisible by the tensor axis, a mesh without it, or
-            a config that is not a `TacoConfig`; overlap without sequence_parallel.
+            a config that is not a `TacoConfig`.
         """
         super().__init__(
             **_parallel_linear(

@@ -24,6 +24,10 @@ quantizer itself is never differentiated (straight-through).
                         overlap=True: as a collective matmul (taco_jax.collective_matmul)
   matmul_reduce_scatter a row-parallel matmul followed by reduce_scatter_to_sp;
                         overlap=True: as a collective matmul
+  copy_matmul           copy_to_tp followed by column-parallel matmuls; overlap=True:
+                        the backward all-reduce as a collective matmul
+  matmul_all_reduce     a row-parallel matmul followed by reduce_from_tp; overlap=True:
+                        as a collective matmul
   sum_sequence_parallel_grads
                         sum over the axis the gradients of replicated parameters
                         applied to sequence shards (check_vma=False; JAX does it itself
@@ -42,28 +46,16 @@ from jax.sharding import PartitionSpec
 
 from taco_jax import collective_matmul, collectives
 from taco_jax.calibration import Calibration
-from taco_jax.kernels import jax_compat
 from taco_jax.spec import TacoConfig
 
 
-def _refuse_gradient_outside(mapping: str, axis_name: str) -> None:
-    """Raise if a check_vma=False shard_map is being differentiated from outside."""
-    if not collectives.checks_vma(axis_name) and jax_compat.transposing_whole_shard_map():
-        raise ValueError(
-            f"taco_jax.tp.{mapping} inside jax.shard_map(check_vma=False) is differentiated from outside the "
-            "shard_map: JAX would scale the weight gradients by 1/axis size. Take the gradient inside the "
-            "shard_map body (Megatron's convention), or use check_vma=True (JAX's default), which is correct "
-            "either way."
-        )
-
-
 def _copy_backward(cotangent: jax.Array, call: collectives.Call, *, algorithm: str) -> jax.Array:
-    _refuse_gradient_outside("copy_to_tp", call.axis_name)
+    collectives.refuse_gradient_outside("copy_to_tp", call.axis_name)
     return collectives.run_all_reduce(cotangent, call, direction="backward", algorithm=algorithm)
 
 
 def _reduce_backward(cotangent: jax.Array, call: collectives.Call, *, algorithm: str) -> jax.Array:
-    _refuse_gradient_outside("reduce_from_tp", call.axis_name)
+    collectives.refuse_gradient_outside("reduce_from_tp", call.axis_name)
     return collectives.vary(cotangent, (call.axis_name,))
 
 
@@ -73,6 +65,14 @@ _reduce = collectives.straight_through(
     lambda x, call, algorithm: collectives.run_all_reduce(x, call, direction="forward", algorithm=algorithm),
     _reduce_backward,
 )
+
+
+def _check_replicated(x: jax.Array, axis_name: str, mapping: str) -> None:
+    if axis_name in collectives.varying_axes(x):
+        raise ValueError(
+            f"{mapping} needs x replicated over {axis_name!r}, but it varies over it "
+            f"({jax.typeof(x)}); each rank would contribute a different input"
+        )
 
 
 def _call(axis_name: str, config: TacoConfig, site: str | None, calibration: Calibration | None) -> collectives.Call:
@@ -109,11 +109,7 @@ def copy_to_tp(
     """
     call = _call(axis_name, config, site, calibration)
     collectives.check_algorithm(algorithm)
-    if axis_name in collectives.varying_axes(x):
-        raise ValueError(
-            f"copy_to_tp needs x replicated over {axis_name!r}, but it varies over it "
-            f"({jax.typeof(x)}); each rank would contribute a different input"
-        )
+    _check_replicated(x, axis_name, "copy_to_tp")
     return _copy(x, call, algorithm=algorithm)
 
 
@@ -340,6 +336,85 @@ def matmul_reduce_scatter(
     x, weight = _varying_together(axis_name, x, weight)
     axis = collective_matmul.check_sequence_axis(x.shape, axis, lax.axis_size(axis_name), scattered=True)
     return collectives.called(collective_matmul.matmul_reduce_scatter, x, weight, call, axis)
+
+
+def copy_matmul(
+    x: jax.Array,
+    weights: tuple[jax.Array, ...],
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+    overlap: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Column-parallel matmuls without sequence parallelism: `copy_to_tp(x) @ w` for each
+    weight (the backward pass all-reduces the input gradient).
+
+    Args:
+      x: activation (..., D) replicated over `axis_name`.
+      weights: column-parallel weight shards, each (D, N_i), in x's dtype.
+      axis_name: the tensor-parallel mesh axis.
+      config: `TacoConfig`; the backward all-reduce uses `config.backward`.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
+      overlap: all-reduce the input gradient as a collective matmul
+        (`collective_matmul.copy_matmul`): each row block's gradient matmul beside the
+        previous block's transfer.
+
+    Returns:
+      One output (..., N_i) per weight.
+
+    Raises:
+      ValueError: `config` is not a `TacoConfig`, a bad calibration; under
+        `check_vma=True`, `x` varies over `axis_name`.
+    """
+    if not overlap:
+        h = copy_to_tp(x, axis_name, config, site=site, calibration=calibration)
+        return tuple(h @ weight for weight in weights)
+    call = _call(axis_name, config, site, calibration)
+    _check_replicated(x, axis_name, "copy_matmul")
+    axes = tuple(sorted({axis_name}.union(*map(collectives.varying_axes, (x, *weights)))))
+    x = collectives.vary(x, tuple(a for a in axes if a != axis_name))
+    weights = tuple(collectives.vary(w, axes) for w in weights)
+    return collectives.called(collective_matmul.copy_matmul, x, weights, call)
+
+
+def matmul_all_reduce(
+    x: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    config: TacoConfig,
+    *,
+    site: str | None = None,
+    calibration: Calibration | None = None,
+    overlap: bool = False,
+) -> jax.Array:
+    """A row-parallel matmul leaving a tensor-parallel region: `reduce_from_tp(x @ weight)`.
+
+    Args:
+      x: this rank's input (..., F_shard).
+      weight: this rank's row-parallel weight shard (F_shard, D), in x's dtype.
+      axis_name: the tensor-parallel mesh axis.
+      config: `TacoConfig`.
+      site: call-site name for wire-byte accounting and calibration.
+      calibration: per-site channel permutations / transform decisions (None: identity).
+      overlap: sum as a collective matmul (`collective_matmul.matmul_all_reduce`): the
+        two-shot all-reduce, each row block's matmul beside the previous block's
+        transfer, then the all-gather of the summed blocks.
+
+    Returns:
+      The sum over `axis_name`, (..., D) (invariant over `axis_name` under
+      `check_vma=True`).
+
+    Raises:
+      ValueError: `config` is not a `TacoConfig`, a bad calibration.
+    """
+    if not overlap:
+        return reduce_from_tp(x @ weight, axis_name, config, site=site, calibration=calibration)
+    call = _call(axis_name, config, site, calibration)
+    x, weight = _varying_together(axis_name, x, weight)
+    return collectives.called(collective_matmul.matmul_all_reduce, x, weight, call)
 
 
 def sum_sequence_parallel_grads(grads: Any, specs: Any, axis_name: str) -> Any:

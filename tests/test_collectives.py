@@ -594,3 +594,27 @@ def test_ledger_counts_each_matmul_message_of_a_differentiated_scan_once(overlap
         ("out", "all_gather", "backward"),
         ("out", "reduce_scatter", "forward"),
     ]
+
+
+def test_ledger_counts_each_all_reduce_matmul_message_of_a_differentiated_scan_once():
+    """Without sequence parallelism the collective matmuls record the row matmul's
+    forward all-reduce and the column matmul's backward one once each in a
+    differentiated scan."""
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    config = _config("taco+")
+    weights = jnp.ones((2, 128, 128), jnp.float32)
+
+    def body(v):
+        def layer(h, w):
+            (g,) = tj.tp.copy_matmul(h, (w,), "tensor", config, site="in", overlap=True)
+            return tj.tp.matmul_all_reduce(g, w, "tensor", config, site="out", overlap=True), None
+
+        return jax.grad(lambda u: jnp.sum(jax.lax.scan(layer, u, weights)[0] ** 2))(v)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    with tj.record_wire() as ledger:
+        fn.lower(jnp.ones((2, 8, 128), jnp.float32))
+    assert sorted((r.site, r.op, r.direction) for r in ledger.records) == [
+        ("in", "all_reduce_two_shot", "backward"),
+        ("out", "all_reduce_two_shot", "forward"),
+    ]

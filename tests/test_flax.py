@@ -22,11 +22,11 @@ COMPRESSED_MAX, COMPRESSED_MIN = 0.1, 1e-4
 class MLP(nnx.Module):
     """col -> gelu -> row, or the same with dense nnx.Linear layers (mesh None)."""
 
-    def __init__(self, *, rngs, mesh=None, config=None, sequence_parallel=False):
+    def __init__(self, *, rngs, mesh=None, config=None, sequence_parallel=False, overlap=False):
         if mesh is None:
             self.up, self.down = nnx.Linear(D_MODEL, D_FF, rngs=rngs), nnx.Linear(D_FF, D_MODEL, rngs=rngs)
         else:
-            kw = dict(mesh=mesh, config=config, rngs=rngs, sequence_parallel=sequence_parallel)
+            kw = dict(mesh=mesh, config=config, rngs=rngs, sequence_parallel=sequence_parallel, overlap=overlap)
             self.up = ColumnParallelLinear(D_MODEL, D_FF, site="mlp.in", **kw)
             self.down = RowParallelLinear(D_FF, D_MODEL, site="mlp.out", **kw)
 
@@ -58,13 +58,30 @@ def _place(mesh, x, sequence_parallel):
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_parallel_mlp_matches_nnx_linear(mesh_shape, mode, sequence_parallel):
     mesh = tj.make_mesh(*mesh_shape)
-    dense = MLP(rngs=nnx.Rngs(0))
     model = MLP(
         rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset(mode, min_bytes=0), sequence_parallel=sequence_parallel
     )
     assert model.up.kernel.shape == (D_MODEL, D_FF) and model.up.bias.shape == (D_FF,)
     assert nnx.get_partition_spec(nnx.state(model))["up"]["kernel"].get_value() == P(None, "tensor")
     assert model.down.kernel[...].sharding.spec == P("tensor", None)
+    _check_against_dense(model, mesh, mode, sequence_parallel)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("mode", ["off", "taco+"])
+def test_overlapped_parallel_mlp_matches_nnx_linear(mode, sequence_parallel):
+    """`overlap=True`: the collective matmuls (the all-reduce forms, or the sequence-
+    parallel gather and reduce-scatter) give the dense layers' values and gradients."""
+    mesh = tj.make_mesh(2, 1, 4)
+    config = tj.TacoConfig.preset(mode, min_bytes=0)
+    model = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=config, sequence_parallel=sequence_parallel, overlap=True)
+    _check_against_dense(model, mesh, mode, sequence_parallel)
+
+
+def _check_against_dense(model, mesh, mode, sequence_parallel):
+    """Output and gradients of `model` against the dense MLP of the same weights: equal
+    to float rounding uncompressed, close but not equal compressed."""
+    dense = MLP(rngs=nnx.Rngs(0))
     x, target = _inputs()
     out = nnx.jit(lambda m, v: m(v))(model, _place(mesh, x, sequence_parallel))
     grads = nnx.jit(nnx.grad(_loss))(model, _place(mesh, x, sequence_parallel), target)

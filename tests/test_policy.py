@@ -175,8 +175,8 @@ def test_trainer_resolves_taco_policy(tmp_path):
 
 
 def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
-    """tp_overlap=auto: off where there is nothing to measure (CPU, no sequence
-    parallelism); where there is, the step's gradients are timed both ways on the mesh
+    """tp_overlap=auto: off where there is nothing to measure (CPU, no tensor axis);
+    where there is, the step's gradients are timed both ways on the mesh
     and the faster setting is used and written down."""
     lines = []
     cfg = TrainConfig.from_keys(

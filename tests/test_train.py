@@ -606,19 +606,20 @@ def test_the_simulated_mesh_is_visible_to_what_it_traces():
     assert seen == [True] and not tj.mesh.simulating()
 
 
-def test_tp_overlap_trains_as_the_collective_path_does(tmp_path):
-    """tp_overlap=on runs every sequence-parallel gather and reduce-scatter as a
-    collective matmul: uncompressed, the losses of the collective path to float
-    rounding, with the same wire bytes; it needs sequence parallelism."""
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no_sp"])
+def test_tp_overlap_trains_as_the_collective_path_does(tmp_path, sequence_parallel):
+    """tp_overlap=on runs every tensor-parallel matmul and its collective as a collective
+    matmul (the sequence-parallel gather and reduce-scatter, or the all-reduces):
+    uncompressed, the losses of the collective path to float rounding, with the same
+    wire bytes (without sequence parallelism the all-reduces are two-shot, as the
+    uncompressed ring all-reduce counts them)."""
     runs = {}
     for overlap in ("off", "on"):
-        cfg = _cfg(tmp_path, f"overlap_{overlap}", sequence_parallel=True, tp_overlap=overlap)
+        cfg = _cfg(tmp_path, f"overlap_{overlap}", sequence_parallel=sequence_parallel, tp_overlap=overlap)
         runs[overlap] = trainer.train(cfg, progress=False), _rows(cfg.out)
     (off, off_rows), (on, on_rows) = runs["off"], runs["on"]
     np.testing.assert_allclose([r["loss"] for r in on_rows], [r["loss"] for r in off_rows], rtol=1e-5)
     assert on["wire_bytes_by_axis"] == off["wire_bytes_by_axis"] and on["wire_bytes_by_axis"]["tensor"] > 0
-    with pytest.raises(ValueError, match="tp_overlap=on needs sequence_parallel"):
-        TrainConfig.from_keys(tp_overlap="on")
 
 
 def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, capsys):

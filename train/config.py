@@ -139,10 +139,12 @@ class TrainConfig:
       taco_data_backward: replace taco_data's quantizer (gradients are backward-pass
         tensors), e.g. "int4:128:H:bf16" for 4-bit gradients.
       sequence_parallel: norms and residuals on sequence shards.
-      tp_overlap: "on": the sequence-parallel all-gather -> matmul and matmul ->
-        reduce-scatter of every layer run as collective matmuls (one message per peer,
-        a chunk's matmul beside the other chunks' transfers; `taco_jax.collective_matmul`);
-        needs sequence_parallel. "off": the collectives, then the matmuls. "auto": on
+      tp_overlap: "on": every layer's tensor-parallel matmuls and their collectives run
+        as collective matmuls (one message per peer, a chunk's matmul beside the other
+        chunks' transfers; `taco_jax.collective_matmul`): with sequence_parallel the
+        all-gather -> matmul and matmul -> reduce-scatter, without it the matmul ->
+        all-reduce and the column matmuls' backward all-reduce. "off": the collectives,
+        then the matmuls. "auto": on
         GPUs, the faster of the two in a start-up timing of the step (train/link_policy.py,
         OUT/overlap_probe.json); elsewhere "off".
       steps: optimizer steps to run (a resumed run continues up to this step).
@@ -285,10 +287,6 @@ class TrainConfig:
                     problems.append(f"{key}: {error}")
         if self.tp_overlap not in ("off", "on", "auto"):
             problems.append(f"tp_overlap must be on, off or auto, got {self.tp_overlap!r}")
-        elif self.tp_overlap == "on" and not self.sequence_parallel:
-            problems.append(
-                "tp_overlap=on needs sequence_parallel=true (it overlaps that all-gather and reduce-scatter)"
-            )
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         return problems

@@ -11,7 +11,7 @@ messages pays on the link at hand.
   a path    a link_profile.json of an earlier probe on the same machine: reuse it.
 
 `tp_overlap=auto` is decided the same way (`choose_overlap`): on GPUs with a tensor axis
-> 1 and sequence parallelism, the step's gradients are timed with the collective matmuls
+> 1, the step's gradients are timed with the collective matmuls
 and without, the faster is used and both times go to OUT/overlap_probe.json; elsewhere
 there is nothing to measure and the collectives run as they are ("off").
 """
@@ -76,8 +76,6 @@ def _why_not_probe(cfg: TrainConfig, mode: str) -> str | None:
 
 
 def _why_not_time_overlap(cfg: TrainConfig) -> str | None:
-    if not cfg.sequence_parallel:
-        return "it needs sequence_parallel"
     if cfg.mesh.tensor == 1:
         return "no tensor axis"
     if cfg.simulate_mesh or jax.default_backend() != "gpu":

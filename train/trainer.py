@@ -665,14 +665,20 @@ def _checkpoint_state(params: dict, opt_state, feedback: dict) -> dict:
     return {"params": params, "opt_state": opt_state, **({"error_feedback": feedback} if feedback else {})}
 
 
-def restore_params(run_dir: str | Path) -> tuple[TrainConfig, models.ModelConfig, dict, int]:
-    """The parameters of a run's newest restorable checkpoint, on one device.
+def restore_params(
+    run_dir: str | Path, step: int | None = None
+) -> tuple[TrainConfig, models.ModelConfig, dict, int]:
+    """The parameters of a run's checkpoint, on one device.
+
+    Args:
+      run_dir: the trainer run directory.
+      step: the checkpoint's step (None: the newest).
 
     Returns:
       (the run's config, its model config, the parameters, the checkpoint's step).
 
     Raises:
-      ValueError: no config.json or no restorable checkpoint in `run_dir`.
+      ValueError: no config.json, no restorable checkpoint in `run_dir`, or none at `step`.
     """
     folder = Path(run_dir)
     try:
@@ -686,6 +692,9 @@ def restore_params(run_dir: str | Path) -> tuple[TrainConfig, models.ModelConfig
         steps = checkpoints.steps()
         if not steps:
             raise ValueError(f"no checkpoint in {checkpoints.directory}")
+        if step is not None and step not in steps:
+            raise ValueError(f"no checkpoint at step {step} in {checkpoints.directory} (it has {sorted(steps)})")
+        steps = [steps[0] if step is None else step]
         tx, _ = make_optimizer(cfg, model_config)
         params = models.abstract_params(model_config, mesh)
         opt_state = jax.tree.map(
