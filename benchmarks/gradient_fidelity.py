@@ -104,10 +104,10 @@ def measure_step(args, off_cfg, model_config, mesh, params, batch_of, train_toke
     reference = off(b1)
     row = {"noise": compare(off(b2), reference), "floor": compare(off(b1), reference), "presets": {}}
     for preset in args.presets:
-        cfg = off_cfg.with_keys(
-            **VARIANTS[preset], taco_policy="always", calibration_steps=args.calibration_steps
+        cfg = off_cfg.with_keys(**VARIANTS[preset], taco_policy="always", calibration_steps=args.calibration_steps)
+        row["presets"][preset] = compare(
+            gradient_at(cfg, model_config, mesh, params, calibration_batches)(b1), reference
         )
-        row["presets"][preset] = compare(gradient_at(cfg, model_config, mesh, params, calibration_batches)(b1), reference)
     return row
 
 

@@ -13,8 +13,20 @@ sharper test; a gap inside its error is no evidence either way. Runs go to worke
 processes (--jobs) and are appended to the JSON as they finish, so a cut-short
 experiment keeps what it measured (--report-only rebuilds the table from it).
 
+Stable regime (--lr-sweep): the quality table must resolve the differences it reports,
+and a learning rate at which training is unstable makes seeds (and any perturbation)
+differ by percents. Before the panels, each model trains `off` at every candidate
+learning rate (--lr-sweep, largest first) for the run's steps on the first corpus; the
+largest whose seed-to-seed spread of the validation loss (max - min over mean) stays
+within --max-spread percent is that model's learning rate for every panel (the sweep
+and the choice are kept in the JSON, and its `off` runs are the panel's). Each panel
+also runs `off-control` (off again with the same seed: the device's non-determinism,
+the floor any gap is read against) and reports its resolution: the largest standard
+error of a paired validation-loss gap among its variants.
+
 Variants:
   off            plain collectives (the reference)
+  off-control    off again, same seed (the run-to-run floor)
   fp8            per-group absmax E4M3, no transform (the naive baseline)
   taco           E4M3 + Hadamard + dual scales, calibrated (the authors' method)
   taco+          INT8 + Hadamard + bf16 scales, calibrated
@@ -38,6 +50,9 @@ Usage (GPU, one device):
       --variants off,pipe-taco,pipe-taco+,data-taco,data-taco+,data-int4+H,all-taco+ --seeds 5 --jobs 10
   python -m benchmarks.quality --simulate --tag corpora --corpora python-code,python-docs,shakespeare \
       --models gpt2-40m,qwen2-40m --variants off,fp8,taco,taco+,int4+H --seeds 4 --steps 400 --jobs 12
+  python -m benchmarks.quality --simulate --tag stable --corpora shakespeare,python-docs,python-code \
+      --models gpt2-40m,qwen2-40m --variants off,off-control,fp8,taco,taco+,int4+H --seeds 3 \
+      --steps 1600 --batch-size 8 --seq-len 128 --lr-sweep 1e-3,6e-4,3e-4 --jobs 12
 CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.quality \\
       --models gpt2-tiny --steps 200
 """
@@ -60,6 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS: dict[str, dict] = {
     "off": {"taco": "off"},
+    "off-control": {"taco": "off"},
     "fp8": {"taco": "fp8"},
     "taco": {"taco": "taco"},
     "taco+": {"taco": "taco+"},
@@ -79,12 +95,12 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int) -> dict:
+def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int, lr: float) -> dict:
     """One run in this process; returns its result row."""
     from taco_jax.train.config import TrainConfig
     from taco_jax.train.trainer import train
 
-    out = args.runs / f"{corpus}_{model}_{variant}_seed{seed}"
+    out = args.runs / f"{corpus}_{model}_{variant}_seed{seed}_lr{lr:g}"
     data = corpora.build(corpus, args.runs / "corpora")
     settings = dict(
         model=model,
@@ -99,7 +115,7 @@ def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, s
         data_seed=0,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
-        lr=args.lr,
+        lr=lr,
         warmup_steps=args.steps // 10,
         eval_every=args.steps,
         eval_batches=args.eval_batches,
@@ -117,6 +133,7 @@ def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, s
         "model": model,
         "variant": variant,
         "seed": seed,
+        "lr": lr,
         "train_loss": float(np.mean([r["loss"] for r in rows[-20:]])),
         "val_loss": summary["final_val_loss"],
         "curve": [r["loss"] for r in rows],
@@ -147,20 +164,20 @@ def _check_budget(args: argparse.Namespace, corpus: str) -> dict:
     return corpora.describe(corpus, tokens) | {"steps": args.steps, "epochs_per_run": round(epochs, 3)}
 
 
-def _spawn(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int) -> dict:
+def _spawn(args: argparse.Namespace, corpus: str, model: str, variant: str, seed: int, lr: float) -> dict:
     env = dict(os.environ)
     if args.jobs > 1:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / args.jobs:.2f}")
     forwarded = [a for a in sys.argv[1:] if a != "--report-only"]
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quality", *forwarded, "--one", corpus, model, variant, str(seed)],
+        [sys.executable, "-m", "benchmarks.quality", *forwarded, "--one", corpus, model, variant, str(seed), repr(lr)],
         env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     if proc.returncode:
-        raise RuntimeError(f"{corpus} {model} {variant} seed {seed} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{corpus} {model} {variant} seed {seed} lr {lr:g} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -202,13 +219,31 @@ def report(results: list[dict], models: list[str], variants: list[str], out: Pat
                 spread = np.ptp([r["val_loss"] for r in base.values()]) / np.mean(
                     [r["val_loss"] for r in base.values()]
                 )
+                lr = next(iter(base.values()))["lr"]
                 lines.append(
-                    f"| {corpus} | {model} | off seed spread (max - min) | | | {100 * spread:.2f}% of the mean | | | | |"
+                    f"| {corpus} | {model} | off seed spread (max - min), lr {lr:g} | | | "
+                    f"{100 * spread:.2f}% of the mean | | | | |"
                 )
+                lines.append(f"| {corpus} | {model} | {_resolution(mine, base)} | | | | | | | |")
     table = "\n".join(lines)
     (out / f"{name}.md").write_text(table + "\n")
     _plot(results, panels, variants, out / f"{name}.png", mesh)
     return table
+
+
+def _resolution(runs: list[dict], base: dict, target: float = 0.1) -> str:
+    """The panel's resolution: the largest standard error of a paired validation-loss gap
+    among its compressed variants, against `target` percent."""
+    errors = {}
+    for variant in dict.fromkeys(r["variant"] for r in runs if r["variant"] != "off"):
+        gaps = _paired_gaps([r for r in runs if r["variant"] == variant], base, "val_loss")
+        if len(gaps) > 1:
+            errors[variant] = _standard_error(gaps)
+    if not errors:
+        return "resolution n/a (fewer than 2 paired seeds)"
+    worst = max(errors, key=errors.__getitem__)
+    verdict = "resolves" if errors[worst] <= target else "does not resolve"
+    return f"resolution {errors[worst]:.3f}% (s.e., {worst}): {verdict} {target}%"
 
 
 def _bytes(run: dict) -> str:
@@ -219,13 +254,22 @@ def _bytes(run: dict) -> str:
     return ", ".join(f"{axis} {100 * sent[axis] / bf16[axis]:.0f}%" for axis in sent if bf16[axis])
 
 
+def _paired_gaps(runs: list[dict], base: dict, key: str) -> list[float]:
+    """Per seed, the relative gap (percent) of `key` to that seed's `off` run."""
+    return [100 * (r[key] / base[r["seed"]][key] - 1) for r in runs if r["seed"] in base]
+
+
+def _standard_error(gaps: list[float]) -> float:
+    return float(np.std(gaps, ddof=1) / np.sqrt(len(gaps)))
+
+
 def _paired(runs: list[dict], base: dict, key: str, flag: float | None = None) -> str:
     """Mean ± standard error of the per-seed relative gap to `off` (same init and data),
     in bold where the mean exceeds `flag` percent."""
-    gaps = [100 * (r[key] / base[r["seed"]][key] - 1) for r in runs if r["seed"] in base]
+    gaps = _paired_gaps(runs, base, key)
     if len(gaps) < 2:
         return "n/a"
-    text = f"{np.mean(gaps):+.2f} ± {np.std(gaps, ddof=1) / np.sqrt(len(gaps)):.2f}%"
+    text = f"{np.mean(gaps):+.2f} ± {_standard_error(gaps):.2f}%"
     return f"**{text}**" if flag is not None and np.mean(gaps) > flag else text
 
 
@@ -294,10 +338,17 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=ROOT / "runs/quality")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the JSON")
-    parser.add_argument("--one", nargs=4, metavar=("CORPUS", "MODEL", "VARIANT", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--lr-sweep",
+        type=lambda s: sorted((float(v) for v in s.split(",")), reverse=True),
+        default=None,
+        help="candidate learning rates: each model takes the largest whose off seed spread is within --max-spread",
+    )
+    parser.add_argument("--max-spread", type=float, default=1.0, help="percent (max - min of off val loss over mean)")
+    parser.add_argument("--one", nargs=5, metavar=("CORPUS", "MODEL", "VARIANT", "SEED", "LR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(train_one(args, *args.one[:3], int(args.one[3]))))
+        print(json.dumps(train_one(args, *args.one[:3], int(args.one[3]), float(args.one[4]))))
         return
     names, models, variants = args.corpora.split(","), args.models.split(","), args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -308,15 +359,8 @@ def main() -> None:
     path = args.out / f"{name}.json"
     earlier = json.loads(path.read_text()) if path.exists() else {"settings": {}, "runs": []}
     results = earlier["runs"]
-    done = {(_corpus(r), r["model"], r["variant"], r["seed"]) for r in results}
-    todo = [
-        (c, m, v, s)
-        for c in names
-        for s in range(args.seeds)
-        for m in models
-        for v in variants
-        if (c, m, v, s) not in done
-    ]
+    for run in results:  # runs measured before the learning rate was recorded per run
+        run.setdefault("lr", float(earlier["settings"].get("lr", args.lr)))
     if not args.report_only:
         try:
             described = {c: _check_budget(args, c) for c in names}
@@ -327,23 +371,69 @@ def main() -> None:
         settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")} | {
             "corpora": described
         }
-        with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(_spawn, args, *key) for key in todo]
-            for future in as_completed(futures):
-                try:
-                    result = future.result()
-                except RuntimeError as error:  # keep the other runs going; the table shows what finished
-                    print(error, file=sys.stderr, flush=True)
-                    continue
-                results.append(result)
-                path.write_text(json.dumps({"settings": settings, "runs": results}))
-                print(
-                    f"  {result['corpus']} {result['model']} {result['variant']:15s} seed {result['seed']}: train {result['train_loss']:.4f} "
-                    f"val {result['val_loss']:.4f} ({result['seconds']:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    print(report(results, models, variants, args.out, name, ",".join(map(str, args.mesh))))
+        settings["lr_sweep"] = earlier["settings"].get("lr_sweep", {})
+        run = lambda todo: _run_all(args, todo, results, path, settings)
+        if args.lr_sweep:
+            run([(names[0], m, "off", s, lr) for m in models for lr in args.lr_sweep for s in range(args.seeds)])
+            settings["lr_sweep"] |= {m: sweep_learning_rate(results, names[0], m, args) for m in models}
+        lrs = _learning_rates(settings["lr_sweep"], models, args.lr)
+        run([(c, m, v, s, lrs[m]) for c in names for s in range(args.seeds) for m in models for v in variants])
+    else:
+        lrs = _learning_rates(earlier["settings"].get("lr_sweep", {}), models, args.lr)
+    chosen = [r for r in results if r["model"] in lrs and r["lr"] == lrs[r["model"]]]
+    print(report(chosen, models, variants, args.out, name, ",".join(map(str, args.mesh))))
+
+
+def _run_all(args: argparse.Namespace, todo: list[tuple], results: list[dict], path: Path, settings: dict) -> None:
+    """Train the runs of `todo` not in `results` yet, in --jobs worker processes,
+    appending each to `results` and to the JSON as it finishes."""
+    done = {(_corpus(r), r["model"], r["variant"], r["seed"], r["lr"]) for r in results}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(_spawn, args, *key) for key in dict.fromkeys(todo) if key not in done]
+        for future in as_completed(futures):
+            try:
+                result = future.result()
+            except RuntimeError as error:  # keep the other runs going; the table shows what finished
+                print(error, file=sys.stderr, flush=True)
+                continue
+            results.append(result)
+            path.write_text(json.dumps({"settings": settings, "runs": results}))
+            print(
+                f"  {result['corpus']} {result['model']} {result['variant']:15s} seed {result['seed']} "
+                f"lr {result['lr']:g}: train {result['train_loss']:.4f} val {result['val_loss']:.4f} "
+                f"({result['seconds']:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    path.write_text(json.dumps({"settings": settings, "runs": results}))
+
+
+def sweep_learning_rate(results: list[dict], corpus: str, model: str, args: argparse.Namespace) -> dict:
+    """The largest of --lr-sweep whose `off` validation-loss spread over seeds (max - min,
+    percent of the mean) is within --max-spread; the smallest if none is."""
+    spreads = {}
+    for lr in args.lr_sweep:
+        losses = [
+            r["val_loss"]
+            for r in results
+            if (_corpus(r), r["model"], r["variant"], r["lr"]) == (corpus, model, "off", lr) and r["seed"] < args.seeds
+        ]
+        spreads[lr] = 100 * float(np.ptp(losses) / np.mean(losses)) if len(losses) > 1 else float("nan")
+    stable = [lr for lr in args.lr_sweep if spreads[lr] <= args.max_spread]
+    chosen = max(stable) if stable else min(args.lr_sweep)
+    print(
+        f"lr sweep {model} on {corpus}: "
+        + ", ".join(f"{lr:g} spread {spread:.2f}%" for lr, spread in spreads.items())
+        + f" -> {chosen:g}"
+        + ("" if stable else f" (none within {args.max_spread}%)"),
+        file=sys.stderr,
+        flush=True,
+    )
+    return {"corpus": corpus, "spread_percent": {f"{lr:g}": v for lr, v in spreads.items()}, "chosen": chosen}
+
+
+def _learning_rates(sweep: dict, models: list[str], default: float) -> dict[str, float]:
+    return {m: float(sweep[m]["chosen"]) if m in sweep else default for m in models}
 
 
 if __name__ == "__main__":
