@@ -167,6 +167,8 @@ def main() -> None:
     batch_of = trainer.batch_maker(off_cfg, mesh)
     corpus = data_lib.load(off_cfg.data, val_fraction=off_cfg.val_fraction, tokenizer=off_cfg.tokenizer)
     model_config = models.preset(off_cfg.model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: str(v) for k, v in vars(args).items()}
     results = {}
     for step in args.checkpoints:
         if step:
@@ -174,10 +176,11 @@ def main() -> None:
         else:  # the run's initialization (the trainer keeps no step-0 checkpoint)
             params = models.init_params(model_config, jax.random.key(off_cfg.seed), mesh)
         results[step] = measure_step(args, off_cfg, model_config, mesh, params, batch_of, corpus.train)
+        # Written after every checkpoint, so a run cut short keeps what it measured.
+        args.out.write_text(
+            json.dumps({"settings": settings, "device": jax.devices()[0].device_kind, "steps": results})
+        )
         print(f"step {step} measured", file=sys.stderr, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: str(v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"settings": settings, "device": jax.devices()[0].device_kind, "steps": results}))
     print(_table(results))
 
 
