@@ -59,7 +59,7 @@ def _off_run(args: argparse.Namespace) -> dict:
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.steps // args.checkpoint_every + 1,
         compute_dtype=args.compute_dtype,
-        out=str(args.runs / f"fidelity_{args.corpus}_{args.model}_seed{args.seed}"),
+        out=str(args.runs / f"fidelity_{args.corpus}_{args.model}_seed{args.seed}_lr{args.lr:g}"),
     )
 
 
