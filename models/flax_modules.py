@@ -84,7 +84,7 @@ class Block(nnx.Module):
         sequence_parallel: bool,
         dtype: Any,
         calibration: tj.calibration.Calibration | None,
-        overlap: bool = False,
+        overlap: bool | frozenset[str] = False,
     ):
         self.config = config
         gpt2 = config.family == "gpt2"
@@ -95,17 +95,17 @@ class Block(nnx.Module):
             sequence_parallel=sequence_parallel,
             dtype=dtype,
             calibration=calibration,
-            overlap=overlap,
             kernel_init=jax.nn.initializers.normal(_INIT_STD),
         )
         residual = dict(common, kernel_init=jax.nn.initializers.normal(_INIT_STD / np.sqrt(2 * config.n_layers)))
         heads_width, d = config.n_heads * head_dim(config), config.d_model
+        at = lambda site: dict(site=site, overlap=layers.overlaps(overlap, site))
         self.norm1, self.norm2 = Norm(config, mesh), Norm(config, mesh)
-        self.attn_in = ColumnParallelLinear(d, attention_width(config), site=layers.SITE_ATTN_IN, **common)
-        self.attn_out = RowParallelLinear(heads_width, d, site=layers.SITE_ATTN_OUT, use_bias=gpt2, **residual)
+        self.attn_in = ColumnParallelLinear(d, attention_width(config), **at(layers.SITE_ATTN_IN), **common)
+        self.attn_out = RowParallelLinear(heads_width, d, use_bias=gpt2, **at(layers.SITE_ATTN_OUT), **residual)
         mlp_width = config.d_ff if gpt2 else 2 * config.d_ff
-        self.mlp_in = ColumnParallelLinear(d, mlp_width, site=layers.SITE_MLP_IN, use_bias=gpt2, **common)
-        self.mlp_out = RowParallelLinear(config.d_ff, d, site=layers.SITE_MLP_OUT, use_bias=gpt2, **residual)
+        self.mlp_in = ColumnParallelLinear(d, mlp_width, use_bias=gpt2, **at(layers.SITE_MLP_IN), **common)
+        self.mlp_out = RowParallelLinear(config.d_ff, d, use_bias=gpt2, **at(layers.SITE_MLP_OUT), **residual)
 
     def _heads(self, fused: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Split the fused projection (B, S, width) into q (B, S, H, hd), k and v."""
@@ -151,7 +151,7 @@ class Transformer(nnx.Module):
         sequence_parallel: bool = False,
         dtype: Any = jnp.float32,
         calibration: tj.calibration.Calibration | None = None,
-        overlap: bool = False,
+        overlap: bool | frozenset[str] = False,
     ):
         """
         Args:
@@ -162,17 +162,18 @@ class Transformer(nnx.Module):
           sequence_parallel: norms and residuals on sequence shards over "tensor".
           dtype: compute dtype of the matmuls (parameters stay float32).
           calibration: per-site channel permutations / transform decisions.
-          overlap: every layer's tensor-parallel matmuls and their collectives as
-            collective matmuls (`taco_jax.flax.ParallelDotGeneral`).
+          overlap: True (every site of `layers.OVERLAP_SITES`) or a set of those sites:
+            their tensor-parallel matmuls and collectives as collective matmuls
+            (`taco_jax.flax.ParallelDotGeneral`).
 
         Raises:
           ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
-            padded vocabulary.
+            padded vocabulary; an overlap that is not a bool or a set of overlap sites.
         """
         check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
         self.config, self.mesh, self.taco = config, mesh, taco
         self.sequence_parallel, self.dtype, self.calibration = sequence_parallel, dtype, calibration
-        self.overlap = overlap
+        self.overlap = layers.check_overlap(overlap)
         self.embed = _param(rngs, (padded_vocab(config), config.d_model), (TENSOR_AXIS, None), mesh)
         if config.family == "gpt2":
             self.positions = _param(rngs, (config.max_positions, config.d_model), (None, None), mesh)
@@ -186,7 +187,7 @@ class Transformer(nnx.Module):
                     sequence_parallel=sequence_parallel,
                     dtype=dtype,
                     calibration=calibration,
-                    overlap=overlap,
+                    overlap=self.overlap,
                 )
                 for _ in range(config.n_layers)
             ]
@@ -247,7 +248,7 @@ class Transformer(nnx.Module):
             layers.SITE_HEAD_IN,
             self.sequence_parallel,
             calibration=self.calibration,
-            overlap=self.overlap,
+            overlap=layers.overlaps(self.overlap, layers.SITE_HEAD_IN),
         )
         kernel = table[...].T.astype(self.dtype)
         logits = head(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))

@@ -28,6 +28,31 @@ SITE_MLP_IN = "layers.mlp.in"
 SITE_MLP_OUT = "layers.mlp.out"
 SITE_HEAD_IN = "head.in"
 SITE_LOSS_PEAK = "loss.peak"
+# The sites whose matmul and collective can run as a collective matmul (`overlap`).
+OVERLAP_SITES = (SITE_ATTN_IN, SITE_ATTN_OUT, SITE_MLP_IN, SITE_MLP_OUT, SITE_HEAD_IN)
+
+
+def check_overlap(overlap: bool | frozenset[str]) -> bool | frozenset[str]:
+    """`overlap` as the models take it: True / False for every site, or a set of
+    `OVERLAP_SITES` (those sites only).
+
+    Raises:
+      ValueError: anything else, or a name that is not an overlap site.
+    """
+    if isinstance(overlap, bool):
+        return overlap
+    if not isinstance(overlap, frozenset | set | tuple | list) or not all(isinstance(s, str) for s in overlap):
+        raise ValueError(f"overlap must be a bool or a set of site names, got {overlap!r}")
+    unknown = sorted(set(overlap) - set(OVERLAP_SITES))
+    if unknown:
+        raise ValueError(f"overlap names unknown sites {unknown}; the sites are {list(OVERLAP_SITES)}")
+    return frozenset(overlap)
+
+
+def overlaps(overlap: bool | frozenset[str], site: str) -> bool:
+    """Whether `site` runs as a collective matmul under `overlap` (`check_overlap`'s)."""
+    return overlap if isinstance(overlap, bool) else site in overlap
+
 
 # The norms and the MLP activations are recomputed in the backward pass from their
 # inputs (`jax.checkpoint`), which is all the backward keeps of them, instead of saving

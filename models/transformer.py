@@ -41,7 +41,8 @@ class Parallelism:
         wire form (`taco_jax.tp.gather_matmul`) instead of decoded.
       calibration: per-site channel permutations and transform decisions
         (`taco_jax.calibration`); empty = identity before calibration.
-      overlap: run the tensor-parallel matmuls as collective matmuls
+      overlap: True (every site of `layers.OVERLAP_SITES`) or a set of those sites: run
+        their tensor-parallel matmuls as collective matmuls
         (`taco_jax.collective_matmul`: one message per peer, each chunk's matmul beside
         the other chunks' transfers): with sequence parallelism the all-gather -> column
         matmul and the row matmul -> reduce-scatter, without it the row matmul ->
@@ -57,9 +58,10 @@ class Parallelism:
     compressed_residuals: bool = True
     calibration: tj.calibration.Calibration = tj.calibration.Calibration()
     remat: str = "none"
-    overlap: bool = False
+    overlap: bool | frozenset[str] = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "overlap", layers.check_overlap(self.overlap))
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {self.remat!r}; expected one of {list(REMAT_POLICIES)}")
 
@@ -76,11 +78,12 @@ def _column_parallel(x, kernels: tuple, par: Parallelism, site: str) -> tuple:
     """`x @ kernel` for kernels (D, ...) sharded on their output axes, entering the
     tensor-parallel region (Megatron f / the sequence-parallel all-gather)."""
     flat = tuple(k.reshape(k.shape[0], -1).astype(par.compute_dtype) for k in kernels)
+    overlap = layers.overlaps(par.overlap, site)
     options: dict[str, typing.Any] = dict(site=site, calibration=par.calibration)
     if not par.sequence_parallel:
-        outputs = tj.tp.copy_matmul(x, flat, TENSOR_AXIS, par.taco, overlap=par.overlap, **options)
-    elif par.compressed_residuals or par.overlap:
-        outputs = tj.tp.gather_matmul(x, flat, TENSOR_AXIS, par.taco, axis=1, overlap=par.overlap, **options)
+        outputs = tj.tp.copy_matmul(x, flat, TENSOR_AXIS, par.taco, overlap=overlap, **options)
+    elif par.compressed_residuals or overlap:
+        outputs = tj.tp.gather_matmul(x, flat, TENSOR_AXIS, par.taco, axis=1, overlap=overlap, **options)
     else:
         h = tj.tp.gather_from_sp(x, TENSOR_AXIS, par.taco, axis=1, **options)
         outputs = tuple(h @ k for k in flat)
@@ -98,7 +101,7 @@ def _row_parallel(x, kernel, par: Parallelism, site: str, contract: str | None =
     """`_leave` of the row-parallel matmul `x @ kernel` (or `einsum(contract, x,
     kernel)`); with `overlap`, one collective matmul over x and the kernel flattened to
     (F, D)."""
-    if par.overlap:
+    if layers.overlaps(par.overlap, site):
         flat_x, flat_kernel = x.reshape(*x.shape[:2], -1), kernel.reshape(-1, kernel.shape[-1])
         options: dict[str, typing.Any] = dict(site=site, calibration=par.calibration, overlap=True)
         if par.sequence_parallel:

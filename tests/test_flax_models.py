@@ -109,6 +109,14 @@ def test_bad_model_shapes_are_clear_errors():
         model(jnp.zeros((2, 6), jnp.int32))
     with pytest.raises(ValueError, match="exceeds max_positions"):
         model(jnp.zeros((1, config.max_positions + 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"overlap names unknown sites \['layers.mlp'\]"):
+        flax_modules.Transformer(
+            config,
+            mesh=tj.make_mesh(2, 1, 4),
+            taco=tj.TacoConfig.preset("off"),
+            rngs=nnx.Rngs(0),
+            overlap={"layers.mlp"},
+        )
 
 
 @pytest.mark.parametrize(

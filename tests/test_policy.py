@@ -18,6 +18,7 @@ import taco_jax as tj
 from taco_jax.collectives import chunk_bounds
 from taco_jax.policy import LinkProfile, Route, Timing, route_for
 from taco_jax.probe import Message, probe_link
+from taco_jax.train import config as config_lib
 from taco_jax.train import link_policy, trainer
 from taco_jax.train.config import TrainConfig
 
@@ -176,8 +177,9 @@ def test_trainer_resolves_taco_policy(tmp_path):
 
 def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
     """tp_overlap=auto: off where there is nothing to measure (CPU, no tensor axis);
-    where there is, the step's gradients are timed both ways on the mesh
-    and the faster setting is used and written down."""
+    where there is, the step's gradients are timed without collective matmuls, with them
+    everywhere and at each site alone, the gaining sites together, and the fastest
+    setting is used and written down."""
     lines = []
     cfg = TrainConfig.from_keys(
         model="gpt2-tiny",
@@ -191,12 +193,31 @@ def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
     )
     assert link_policy.choose_overlap(cfg, lambda s: 1.0, tmp_path, lines.append).tp_overlap == "off"
     assert lines == ["tp_overlap=auto: off (no link to measure on CPU)"]
-    times = {"off": 2e-3, "on": 1e-3}
-    chosen = link_policy.choose_overlap(cfg, times.__getitem__, tmp_path, lines.append, measure=True)
-    assert chosen.tp_overlap == "on" and "-> on" in lines[-1]
-    assert json.loads((tmp_path / "overlap_probe.json").read_text()) == {"seconds": times, "chosen": "on"}
-    with pytest.raises(ValueError, match="tp_overlap must be on, off or auto"):
+    gaining = "layers.attn.in,layers.mlp.in,head.in"
+    times = {
+        "off": 2.0,
+        "on": 1.9,
+        "layers.attn.in": 1.8,
+        "layers.attn.out": 2.1,
+        "layers.mlp.in": 1.7,
+        "layers.mlp.out": 2.2,
+        "head.in": 1.95,
+        gaining: 1.5,
+    }
+    timed = []
+    chosen = link_policy.choose_overlap(
+        cfg, lambda s: timed.append(s) or times[s], tmp_path, lines.append, measure=True
+    )
+    assert timed == list(times) and chosen.tp_overlap == gaining and lines[-1] == f"tp_overlap=auto: -> {gaining}"
+    assert json.loads((tmp_path / "overlap_probe.json").read_text()) == {"seconds": times, "chosen": gaining}
+    # Where every site or none gains alone, the settings already timed decide.
+    times.update({"head.in": 2.5, "layers.attn.in": 2.5, "layers.mlp.in": 2.5})
+    assert link_policy.choose_overlap(cfg, times.__getitem__, None, lines.append, measure=True).tp_overlap == "on"
+    with pytest.raises(ValueError, match="tp_overlap must be on, off, auto or a comma-separated list of sites"):
         cfg.with_keys(tp_overlap="sometimes")
+    with pytest.raises(ValueError, match=r"unknown sites \['layers.attn'\]"):
+        cfg.with_keys(tp_overlap="layers.attn,head.in")
+    assert config_lib.overlap_sites(" head.in, layers.mlp.out ") == frozenset({"head.in", "layers.mlp.out"})
 
     # The trainer's own timer, on the CPU mesh (the decision itself is the machine's).
     monkeypatch.setattr(link_policy, "_why_not_time_overlap", lambda cfg: None)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from taco_jax.models.layers import OVERLAP_SITES
 from taco_jax.models.transformer import REMAT_POLICIES
 from taco_jax.spec import PRESETS, QuantSpec
 
@@ -107,6 +108,26 @@ POSITIVE_KEYS = (
 )
 
 
+def overlap_sites(tp_overlap: str) -> bool | frozenset[str]:
+    """A tp_overlap value as the models take it (`Parallelism.overlap`): True for "on",
+    False for "off" and "auto" (until the probe decides), else the named sites.
+
+    Raises:
+      ValueError: a value that is none of these, or an unknown site.
+    """
+    if tp_overlap in ("on", "off", "auto"):
+        return tp_overlap == "on"
+    sites = frozenset(s.strip() for s in tp_overlap.split(",") if s.strip())
+    unknown = sorted(sites - set(OVERLAP_SITES))
+    if not sites or unknown:
+        named = f" (unknown sites {unknown})" if sites and unknown else ""
+        raise ValueError(
+            f"tp_overlap must be on, off, auto or a comma-separated list of sites from {list(OVERLAP_SITES)}, "
+            f"got {tp_overlap!r}{named}"
+        )
+    return sites
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs; every key can be set from YAML or key=value.
@@ -143,9 +164,10 @@ class TrainConfig:
         as collective matmuls (one message per peer, a chunk's matmul beside the other
         chunks' transfers; `taco_jax.collective_matmul`): with sequence_parallel the
         all-gather -> matmul and matmul -> reduce-scatter, without it the matmul ->
-        all-reduce and the column matmuls' backward all-reduce. "off": the collectives,
-        then the matmuls. "auto": on
-        GPUs, the faster of the two in a start-up timing of the step (train/link_policy.py,
+        all-reduce and the column matmuls' backward all-reduce. A comma-separated list of
+        sites (of layers.attn.in, layers.attn.out, layers.mlp.in, layers.mlp.out,
+        head.in): those sites only. "off": the collectives, then the matmuls. "auto": on
+        GPUs, per site, by start-up timings of the step (train/link_policy.py,
         OUT/overlap_probe.json); elsewhere "off".
       steps: optimizer steps to run (a resumed run continues up to this step).
       seed: parameter init seed (and data order seed unless data_seed is set).
@@ -285,8 +307,10 @@ class TrainConfig:
                     QuantSpec.parse(value)
                 except ValueError as error:
                     problems.append(f"{key}: {error}")
-        if self.tp_overlap not in ("off", "on", "auto"):
-            problems.append(f"tp_overlap must be on, off or auto, got {self.tp_overlap!r}")
+        try:
+            overlap_sites(self.tp_overlap)
+        except ValueError as error:
+            problems.append(str(error))
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         return problems

@@ -10,10 +10,12 @@ messages pays on the link at hand.
   "always"  compress every message of at least taco_min_bytes.
   a path    a link_profile.json of an earlier probe on the same machine: reuse it.
 
-`tp_overlap=auto` is decided the same way (`choose_overlap`): on GPUs with a tensor axis
-> 1, the step's gradients are timed with the collective matmuls
-and without, the faster is used and both times go to OUT/overlap_probe.json; elsewhere
-there is nothing to measure and the collectives run as they are ("off").
+`tp_overlap=auto` is decided by measurement too (`choose_overlap`), per site: on GPUs
+with a tensor axis > 1 the step's gradients are timed with the collectives, with
+collective matmuls at every site, and with them at each site alone; the sites that
+alone beat the collectives are timed together, and the fastest of these settings is
+used. Every time goes to OUT/overlap_probe.json. Elsewhere there is nothing to measure
+and the collectives run as they are ("off").
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import jax
 
 import taco_jax as tj
+from taco_jax.models.layers import OVERLAP_SITES
 from taco_jax.policy import LinkProfile
 from taco_jax.probe import Message, probe_link
 
@@ -91,18 +94,18 @@ def choose_overlap(
     *,
     measure: bool | None = None,
 ) -> TrainConfig:
-    """Resolve tp_overlap="auto" into "on" or "off".
+    """Resolve tp_overlap="auto" into "off", "on" or the sites that gain.
 
     Args:
       cfg: the run's configuration.
       time_step: tp_overlap value -> seconds of the step's gradients run that way (the
         same on every process).
       out: run directory for overlap_probe.json (None: a process that writes nothing).
-      log: the decision line.
+      log: one line per timing and the decision.
       measure: time even where `_why_not_time_overlap` finds nothing to measure (tests).
 
     Returns:
-      `cfg` with tp_overlap "on" or "off".
+      `cfg` with tp_overlap "off", "on" or a comma-separated list of sites.
     """
     if cfg.tp_overlap != "auto":
         return cfg
@@ -110,11 +113,20 @@ def choose_overlap(
     if reason is not None and not measure:
         log(f"tp_overlap=auto: off ({reason})")
         return cfg.with_keys(tp_overlap="off")
-    times = {setting: time_step(setting) for setting in ("off", "on")}
+    times: dict[str, float] = {}
+
+    def timed(setting: str) -> float:
+        times[setting] = time_step(setting)
+        log(f"tp_overlap=auto: {setting}: {1e3 * times[setting]:.2f} ms")
+        return times[setting]
+
+    plain = timed("off")
+    timed("on")
+    gaining = [site for site in OVERLAP_SITES if timed(site) < plain]
+    if 1 < len(gaining) < len(OVERLAP_SITES):
+        timed(",".join(gaining))
     chosen = min(times, key=times.__getitem__)
-    log(
-        f"tp_overlap=auto: collectives {1e3 * times['off']:.2f} ms, collective matmuls {1e3 * times['on']:.2f} ms -> {chosen}"
-    )
+    log(f"tp_overlap=auto: -> {chosen}")
     if out is not None:
         (out / OVERLAP_FILE).write_text(json.dumps({"seconds": times, "chosen": chosen}, indent=1))
     return cfg.with_keys(tp_overlap=chosen)

@@ -31,7 +31,7 @@ from taco_jax.probe import Message
 from . import data as data_lib
 from . import link_policy
 from .checkpoint import Checkpointer
-from .config import RESUMABLE_KEYS, TrainConfig, changed_keys, to_dict
+from .config import RESUMABLE_KEYS, TrainConfig, changed_keys, overlap_sites, to_dict
 from .pipeline import bubble_fraction, pipeline_loss
 
 
@@ -196,8 +196,9 @@ def resolve_taco_policy(
 def resolve_tp_overlap(
     cfg: TrainConfig, model_config: models.ModelConfig, mesh, params: dict, tokens: jax.Array, out: Path | None
 ) -> TrainConfig:
-    """`cfg` with tp_overlap="auto" resolved (train/link_policy.py): on GPUs, the faster
-    of the step's gradients with and without the collective matmuls."""
+    """`cfg` with tp_overlap="auto" resolved (train/link_policy.py): on GPUs, by timings
+    of the step's gradients with the collective matmuls at every site, at each site
+    alone, and without them."""
 
     def time_step(setting: str) -> float:
         variant = cfg.with_keys(tp_overlap=setting)
@@ -234,7 +235,7 @@ def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
         jnp.dtype(cfg.compute_dtype),
         calibration=calibration,
         remat=cfg.remat,
-        overlap=cfg.tp_overlap == "on",
+        overlap=overlap_sites(cfg.tp_overlap),
     )
 
 
@@ -665,9 +666,7 @@ def _checkpoint_state(params: dict, opt_state, feedback: dict) -> dict:
     return {"params": params, "opt_state": opt_state, **({"error_feedback": feedback} if feedback else {})}
 
 
-def restore_params(
-    run_dir: str | Path, step: int | None = None
-) -> tuple[TrainConfig, models.ModelConfig, dict, int]:
+def restore_params(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, models.ModelConfig, dict, int]:
     """The parameters of a run's checkpoint, on one device.
 
     Args:
