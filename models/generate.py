@@ -2,10 +2,12 @@
 
 A batch of prompts of different lengths is padded to one length bucket and prefilled in
 one pass (its messages through the run's `TacoConfig`), which writes every layer's keys
-and values into a preallocated cache sharded over "tensor" by (kv) heads. Then one
-jitted decode step, reused for every token, feeds each sequence's last token at its own
-position, writes its keys and values and attends over the cache; its messages are a few
-rows per layer (latency-bound) and go uncompressed unless `decode_taco` says otherwise.
+and values into a preallocated cache sharded over "tensor" by (kv) heads. Then the
+decode step feeds each sequence's last token at its own position, writes its keys and
+values and attends over the cache; its messages are a few rows per layer (latency-bound)
+and go uncompressed unless `decode_taco` says otherwise. The steps run on the device,
+`DECODE_CHUNK` tokens per call of one compiled loop (the host only reads each chunk's
+tokens and stops once every sequence has met its EOS), so a token costs no dispatch.
 Greedy at temperature 0, else sampled (temperature, top-k, top-p) from a seeded key.
 """
 
@@ -33,6 +35,9 @@ from .transformer import Parallelism, _block, _embed, final_norm, logits_from_hi
 # Prompt lengths are padded up to a power of two at least this long, so prompts of
 # similar lengths share one compiled prefill.
 MIN_BUCKET = 16
+# Decode steps per device call: the host checks for EOS between chunks, so a sequence
+# runs at most DECODE_CHUNK - 1 steps past the last EOS (their tokens are dropped).
+DECODE_CHUNK = 16
 
 
 def _bucket(length: int, limit: int) -> int:
@@ -132,6 +137,23 @@ def _decode(config, par, sampling, params, tokens, positions, cache, key):
     return cache, sample(logits, key, **dataclasses.asdict(sampling))
 
 
+def _decode_chunk(config, par, sampling, steps, params, tokens, positions, cache, key, first_step):
+    """`steps` decode steps in one device loop from each sequence's last token (B,) at
+    its position (B,): (cache, the tokens drawn (B, steps)). Step i samples with
+    fold_in(key, first_step + i), as one call per step would."""
+
+    def step(i, carry):
+        cache, tokens, drawn = carry
+        cache, tokens = _decode(
+            config, par, sampling, params, tokens, positions + i, cache, jax.random.fold_in(key, first_step + i)
+        )
+        return cache, tokens, drawn.at[:, i].set(tokens)
+
+    drawn = jnp.zeros((tokens.shape[0], steps), jnp.int32)
+    cache, _, drawn = lax.fori_loop(0, steps, step, (cache, tokens, drawn))
+    return cache, drawn
+
+
 def _check(config: ModelConfig, prompts, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token id lists")
@@ -181,10 +203,14 @@ class _Batch:
         return _compiled(phase, config, par, static, self.mesh, self.batch_axis)
 
 
+# The replicated scalar arguments after the cache, per phase (the keys, the first step).
+_SCALARS = {_prefill_logits: 0, _prefill: 1, _decode_chunk: 2}
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(phase, config: ModelConfig, par: Parallelism, static: tuple, mesh: Mesh, batch_axis: str | None):
     rows, cache = P(batch_axis), (_cache_spec(batch_axis),) * 2
-    in_specs = (partition_specs(config), rows, rows, cache, *((P(),) if phase is not _prefill_logits else ()))
+    in_specs = (partition_specs(config), rows, rows, cache, *((P(),) * _SCALARS[phase]))
     body = functools.partial(phase, config, par, *static)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(cache, rows), check_vma=False)
     return jax.jit(mapped, donate_argnums=(3,))
@@ -267,27 +293,28 @@ def generate(
     off, compute = tj.TacoConfig.preset("off"), jnp.dtype(dtype)
     sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)
+    chunk = min(DECODE_CHUNK, max_new_tokens - 1)
     prefill = batch.compiled(_prefill, config, Parallelism(taco or off, compute_dtype=compute), sampling)
-    decode = batch.compiled(_decode, config, Parallelism(decode_taco or off, compute_dtype=compute), sampling)
+    decode = batch.compiled(
+        _decode_chunk, config, Parallelism(decode_taco or off, compute_dtype=compute), sampling, chunk
+    )
     # Cast once: every decode step reads all the weights, and in the compute dtype.
     placed = jax.tree.map(lambda w: w.astype(compute), shard_params(params, config, batch.mesh))
     key = jax.random.key(seed)
-    cache = batch.empty_cache(compute)
-    cache, next_tokens = prefill(placed, batch.tokens, batch.lengths, cache, jax.random.fold_in(key, 0))
-    count = len(prompts)
-    lengths = np.asarray(batch.lengths)
-    new: list[list[int]] = [[] for _ in range(count)]
-    done = [False] * count
-    positions = lengths
-    for step in range(max_new_tokens):
-        host = np.asarray(next_tokens)
-        for row in range(count):
-            if not done[row]:
-                new[row].append(int(host[row]))
-                done[row] = eos_id is not None and new[row][-1] == eos_id
-        if all(done) or step + 1 == max_new_tokens:
-            break
-        key_step = jax.random.fold_in(key, step + 1)
-        cache, next_tokens = decode(placed, next_tokens, jnp.asarray(positions), cache, key_step)
-        positions = positions + 1
-    return new
+    cache, drawn = prefill(placed, batch.tokens, batch.lengths, batch.empty_cache(compute), jax.random.fold_in(key, 0))
+    tokens, positions = [np.asarray(drawn)[:, None]], batch.lengths
+    while sum(t.shape[1] for t in tokens) < max_new_tokens and not _all_stopped(tokens, len(prompts), eos_id):
+        step = sum(t.shape[1] for t in tokens)
+        cache, drawn = decode(placed, jnp.asarray(tokens[-1][:, -1]), positions + step - 1, cache, key, step)
+        tokens.append(np.asarray(drawn))
+    return [_until_eos(row, max_new_tokens, eos_id) for row in np.concatenate(tokens, axis=1)[: len(prompts)]]
+
+
+def _all_stopped(tokens: list[np.ndarray], count: int, eos_id: int | None) -> bool:
+    return eos_id is not None and bool(np.all(np.any(np.concatenate(tokens, axis=1)[:count] == eos_id, axis=1)))
+
+
+def _until_eos(row: np.ndarray, limit: int, eos_id: int | None) -> list[int]:
+    """The first `limit` tokens of a row, cut after its first `eos_id` (included)."""
+    ids = [int(t) for t in row[:limit]]
+    return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
