@@ -29,6 +29,7 @@ from taco_jax.mesh import TENSOR_AXIS
 
 from . import layers
 from .config import ModelConfig, Qwen2Config, check_tensor_parallel, head_dim, padded_vocab
+from .generate import generate as functional_generate
 
 _INIT_STD = 0.02
 
@@ -316,6 +317,89 @@ def nnx_params(config: ModelConfig, params: dict) -> dict:
     if not config.tie_embeddings:
         state["head"] = params["final"]["head"]
     return state
+
+
+def functional_params(model: Transformer) -> dict:
+    """The module's parameters in the functional layout (`models.layout`): the inverse
+    of `nnx_params`, for `models.generate` and the other functional entry points.
+
+    Args:
+      model: a `Transformer`.
+
+    Returns:
+      Nested dict of arrays as `models.init_params` gives them.
+    """
+    config, state = model.config, nnx.state(model, nnx.Param).to_pure_dict()
+    L, d, hd = config.n_layers, config.d_model, head_dim(config)
+    per_layer = jax.tree.map(lambda *a: jnp.stack(a), *[state["blocks"][i] for i in range(L)])
+    attn_in, mlp_in = per_layer["attn_in"], per_layer["mlp_in"]
+    stacked = {
+        **_functional_norm(per_layer["norm1"], "norm1"),
+        **_functional_norm(per_layer["norm2"], "norm2"),
+        "out_kernel": per_layer["attn_out"]["kernel"].reshape(L, config.n_heads, hd, d),
+    }
+    if config.family == "gpt2":
+        h = config.n_heads
+        stacked |= {
+            "qkv_kernel": jnp.transpose(attn_in["kernel"].reshape(L, d, h, 3, hd), (0, 1, 3, 2, 4)),
+            "qkv_bias": jnp.transpose(attn_in["bias"].reshape(L, h, 3, hd), (0, 2, 1, 3)),
+            "out_bias": per_layer["attn_out"]["bias"],
+            "fc_kernel": mlp_in["kernel"],
+            "fc_bias": mlp_in["bias"],
+            "proj_kernel": per_layer["mlp_out"]["kernel"],
+            "proj_bias": per_layer["mlp_out"]["bias"],
+        }
+    else:
+        kv = config.n_kv_heads
+        per_kv = config.n_heads // kv
+        kernel = attn_in["kernel"].reshape(L, d, kv, per_kv + 2, hd)
+        bias = attn_in["bias"].reshape(L, kv, per_kv + 2, hd)
+        gate_up = mlp_in["kernel"].reshape(L, d, config.d_ff, 2)
+        stacked |= {
+            "q_kernel": kernel[..., :per_kv, :].reshape(L, d, config.n_heads, hd),
+            "k_kernel": kernel[..., per_kv, :],
+            "v_kernel": kernel[..., per_kv + 1, :],
+            "q_bias": bias[..., :per_kv, :].reshape(L, config.n_heads, hd),
+            "k_bias": bias[..., per_kv, :],
+            "v_bias": bias[..., per_kv + 1, :],
+            "gate_kernel": gate_up[..., 0],
+            "up_kernel": gate_up[..., 1],
+            "down_kernel": per_layer["mlp_out"]["kernel"],
+        }
+    params = {
+        "embed": {"tokens": state["embed"]},
+        "layers": stacked,
+        "final": _functional_norm(state["final_norm"], "norm"),
+    }
+    if config.family == "gpt2":
+        params["embed"]["positions"] = state["positions"]
+    if not config.tie_embeddings:
+        params["final"]["head"] = state["head"]
+    return params
+
+
+def _functional_norm(norm: dict, name: str) -> dict:
+    return {f"{name}_{key}": value for key, value in norm.items()}
+
+
+def generate(model: Transformer, prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:
+    """`models.generate` with the module's parameters, mesh and compression (one
+    implementation of the math: the functional model's KV-cache generation).
+
+    Args:
+      model: a `Transformer`.
+      prompts: token id lists, of any lengths.
+      **kwargs: as `models.generate` (max_new_tokens, temperature, top_k, top_p, seed,
+        eos_id, decode_taco, dtype; taco defaults to the module's).
+
+    Returns:
+      One list of new token ids per prompt.
+
+    Raises:
+      ValueError: as `models.generate`.
+    """
+    kwargs.setdefault("taco", model.taco)
+    return functional_generate(model.config, functional_params(model), prompts, mesh=model.mesh, **kwargs)
 
 
 def _norm_params(group: dict, name: str) -> dict:

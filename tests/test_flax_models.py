@@ -150,3 +150,20 @@ def test_overlapped_layers_equal_the_collective_path(name, sequence_parallel):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max() + 1e-9)
     compressed = run("taco+", True)
     assert 1e-5 < _rel(compressed[0], plain[0]) < 0.05
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_nnx_generation_is_the_functional_generation(name):
+    """`functional_params` inverts `nnx_params` exactly, and `flax_modules.generate`
+    continues prompts as `models.generate` does with the same parameters (greedy, TP=2,
+    Qwen2 with grouped kv heads)."""
+    config, params, _ = _setup(name)
+    mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    model = flax_modules.from_params(config, params, mesh=mesh, taco=tj.TacoConfig.preset("off"))
+    back = flax_modules.functional_params(model)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    prompts = [[5, 9, 2, 7], [11, 3]]
+    want = models.generate(config, params, prompts, mesh=mesh, max_new_tokens=5)
+    assert flax_modules.generate(model, prompts, max_new_tokens=5) == want and len(want[0]) == 5

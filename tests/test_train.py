@@ -198,6 +198,8 @@ def test_errors_name_the_problem(tmp_path):
         apply_overrides(TrainConfig(), parse_key_values(["steps=many"]))
     with pytest.raises(ValueError, match="3 layers do not split into pipe=2"):
         trainer._check_setup(TrainConfig.from_keys(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), 256)
+    with pytest.raises(ValueError, match="sample_tokens 4000 must be >= 0 and, after a 32-token prompt, within"):
+        trainer._check_setup(TrainConfig.from_keys(sample_tokens=4000), models.preset("gpt2-tiny"), 256)
     cfg = _cfg(tmp_path, "corrupt", steps=2, checkpoint_every=2)
     trainer.train(cfg, progress=False)
     for path in (Path(cfg.out) / "checkpoints" / "2").rglob("*"):
@@ -627,13 +629,20 @@ def test_tp_overlap_trains_as_the_collective_path_does(tmp_path, sequence_parall
 
 def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, capsys):
     """`python -m taco_jax.generate --run DIR` restores the run's newest parameters and
-    prints each prompt with its greedy continuation (the shipped byte-level tokens)."""
+    prints each prompt with its greedy continuation (the shipped byte-level tokens); the
+    trainer's own sample at the last evaluation (`sample_tokens`) is the same
+    continuation of the validation split's first 32 tokens."""
+    from taco_jax.train import data as data_lib
     from taco_jax.train import sample
 
-    cfg = _cfg(tmp_path, "sampled", steps=3, checkpoint_every=3)
+    cfg = _cfg(tmp_path, "sampled", steps=3, checkpoint_every=3, sample_tokens=4)
     trainer.train(cfg, progress=False)
     restored_cfg, model_config, params, step = trainer.restore_params(cfg.out)
     assert step == 3 and restored_cfg.model == cfg.model
+    prompt = [int(t) for t in data_lib.load("shakespeare", val_fraction=cfg.val_fraction).val[:32]]
+    continued = tj.models.generate(model_config, params, [prompt], mesh=tj.make_mesh(*cfg.mesh), max_new_tokens=4)[0]
+    assert _rows(cfg.out)[-1]["sample"] == bytes(prompt + continued).decode("utf-8", errors="replace")
+    assert "sample" not in _rows(cfg.out)[0]
     args = ["--run", cfg.out, "--prompt", "ROMEO:", "--prompt", "To be", "--max-new-tokens", "5", "--mesh", "1,1,2"]
     assert sample.main(args) == 0
     printed = capsys.readouterr()

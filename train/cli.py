@@ -9,11 +9,7 @@ import sys
 EPILOG = """
 Any config field can also be set as key=value (after the flags), e.g.
   python -m taco_jax.train --steps 50 lr=1e-3 batch_size=32 sequence_parallel=true
-Fields: model mesh taco taco_min_bytes taco_policy sequence_parallel tp_overlap steps seed data_seed batch_size seq_len
-microbatches grad_accum lr warmup_steps decay_steps min_lr_ratio weight_decay beta1 beta2 grad_clip
-compute_dtype data tokenizer data_dtype val_fraction eval_every eval_batches out
-checkpoint_every keep_checkpoints max_bad_steps debug_nan_steps calibration_steps
-calibration_strategy calibration_min_gain calibration_file recalibrate simulate_mesh taco_forward taco_backward (see train/config.py).
+Fields (see train/config.py): {fields}.
 Precedence: defaults < --config file < flags < key=value.
 
 --resume continues the run in --out with the settings it was started with (saved in each
@@ -33,14 +29,14 @@ Multi-host: start one process per host with the same flags plus --coordinator HO
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import RESUMABLE_KEYS
+    from .config import RESUMABLE_KEYS, flat_keys
 
     parser = argparse.ArgumentParser(
         prog="python -m taco_jax.train",
         description="Train a GPT-2 / Qwen2 model with 3-D parallelism (data x pipe x tensor) and "
         "TACO-compressed tensor-parallel communication. Without arguments: a tiny byte-level GPT "
         "on the shipped Shakespeare text on 8 simulated CPU devices (configs/default.yaml).",
-        epilog=EPILOG.format(resumable=" ".join(RESUMABLE_KEYS)),
+        epilog=EPILOG.format(fields=" ".join(flat_keys()), resumable=" ".join(RESUMABLE_KEYS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

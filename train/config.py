@@ -32,6 +32,7 @@ RESUMABLE_KEYS = (
     "decay_steps",
     "eval_every",
     "eval_batches",
+    "sample_tokens",
     "checkpoint_every",
     "keep_checkpoints",
     "max_bad_steps",
@@ -189,6 +190,9 @@ class TrainConfig:
       data_dtype: element type of a raw .bin token file (uint16 as nanoGPT, or uint32).
       val_fraction: tail of the corpus held out for validation.
       eval_every, eval_batches: validation cadence and size.
+      sample_tokens: at each evaluation, continue the validation split's first 32 tokens
+        greedily by this many (`models.generate`, prefill compressed as the run's tensor
+        traffic), print the text and keep it as the metrics row's "sample"; 0: none.
       out: run directory (checkpoints, metrics.jsonl, loss.png).
       checkpoint_every, keep_checkpoints: checkpoint cadence and how many to keep.
       max_bad_steps: stop after this many consecutive non-finite steps.
@@ -240,6 +244,7 @@ class TrainConfig:
     val_fraction: float = 0.05
     eval_every: int = 100
     eval_batches: int = 4
+    sample_tokens: int = 0
     out: str = "runs/default"
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
@@ -340,6 +345,11 @@ def _key_types() -> dict:
     hints = typing.get_type_hints(TrainConfig)
     types = {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.name != "compression"}
     return {**types, **dict.fromkeys(COMPRESSION_KEYS, str)}
+
+
+def flat_keys() -> list[str]:
+    """Every flat key a run is configured by (`TrainConfig.from_keys`, key=value)."""
+    return list(_key_types())
 
 
 def compression_keys(compression: Compression) -> dict[str, str]:

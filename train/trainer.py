@@ -52,6 +52,16 @@ def _check_setup(cfg: TrainConfig, model_config: models.ModelConfig, vocab: int)
         raise ValueError(
             f"the data has {vocab} token ids but model {cfg.model} has vocab_size {model_config.vocab_size}"
         )
+    if cfg.sample_tokens < 0 or SAMPLE_PROMPT_TOKENS + cfg.sample_tokens > model_config.max_positions:
+        raise ValueError(
+            f"sample_tokens {cfg.sample_tokens} must be >= 0 and, after a {SAMPLE_PROMPT_TOKENS}-token prompt, "
+            f"within the model's max_positions {model_config.max_positions}"
+        )
+
+
+# The prompt of the samples at each evaluation (`sample_tokens`): the validation split's
+# first tokens.
+SAMPLE_PROMPT_TOKENS = 32
 
 
 def _decay_mask(model_config: models.ModelConfig) -> dict:
@@ -895,6 +905,11 @@ def run_step(loop: TrainLoop, bar=None) -> dict:
         raise TrainingError(f"{loop.consecutive_bad} consecutive non-finite steps (last: step {run.step}); stopping")
     if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
         row["val_loss"] = evaluate(loop)
+        if cfg.sample_tokens:
+            row["sample"] = sample_text(loop)
+            if loop.main_process:
+                line = f"sample at step {run.step}: {row['sample']!r}"
+                (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(line)
     loop.log.write(row)
     return row
 
@@ -918,6 +933,28 @@ def evaluate(loop: TrainLoop) -> float:
         for i in range(run.cfg.eval_batches)
     ]
     return float(np.mean(losses))
+
+
+def sample_text(loop: TrainLoop) -> str:
+    """The validation split's first `SAMPLE_PROMPT_TOKENS` tokens and their greedy
+    continuation by `sample_tokens` tokens, as text (token ids where the run's data has
+    no text codec). A pipelined run samples on one device."""
+    run = loop.run
+    prompt = [int(t) for t in run.corpus.val[:SAMPLE_PROMPT_TOKENS]]
+    new = models.generate(
+        run.model_config,
+        run.params,
+        [prompt],
+        mesh=run.mesh if run.cfg.mesh.pipe == 1 else None,
+        taco=taco_config(run.cfg),
+        max_new_tokens=run.cfg.sample_tokens,
+        dtype=jnp.dtype(run.cfg.compute_dtype),
+    )[0]
+    try:
+        decode = data_lib.text_codec(run.cfg.data, run.cfg.tokenizer).decode
+    except ValueError:
+        return " ".join(map(str, prompt + new))
+    return decode(prompt) + decode(new)
 
 
 def save_checkpoint(loop: TrainLoop) -> None:
