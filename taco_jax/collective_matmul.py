@@ -63,6 +63,20 @@ def shift_pairs(ranks: int, shift: int) -> tuple[tuple[int, int], ...]:
     return tuple((rank, (rank + shift) % ranks) for rank in range(ranks))
 
 
+def _record(message, call: Call, plan: WirePlan | None, *, op: str, direction: str, sent: int, plain_sent: int):
+    """The wire ledger's entry for `message`, recorded as the collective `op` it replaces."""
+    record_collective(
+        message,
+        site=call.site_of(op),
+        op=op,
+        direction=direction,
+        axis_name=call.axis_name,
+        spec=None if plan is None else plan.spec,
+        sent=sent,
+        plain_sent=plain_sent,
+    )
+
+
 def _shifted(message: jax.Array, axis_name: str, shift: int) -> jax.Array:
     ranks = lax.axis_size(axis_name)
     return lax.ppermute(per_rank(message, axis_name), axis_name, shift_pairs(ranks, shift))
@@ -122,16 +136,7 @@ def gather_by_shifts(x: jax.Array, call: Call, *, direction: str) -> ShiftedChun
         rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
         message = encode(rows, plan.spec, call.config.kernel_mode)
         sent = (ranks - 1) * plan.message_bytes(rows.shape[0])
-    record_collective(
-        x,
-        site=call.site_of("all_gather"),
-        op="all_gather",
-        direction=direction,
-        axis_name=call.axis_name,
-        spec=None if plan is None else plan.spec,
-        sent=sent,
-        plain_sent=plain_sent,
-    )
+    _record(x, call, plan, op="all_gather", direction=direction, sent=sent, plain_sent=plain_sent)
     received = tuple(_shifted(message, call.axis_name, shift) for shift in range(1, ranks))
     return ShiftedChunks((message, *received), decoder)
 
@@ -194,16 +199,8 @@ def reduce_scatter_by_shifts(
     plan = plan_message(message, call, op="reduce_scatter", direction=direction, report=False)
     received = _sent_by_shifts(partial_for, call, plan, op="reduce_scatter", direction=direction)
     groups = 0 if plan is None else group_count(tuple(block.shape), plan.spec.group_size)
-    record_collective(
-        message,
-        site=call.site_of("reduce_scatter"),
-        op="reduce_scatter",
-        direction=direction,
-        axis_name=call.axis_name,
-        spec=None if plan is None else plan.spec,
-        sent=plain_sent if plan is None else (ranks - 1) * plan.message_bytes(groups),
-        plain_sent=plain_sent,
-    )
+    sent = plain_sent if plan is None else (ranks - 1) * plan.message_bytes(groups)
+    _record(message, call, plan, op="reduce_scatter", direction=direction, sent=sent, plain_sent=plain_sent)
     if plan is None:
         return functools.reduce(jnp.add, received)
     rows = decode(jnp.stack(received)[None], groups, plan.spec, block.dtype, call.config.kernel_mode)[0]
@@ -237,16 +234,7 @@ def all_reduce_by_shifts(
         rows = decode(summed[:, None], groups, spec, message.dtype, kernel_mode)
         blocks = plan.from_wire_order(from_rows(rows, block_shape, 1))
         sent = 2 * (ranks - 1) * plan.message_bytes(groups)
-    record_collective(
-        message,
-        site=call.site_of("all_reduce_two_shot"),
-        op="all_reduce_two_shot",
-        direction=direction,
-        axis_name=call.axis_name,
-        spec=None if plan is None else plan.spec,
-        sent=sent,
-        plain_sent=plain_sent,
-    )
+    _record(message, call, plan, op="all_reduce_two_shot", direction=direction, sent=sent, plain_sent=plain_sent)
     return blocks.reshape(message.shape)
 
 
