@@ -625,6 +625,8 @@ def test_tp_overlap_trains_as_the_collective_path_does(tmp_path, sequence_parall
     (off, off_rows), (on, on_rows) = runs["off"], runs["on"]
     np.testing.assert_allclose([r["loss"] for r in on_rows], [r["loss"] for r in off_rows], rtol=1e-5)
     assert on["wire_bytes_by_axis"] == off["wire_bytes_by_axis"] and on["wire_bytes_by_axis"]["tensor"] > 0
+    # Uncompressed float32 messages are twice the size of the same traffic in bf16.
+    assert off["wire_fraction_by_axis"] == {"tensor": 2.0, "data": 2.0}
 
 
 def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, capsys):

@@ -1011,6 +1011,10 @@ def _summary(loop: TrainLoop, stopped_by: str | None, seconds: float) -> dict:
         "wire_bytes_per_step_bf16": loop.wire_bf16[TENSOR_AXIS],
         "wire_bytes_by_axis": loop.wire,
         "wire_bytes_bf16_by_axis": loop.wire_bf16,
+        # What each axis sends as a share of the same traffic in bf16 (above 1: more).
+        "wire_fraction_by_axis": {
+            axis: round(loop.wire[axis] / loop.wire_bf16[axis], 4) for axis in loop.wire if loop.wire_bf16[axis]
+        },
         "pipeline_bubble": bubble_fraction(cfg.mesh.pipe, cfg.microbatches),
         **_calibration_summary(run.calibration),
     }
