@@ -344,6 +344,7 @@ def main() -> None:
         default=None,
         help="candidate learning rates: each model takes the largest whose off-control is within --max-floor of off",
     )
+    parser.add_argument("--sweep-seeds", type=int, default=0, help="seeds per swept lr (0: --seeds)")
     parser.add_argument(
         "--max-floor", type=float, default=0.1, help="percent: largest |off-control / off - 1| a swept lr may show"
     )
@@ -382,7 +383,7 @@ def main() -> None:
                     (names[0], m, v, s, lr)
                     for m in models
                     for lr in args.lr_sweep
-                    for s in range(args.seeds)
+                    for s in range(args.sweep_seeds or args.seeds)
                     for v in controls
                 ]
             )
@@ -426,11 +427,13 @@ def sweep_learning_rate(results: list[dict], corpus: str, model: str, args: argp
     floors, spreads = {}, {}
     for lr in args.lr_sweep:
         mine = [
-            r for r in results if (_corpus(r), r["model"], r["lr"]) == (corpus, model, lr) and r["seed"] < args.seeds
+            r
+            for r in results
+            if (_corpus(r), r["model"], r["lr"]) == (corpus, model, lr) and r["seed"] < (args.sweep_seeds or args.seeds)
         ]
         base = {r["seed"]: r for r in mine if r["variant"] == "off"}
         gaps = _paired_gaps([r for r in mine if r["variant"] == "off-control"], base, "val_loss")
-        floors[lr] = float(np.max(np.abs(gaps))) if len(gaps) == args.seeds else float("nan")
+        floors[lr] = float(np.max(np.abs(gaps))) if len(gaps) == (args.sweep_seeds or args.seeds) else float("nan")
         losses = [r["val_loss"] for r in base.values()]
         spreads[lr] = 100 * float(np.ptp(losses) / np.mean(losses)) if len(losses) > 1 else float("nan")
     stable = [lr for lr in args.lr_sweep if floors[lr] <= args.max_floor]
