@@ -219,6 +219,12 @@ def all_reduce_by_shifts(
     by shifts (each block's matmul beside the previous block's transfer) and its
     all-gather of the reduced blocks (the result invariant over the axis, as `lax.psum`'s);
     compressed, and recorded, as the two-shot all-reduce of `message` it replaces.
+
+    Args:
+      partial_for: j -> this rank's contribution to row block j (a traced rank index).
+      message: the whole contribution (rows, D) the all-reduce would sum.
+      call: the call.
+      direction: "forward" or "backward".
     """
     ranks = lax.axis_size(call.axis_name)
     block_shape = (message.shape[0] // ranks, *message.shape[1:])
