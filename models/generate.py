@@ -302,16 +302,16 @@ def generate(
     placed = jax.tree.map(lambda w: w.astype(compute), shard_params(params, config, batch.mesh))
     key = jax.random.key(seed)
     cache, drawn = prefill(placed, batch.tokens, batch.lengths, batch.empty_cache(compute), jax.random.fold_in(key, 0))
-    tokens, positions = [np.asarray(drawn)[:, None]], batch.lengths
-    while sum(t.shape[1] for t in tokens) < max_new_tokens and not _all_stopped(tokens, len(prompts), eos_id):
-        step = sum(t.shape[1] for t in tokens)
-        cache, drawn = decode(placed, jnp.asarray(tokens[-1][:, -1]), positions + step - 1, cache, key, step)
-        tokens.append(np.asarray(drawn))
-    return [_until_eos(row, max_new_tokens, eos_id) for row in np.concatenate(tokens, axis=1)[: len(prompts)]]
+    tokens = np.asarray(drawn)[:, None]  # (rows, tokens so far)
+    while tokens.shape[1] < max_new_tokens and not _all_stopped(tokens[: len(prompts)], eos_id):
+        step = tokens.shape[1]
+        cache, drawn = decode(placed, jnp.asarray(tokens[:, -1]), batch.lengths + step - 1, cache, key, step)
+        tokens = np.concatenate([tokens, np.asarray(drawn)], axis=1)
+    return [_until_eos(row, max_new_tokens, eos_id) for row in tokens[: len(prompts)]]
 
 
-def _all_stopped(tokens: list[np.ndarray], count: int, eos_id: int | None) -> bool:
-    return eos_id is not None and bool(np.all(np.any(np.concatenate(tokens, axis=1)[:count] == eos_id, axis=1)))
+def _all_stopped(tokens: np.ndarray, eos_id: int | None) -> bool:
+    return eos_id is not None and bool(np.all(np.any(tokens == eos_id, axis=1)))
 
 
 def _until_eos(row: np.ndarray, limit: int, eos_id: int | None) -> list[int]:

@@ -5,7 +5,7 @@ before importing its command line, so a missing one is one line naming the extra
 
 import sys
 
-from taco_jax.train.__main__ import missing_trainer_packages
+from taco_jax.train.__main__ import run_with_trainer_packages
 
 
 def main() -> int:
@@ -14,12 +14,7 @@ def main() -> int:
     Returns:
       The process exit status.
     """
-    missing = missing_trainer_packages()
-    if missing:
-        sys.exit(f"generation needs {', '.join(missing)} (the 'train' extra): pip install 'taco_jax[train]'")
-    from taco_jax.train.sample import main as sample_main
-
-    return sample_main()
+    return run_with_trainer_packages("generation", "taco_jax.train.sample")
 
 
 if __name__ == "__main__":
