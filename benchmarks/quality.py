@@ -387,7 +387,9 @@ def main() -> None:
                     for v in controls
                 ]
             )
-            settings["lr_sweep"] |= {m: sweep_learning_rate(results, names[0], m, args) for m in models}
+            settings["lr_sweep"] |= {
+                m: sweep_learning_rate(results, names[0], m, args, settings["lr_sweep"].get(m, {})) for m in models
+            }
         lrs = _learning_rates(settings["lr_sweep"], models, args.lr)
         run([(c, m, v, s, lrs[m]) for c in names for s in range(args.seeds) for m in models for v in variants])
     else:
@@ -420,12 +422,19 @@ def _run_all(args: argparse.Namespace, todo: list[tuple], results: list[dict], p
     path.write_text(json.dumps({"settings": settings, "runs": results}))
 
 
-def sweep_learning_rate(results: list[dict], corpus: str, model: str, args: argparse.Namespace) -> dict:
-    """The largest of --lr-sweep at which every seed's `off-control` validation loss is
-    within --max-floor percent of its `off` run (the smallest if none is), with each
-    candidate's floor (the largest such gap) and seed-to-seed spread of `off`."""
+def sweep_learning_rate(
+    results: list[dict], corpus: str, model: str, args: argparse.Namespace, earlier: dict
+) -> dict:
+    """The largest candidate learning rate at which every seed's `off-control` validation
+    loss is within --max-floor percent of its `off` run (the smallest if none is), with
+    each candidate's floor (the largest such gap) and seed-to-seed spread of `off`.
+
+    The candidates are --lr-sweep and those of the `earlier` sweep record of this model,
+    so that a sweep continued at new rates keeps the rates measured before."""
+    measured = earlier.get("floor_percent", {}) | earlier.get("spread_percent", {})
+    candidates = sorted(set(args.lr_sweep) | {float(lr) for lr in measured}, reverse=True)
     floors, spreads = {}, {}
-    for lr in args.lr_sweep:
+    for lr in candidates:
         mine = [
             r
             for r in results
@@ -436,11 +445,11 @@ def sweep_learning_rate(results: list[dict], corpus: str, model: str, args: argp
         floors[lr] = float(np.max(np.abs(gaps))) if len(gaps) == (args.sweep_seeds or args.seeds) else float("nan")
         losses = [r["val_loss"] for r in base.values()]
         spreads[lr] = 100 * float(np.ptp(losses) / np.mean(losses)) if len(losses) > 1 else float("nan")
-    stable = [lr for lr in args.lr_sweep if floors[lr] <= args.max_floor]
-    chosen = max(stable) if stable else min(args.lr_sweep)
+    stable = [lr for lr in candidates if floors[lr] <= args.max_floor]
+    chosen = max(stable) if stable else min(candidates)
     print(
         f"lr sweep {model} on {corpus}: "
-        + ", ".join(f"{lr:g} floor {floors[lr]:.2f}% spread {spreads[lr]:.2f}%" for lr in args.lr_sweep)
+        + ", ".join(f"{lr:g} floor {floors[lr]:.2f}% spread {spreads[lr]:.2f}%" for lr in candidates)
         + f" -> {chosen:g}"
         + ("" if stable else f" (none within {args.max_floor}%)"),
         file=sys.stderr,
