@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -101,6 +102,9 @@ def train_one(args: argparse.Namespace, corpus: str, model: str, variant: str, s
     from taco_jax.train.trainer import train
 
     out = args.runs / f"{corpus}_{model}_{variant}_seed{seed}_lr{lr:g}"
+    # The results JSON is the record of finished runs: a directory without a row there
+    # is a run that failed (out of memory, say) and is trained again from the start.
+    shutil.rmtree(out, ignore_errors=True)
     data = corpora.build(corpus, args.runs / "corpora")
     settings = dict(
         model=model,
@@ -334,7 +338,13 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--tag", default="", help="write quality_TAG.{json,md,png}")
     parser.add_argument("--simulate", action="store_true", help="simulate the mesh on one device (named vmaps)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel (worker processes)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs in parallel (worker processes, each given 0.9/jobs of the GPU memory: on one H200, 18 runs of "
+        "the 40M models fit, 24 ran out of memory while autotuning)",
+    )
     parser.add_argument("--runs", type=Path, default=ROOT / "runs/quality")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the JSON")
@@ -422,9 +432,7 @@ def _run_all(args: argparse.Namespace, todo: list[tuple], results: list[dict], p
     path.write_text(json.dumps({"settings": settings, "runs": results}))
 
 
-def sweep_learning_rate(
-    results: list[dict], corpus: str, model: str, args: argparse.Namespace, earlier: dict
-) -> dict:
+def sweep_learning_rate(results: list[dict], corpus: str, model: str, args: argparse.Namespace, earlier: dict) -> dict:
     """The largest candidate learning rate at which every seed's `off-control` validation
     loss is within --max-floor percent of its `off` run (the smallest if none is), with
     each candidate's floor (the largest such gap) and seed-to-seed spread of `off`.
