@@ -5,11 +5,13 @@ On one device the collectives move nothing, so the difference between a compress
 mode and `off` is the codec's own cost on the prefill (the decode steps stay plain).
 A run of one new token times the prefill; a run of N new tokens adds N - 1 decode
 steps, so decode ms/token = (t_N - t_1) / (N - 1). Each is the median of `--repeats`
-after a warm-up run that compiles.
+after a warm-up run that compiles. With --profile, each row also holds the GPU timeline of
+one call of N new tokens (`benchmarks.profiling`: busy time by kernel kind, idle time,
+the longest kernels), per call and per new token.
 
 Usage:
   python -m benchmarks.generate [--mesh 1,1,1] [--families gpt2,qwen2] [--prompt-len 512] [--batch 4]
-      [--new-tokens 65] [--modes off,taco+] [--out benchmarks/results/generate.json]
+      [--new-tokens 65] [--modes off,taco+] [--profile] [--out benchmarks/results/generate.json]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import taco_jax as tj
+from benchmarks.profiling import gpu_timeline
 from benchmarks.step import custom_model
 from taco_jax import models
 
@@ -40,14 +43,16 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(config, mesh, mode: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+def measure(
+    config, mesh, mode: str, prompts: list[list[int]], new_tokens: int, repeats: int, profile: bool = False
+) -> dict:
     taco = tj.TacoConfig.preset(mode, min_bytes=0) if mode != "off" else None
     params = models.init_params(config, jax.random.key(0), mesh)
     run = lambda n: models.generate(config, params, prompts, mesh=mesh, taco=taco, max_new_tokens=n, dtype=jnp.bfloat16)
     prefill_s = _timed(lambda: run(1), repeats)
     total_s = _timed(lambda: run(new_tokens), repeats)
     tokens = sum(len(p) for p in prompts)
-    return {
+    row = {
         "family": config.family,
         "mode": mode,
         "batch": len(prompts),
@@ -56,6 +61,10 @@ def measure(config, mesh, mode: str, prompts: list[list[int]], new_tokens: int, 
         "prefill_tokens_per_s": tokens / prefill_s,
         "decode_ms_per_token": 1e3 * (total_s - prefill_s) / (new_tokens - 1),
     }
+    timeline = gpu_timeline(lambda: run(new_tokens), calls=1) if profile else None
+    if timeline:
+        row["timeline"] = timeline | {"per_new_token_busy_ms": sum(timeline["busy_ms"].values()) / new_tokens}
+    return row
 
 
 def main() -> None:
@@ -73,6 +82,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=65)
     parser.add_argument("--modes", default="off,taco+")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="add the GPU timeline of one call per row")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generate.json"))
     args = parser.parse_args()
     args.seq = args.prompt_len + args.new_tokens
@@ -84,7 +94,7 @@ def main() -> None:
     for family in args.families.split(","):
         config = custom_model(family, args)
         for mode in args.modes.split(","):
-            row = measure(config, mesh, mode, prompts, args.new_tokens, args.repeats)
+            row = measure(config, mesh, mode, prompts, args.new_tokens, args.repeats, args.profile)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     device = f"{jax.devices()[0].device_kind} x {jax.device_count()}"
