@@ -16,13 +16,13 @@ NEWEST_TESTS := tests/test_reliability.py tests/test_conventions.py tests/test_c
 # 8 simulated CPU devices, set before jax is imported.
 CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: train test test-oldest test-newest lint bench-codec clean
+.PHONY: train test test-oldest test-newest lint docs bench-codec clean
 
 # The whole suite on the oldest supported releases (.ci/oldest.txt).
 $(STAMP): pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/oldest.txt -e '.[flax,train,test,ref]'
+	$(PY) -m pip install -q -c .ci/oldest.txt -e '.[flax,train,test,ref,docs]'
 	touch $(STAMP)
 
 # The newest releases pyproject.toml admits.
@@ -35,13 +35,18 @@ $(NEWEST_STAMP): pyproject.toml
 train: $(STAMP)
 	$(CPU_DEVICES) $(PY) -m taco_jax.train
 
-test: lint test-oldest test-newest
+test: lint docs test-oldest test-newest
 
 # Formatting, lint rules and types (configured in pyproject.toml).
 lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+
+# The documentation site, strict: a broken link, a missing reference or an undocumented
+# public name fails it (docs/hooks.py). Written to build/site.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
 
 test-oldest: $(STAMP)
 	$(PY) -c "import jax; print('jax', jax.__version__, '(oldest supported)')"

@@ -76,7 +76,9 @@ def logits(
     return out[..., : config.vocab_size]
 
 
-def shard_loss_and_grads(config: ModelConfig, params: dict, tokens: jax.Array, par: Parallelism):
+def shard_loss_and_grads(
+    config: ModelConfig, params: dict, tokens: jax.Array, par: Parallelism
+) -> tuple[jax.Array, dict]:
     """Loss and gradients of this rank's batch, inside `shard_map(check_vma=False)`.
 
     Each rank differentiates its own copy of the loss; the Megatron mappings carry the
@@ -108,7 +110,7 @@ def loss_and_grads(
     taco: tj.TacoConfig | None = None,
     sequence_parallel: bool = False,
     calibration: tj.calibration.Calibration | None = None,
-):
+) -> tuple[jax.Array, dict]:
     """Mean next-token loss and its gradients, averaged over the data axis.
 
     Args:

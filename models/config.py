@@ -32,10 +32,12 @@ class GPT2Config:
 
     @property
     def n_kv_heads(self) -> int:
+        """GPT-2 has no grouped queries: one key/value head per query head."""
         return self.n_heads
 
     @property
     def tie_embeddings(self) -> bool:
+        """GPT-2's output head is the transposed token embedding."""
         return True
 
 

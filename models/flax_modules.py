@@ -412,7 +412,9 @@ def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoC
     Args:
       config: the model configuration.
       params: functional parameters (host or device).
-      mesh, taco, **kwargs: as `Transformer` (sequence_parallel, dtype, calibration, overlap).
+      mesh: as `Transformer`.
+      taco: as `Transformer`.
+      **kwargs: as `Transformer` (sequence_parallel, dtype, calibration, overlap).
 
     Returns:
       The module, its parameters placed on `mesh` with their partitioning.

@@ -223,13 +223,18 @@ def prompt_logits(
     *,
     mesh: Mesh | None = None,
     taco: tj.TacoConfig | None = None,
-    dtype=jnp.float32,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> np.ndarray:
     """The next-token logits at the end of each prompt, through generation's prefill
     (what its first token is drawn from).
 
     Args:
-      config, params, prompts, mesh, taco, dtype: as `generate`.
+      config: as `generate`.
+      params: as `generate`.
+      prompts: as `generate`.
+      mesh: as `generate`.
+      taco: as `generate`.
+      dtype: as `generate`.
 
     Returns:
       float32 (len(prompts), vocab_size).
@@ -260,7 +265,7 @@ def generate(
     seed: int = 0,
     eos_id: int | None = None,
     decode_taco: tj.TacoConfig | None = None,
-    dtype=jnp.float32,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> list[list[int]]:
     """Continue each prompt with the model, through a KV cache.
 

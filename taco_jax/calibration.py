@@ -175,6 +175,7 @@ class Collector:
                 kept.pop(0)  # keep the latest rows: the tensors closest to the decision
 
     def keys(self) -> list[tuple[str, str]]:
+        """The observed (site, direction) pairs, sorted."""
         with self._lock:
             return sorted(self.sum_squares)
 

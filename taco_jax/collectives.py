@@ -789,8 +789,8 @@ def all_reduce(
     requantize the reduced block once, compressed all-gather, one inverse transform.
     "one_shot": compressed all-gather of everything, dequantize-and-sum (small messages).
     "auto": the config's link profile decides (`TacoConfig.link`); without one,
-    one-shot at two ranks or under `policy.ONE_SHOT_MAX_BYTES` per rank, else
-    two-shot. An explicit algorithm is used wherever the message is compressed. Gradient
+    `policy.default_algorithm` (one-shot at two ranks; beyond, on GPUs one-shot under
+    `policy.ONE_SHOT_MAX_BYTES` per rank, elsewhere two-shot, which sends fewer bytes). An explicit algorithm is used wherever the message is compressed. Gradient
     as `lax.psum`'s: under `check_vma=True` the result is invariant over the axis and
     the cotangent goes back to every rank unchanged; under `check_vma=False` the
     backward pass all-reduces the cotangent the same way with `config.backward`.

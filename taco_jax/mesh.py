@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,7 @@ def _merge(y: jax.Array, spec: P, axis: str) -> jax.Array:
     return y.reshape(*y.shape[:dim], -1, *y.shape[dim + 2 :])
 
 
-def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out_specs) -> Callable:
+def simulated_shard_map(fn: Callable, axes: dict[str, int], in_specs: tuple, out_specs: Any) -> Callable:
     """`jax.shard_map(fn, ...)` on one device: each mesh axis becomes a named `jax.vmap`.
 
     The per-shard code (collectives over the axis names, `lax.axis_index`, custom VJPs)

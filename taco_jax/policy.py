@@ -15,11 +15,14 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 ALGORITHMS = ("one_shot", "two_shot", "auto")
-# Under this size (input bytes per rank) "auto" picks the one-shot all-reduce: a single
-# all-gather step costs less latency than the two steps of the two-shot algorithm. At
-# two ranks one-shot always wins: it sends the same bytes in one step and quantizes once.
+# On a GPU link, under this size (input bytes per rank) "auto" picks the one-shot
+# all-reduce: a single all-gather step costs less latency than the two steps of the
+# two-shot algorithm. At two ranks one-shot always wins: it sends the same bytes in one
+# step and quantizes once.
 ONE_SHOT_MAX_BYTES = 1 << 20
 
 
@@ -51,8 +54,17 @@ class Route:
 
 
 def default_algorithm(ranks: int, nbytes: int) -> str:
-    """The all-reduce algorithm "auto" picks without a link profile."""
-    return "one_shot" if ranks <= 2 or nbytes < ONE_SHOT_MAX_BYTES else "two_shot"
+    """The all-reduce algorithm "auto" picks without a link profile.
+
+    On GPUs latency decides (`ONE_SHOT_MAX_BYTES`). Elsewhere there is no link whose
+    latency could be measured, so bytes decide: per rank, one-shot sends k - 1 compressed
+    copies of the message and two-shot 2 (k - 1) / k, fewer for every k > 2 (at 4 ranks
+    one-shot would send more than a bf16 ring all-reduce)."""
+    if ranks <= 2:
+        return "one_shot"
+    if jax.default_backend() != "gpu":
+        return "two_shot"
+    return "one_shot" if nbytes < ONE_SHOT_MAX_BYTES else "two_shot"
 
 
 @dataclasses.dataclass(frozen=True)

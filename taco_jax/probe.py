@@ -106,7 +106,8 @@ def probe_link(
       config: compression settings (formats, transform) of the compressed routes.
       axis_name: the mesh axis the collectives run over.
       chunk_counts: pipelined chunk counts to try for the compressed routes.
-      trials, calls: median over `trials` of the mean of `calls` queued calls.
+      trials: the time is the median over this many trials...
+      calls: ...of the mean of this many queued calls each.
       margin: the profile's decision margin (`LinkProfile.margin`).
       log: called with one line per message (progress), e.g. `print`.
 

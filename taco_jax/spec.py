@@ -162,6 +162,6 @@ PRESETS: dict[str, TacoConfig] = {
     # The authors' method: E4M3, G=128, adaptive-scale Hadamard, dual FP32 scales.
     "taco": TacoConfig(_TACO, _TACO, mode="taco"),
     # INT8 after the Hadamard transform, one bfloat16 scale per group (50.8% of bf16 bytes):
-    # lower error on measured TP tensors (benchmarks/codec_error.py, README).
+    # lower error on measured TP tensors (benchmarks/codec_error.py, docs/guides/codec.md).
     "taco+": TacoConfig(_INT8_HADAMARD, _INT8_HADAMARD, mode="taco"),
 }

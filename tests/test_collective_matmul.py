@@ -219,7 +219,7 @@ def test_collective_matmul_on_the_gpu_takes_the_kernels_and_matches_the_jnp_path
 
     def run(kernel_mode, overlap):
         # The gradient inside the simulated mesh, as the trainer takes it (outside a
-        # vmap JAX cannot transpose the collectives: README "Limitations").
+        # vmap JAX cannot transpose the collectives: docs/limitations.md).
         block = _block(tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode=kernel_mode), overlap)
 
         def body(*a):

@@ -229,3 +229,21 @@ def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
     resolved = trainer.resolve_tp_overlap(cfg, model_config, mesh, params, tokens, tmp_path)
     probe = json.loads((tmp_path / "overlap_probe.json").read_text())
     assert resolved.tp_overlap == probe["chosen"] and all(t > 0 for t in probe["seconds"].values())
+
+
+def test_without_a_profile_bytes_decide_off_gpu_and_latency_on_gpu(monkeypatch):
+    """With no link to measure (CPU), "auto" takes the all-reduce that sends fewer bytes:
+    two-shot beyond two ranks (2 (k-1)/k compressed messages per rank against one-shot's
+    k - 1), one-shot at two (the same bytes, one quantization). On GPUs small messages
+    take one-shot (one exchange's latency)."""
+    from taco_jax import policy
+
+    small, large = 64 << 10, 4 << 20
+    assert [policy.default_algorithm(k, small) for k in (2, 4, 8)] == ["one_shot", "two_shot", "two_shot"]
+    assert policy.default_algorithm(4, large) == "two_shot"
+    monkeypatch.setattr(policy.jax, "default_backend", lambda: "gpu")
+    assert [policy.default_algorithm(k, small) for k in (2, 4)] == ["one_shot", "one_shot"]
+    assert policy.default_algorithm(4, large) == "two_shot"
+    assert route_for("all_reduce", 4, small, compresses=True, link=None, chunks=1, algorithm="auto").algorithm == (
+        "one_shot"
+    )

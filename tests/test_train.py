@@ -661,3 +661,29 @@ def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, cap
     assert sample.main(["--run", cfg.out]) == 2 and "error: give at least one --prompt" in capsys.readouterr().err
     assert sample.main(["--run", str(tmp_path), "--prompt", "x"]) == 2
     assert "not a trainer run directory" in capsys.readouterr().err
+
+
+def test_the_default_demo_says_it_sends_fewer_bytes_than_bf16(tmp_path, capsys):
+    """The embedded default (8 CPU devices, tensor=4, taco+) ends with one line giving each
+    axis's bytes as a share of bf16: with no link to measure, the all-reduces take the
+    algorithm that sends fewer bytes, so tensor traffic is below bf16's (about half)."""
+    from taco_jax.train import cli
+
+    out = tmp_path / "demo"
+    args = ["--no-progress", "--steps", "2", "--out", str(out), "eval_every=2", "eval_batches=1", "checkpoint_every=2"]
+    assert cli.main(args) == 0
+    fractions = json.loads((out / "summary.json").read_text())["wire_fraction_by_axis"]
+    assert 0.4 < fractions["tensor"] < 0.6
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == cli.wire_fraction_line(fractions) and f"tensor {100 * fractions['tensor']:.0f}%" in line
+
+
+def test_every_trainer_key_is_described_for_the_configuration_reference():
+    """The docs' configuration reference is generated from `TrainConfig`'s docstring:
+    every flat key has its own entry there (a shared one such as "beta1, beta2: ..." too)."""
+    from taco_jax.train.config import flat_keys, key_descriptions
+
+    descriptions = key_descriptions()
+    assert list(descriptions) == flat_keys()
+    assert descriptions["beta2"] == descriptions["beta1"] and "AdamW" in descriptions["beta1"]
+    assert descriptions["taco_data_backward"].startswith("replace taco_data's quantizer")

@@ -123,4 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(strict_json(summary, indent=1))
+    if "wire_fraction_by_axis" in summary:
+        print(wire_fraction_line(summary["wire_fraction_by_axis"]), file=sys.stderr)
     return 0
+
+
+def wire_fraction_line(fractions: dict[str, float]) -> str:
+    """One line saying what each mesh axis sends per step as a share of the same traffic
+    in bf16, e.g. "bytes sent per step vs bf16: tensor 51%, data 100%"."""
+    shares = ", ".join(f"{axis} {100 * share:.0f}%" for axis, share in fractions.items())
+    return f"bytes sent per step vs bf16: {shares or 'nothing crosses a mesh axis'}"

@@ -177,8 +177,9 @@ class TrainConfig:
       seq_len: tokens per sequence.
       microbatches: pipeline microbatches per accumulation step (GPipe schedule).
       grad_accum: gradient-accumulation steps per optimizer step.
-      lr: peak learning rate; warmup_steps linear warmup, then cosine to lr * min_lr_ratio
-        at decay_steps (0: at `steps`; set it to stop early and resume on the same schedule).
+      lr, warmup_steps, decay_steps, min_lr_ratio: peak learning rate; warmup_steps linear
+        warmup, then cosine to lr * min_lr_ratio at decay_steps (0: at `steps`; set it to
+        stop early and resume on the same schedule).
       weight_decay, beta1, beta2, grad_clip: AdamW and global-norm clipping.
       compute_dtype: "float32" or "bfloat16" (parameters and optimizer stay float32).
       remat: activation checkpointing per layer: "none", "dots" (keep matmul outputs,
@@ -424,6 +425,34 @@ def to_dict(config: TrainConfig) -> dict:
         else:
             values[field.name] = list(value) if isinstance(value, tuple) else value
     return values
+
+
+def key_descriptions() -> dict[str, str]:
+    """Each flat key's description, read from `TrainConfig`'s Attributes docstring (an
+    entry may describe several keys: "taco_forward, taco_backward: ...").
+
+    Returns:
+      {key: description} for every key of `flat_keys`, in that order.
+
+    Raises:
+      ValueError: a flat key the docstring does not describe.
+    """
+    doc = (TrainConfig.__doc__ or "").split("Attributes:", 1)[-1]
+    entries: dict[str, str] = {}
+    names: list[str] = []
+    for line in doc.splitlines():
+        head, sep, text = line.strip().partition(": ")
+        if line.startswith("      ") and not line.startswith("        ") and sep:
+            names = [name.strip() for name in head.split(",")]
+            for name in names:
+                entries[name] = text.strip()
+        elif line.strip():
+            for name in names:
+                entries[name] += " " + line.strip()
+    missing = [key for key in flat_keys() if key not in entries]
+    if missing:
+        raise ValueError(f"TrainConfig's docstring does not describe {missing}")
+    return {key: entries[key] for key in flat_keys()}
 
 
 def changed_keys(saved: dict, config: TrainConfig) -> list[str]:
