@@ -25,9 +25,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import taco_jax as tj
+from benchmarks.generation_shapes import add_shape_arguments
+from benchmarks.generation_shapes import prompts as shape_prompts
 from benchmarks.profiling import gpu_timeline
 from benchmarks.step import custom_model
 from taco_jax import models
@@ -70,26 +71,15 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", default="1,1,1")
-    parser.add_argument("--families", default="gpt2,qwen2")
-    parser.add_argument("--d-model", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--qwen2-d-ff", type=int, default=5632)
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=65)
+    add_shape_arguments(parser)
     parser.add_argument("--modes", default="off,taco+")
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="add the GPU timeline of one call per row")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generate.json"))
     args = parser.parse_args()
     args.seq = args.prompt_len + args.new_tokens
     data, pipe, tensor = (int(d) for d in args.mesh.split(","))
     mesh = tj.make_mesh(data, pipe, tensor, devices=jax.devices()[: data * pipe * tensor])
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, args.vocab, args.prompt_len).tolist() for _ in range(args.batch)]
+    prompts = shape_prompts(args).tolist()
     rows = []
     for family in args.families.split(","):
         config = custom_model(family, args)

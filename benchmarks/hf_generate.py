@@ -27,9 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import transformers
+
+from benchmarks.generation_shapes import add_shape_arguments
+from benchmarks.generation_shapes import prompts as shape_prompts
 
 WAYS = ("dynamic", "static+compile")
 
@@ -117,28 +119,15 @@ def measure(family: str, way: str, prompts: torch.Tensor, args: argparse.Namespa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="gpt2,qwen2")
+    add_shape_arguments(parser)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, from {list(WAYS)}")
-    parser.add_argument("--d-model", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--qwen2-d-ff", type=int, default=5632)
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=65)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/generate_hf.json"))
     args = parser.parse_args()
     unknown = sorted(set(args.ways.split(",")) - set(WAYS))
     if unknown:
         parser.error(f"unknown ways {unknown}; choose from {list(WAYS)}")
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    # The prompts of benchmarks/generate.py: the same generator and draws.
-    rng = np.random.default_rng(0)
-    prompts = torch.tensor(np.stack([rng.integers(0, args.vocab, args.prompt_len) for _ in range(args.batch)]))
-    prompts = prompts.to(args.device)
+    prompts = torch.tensor(shape_prompts(args)).to(args.device)
     rows = []
     for family in args.families.split(","):
         for way in args.ways.split(","):
