@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
@@ -28,7 +28,7 @@ from taco_jax.mesh import DATA_AXIS, TENSOR_AXIS
 
 from . import layers
 from .api import _mesh_or_default
-from .config import ModelConfig, check_tensor_parallel, head_dim
+from .config import ModelConfig, check_tensor_parallel
 from .params import partition_specs, shard_params
 from .transformer import Parallelism, _block, _embed, final_norm, logits_from_hidden
 
@@ -44,12 +44,38 @@ def _bucket(length: int, limit: int) -> int:
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), limit)
 
 
-def _kv_heads(config: ModelConfig) -> int:
-    return getattr(config, "n_kv_heads", config.n_heads)
-
-
 def _cache_spec(batch_axis: str | None) -> P:
-    return P(None, batch_axis, None, TENSOR_AXIS, None)
+    """One layer's keys or values (B, length, kv heads, head dim)."""
+    return P(batch_axis, None, TENSOR_AXIS, None)
+
+
+def _layer_specs(config: ModelConfig) -> dict:
+    """`partition_specs` with "layers" as one dict per layer (the layer axis dropped)."""
+    specs = partition_specs(config)
+    layer = jax.tree.map(lambda spec: P(*spec[1:]), specs["layers"], is_leaf=lambda leaf: isinstance(leaf, P))
+    return specs | {"layers": (layer,) * config.n_layers}
+
+
+@functools.lru_cache(maxsize=8)
+def _per_layer_placer(config: ModelConfig, mesh: Mesh, dtype: jnp.dtype):
+    """Placed parameters -> the same in `dtype` with each layer's weights in buffers of
+    their own, so that each step's GEMMs read them where they lie: a slice of the
+    stacked weights (a scan over layers) is copied out first, every decode step."""
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), _layer_specs(config), is_leaf=lambda leaf: isinstance(leaf, P)
+    )
+
+    def per_layer(params: dict) -> dict:
+        cast = jax.tree.map(lambda w: w.astype(dtype), params)
+        return cast | {"layers": tuple(jax.tree.map(lambda w: w[i], cast["layers"]) for i in range(config.n_layers))}
+
+    return jax.jit(per_layer, out_shardings=shardings)
+
+
+def _place(params: dict, config: ModelConfig, mesh: Mesh, dtype: jnp.dtype) -> dict:
+    """`params` on `mesh` in `dtype` (cast once: every decode step reads all the
+    weights), each layer's in buffers of its own."""
+    return _per_layer_placer(config, mesh, dtype)(shard_params(params, config, mesh))
 
 
 def _full_logits(config: ModelConfig, params: dict, hidden: jax.Array, par: Parallelism) -> jax.Array:
@@ -85,54 +111,55 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _run_layers(config, params, x, positions, cache, par, attend):
-    """The layers with `attend(q, k, v, k_cache, v_cache) -> (out, k_cache, v_cache)`."""
+def _run_layers(config, params, x, positions, par, attend):
+    """The layers, unrolled over the per-layer weights of `_per_layer`, with
+    `attend(layer_index, q, k, v) -> (out, k_cache, v_cache)`: (hidden, cache)."""
+    written = []
+    for index, layer in enumerate(params["layers"]):
 
-    def step(h, xs):
-        layer, k_cache, v_cache = xs
-        written = {}
-
-        def attention(q, k, v):
-            out, written["k"], written["v"] = attend(q, k, v, k_cache, v_cache)
+        def attention(q, k, v, index=index):
+            out, *kv = attend(index, q, k, v)
+            written.append(tuple(kv))
             return out
 
-        return _block(config, par, h, layer, positions, attention), (written["k"], written["v"])
+        x = _block(config, par, x, layer, positions, attention)
+    return x, tuple(written)
 
-    return lax.scan(step, x, (params["layers"], *cache))
 
+def _prefill_logits(config, par, cache_length, params, tokens, lengths):
+    """Prompts (B, S) right-padded, their lengths (B,) -> (a cache of `cache_length`
+    positions with [0, S) written, float32 next-token logits (B, vocab_size) at each
+    prompt's end). The cache is born here, in buffers the decode steps then update."""
 
-def _prefill_logits(config, par, params, tokens, lengths, cache):
-    """Prompts (B, S) right-padded, their lengths (B,) -> (cache with positions [0, S)
-    written, float32 next-token logits (B, vocab_size) at each prompt's end)."""
-
-    def attend(q, k, v, k_cache, v_cache):
-        return layers.causal_attention(q, k, v), k_cache.at[:, : k.shape[1]].set(k), v_cache.at[:, : v.shape[1]].set(v)
+    def attend(index, q, k, v):
+        pad = ((0, 0), (0, cache_length - k.shape[1]), (0, 0), (0, 0))
+        return layers.causal_attention(q, k, v), jnp.pad(k, pad), jnp.pad(v, pad)
 
     x = _embed(config, params, tokens, par)
-    hidden, cache = _run_layers(config, params, x, jnp.arange(tokens.shape[1]), cache, par, attend)
+    hidden, cache = _run_layers(config, params, x, jnp.arange(tokens.shape[1]), par, attend)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
     return cache, _full_logits(config, params, final_norm(config, params, last), par)
 
 
-def _prefill(config, par, sampling, params, tokens, lengths, cache, key):
+def _prefill(config, par, sampling, cache_length, params, tokens, lengths, key):
     """`_prefill_logits`, then each prompt's first new token."""
-    cache, logits = _prefill_logits(config, par, params, tokens, lengths, cache)
+    cache, logits = _prefill_logits(config, par, cache_length, params, tokens, lengths)
     return cache, sample(logits, key, **dataclasses.asdict(sampling))
 
 
 def _decode(config, par, sampling, params, tokens, positions, cache, key):
     """Each sequence's last token (B,) at its position (B,) -> (cache with that position
     written, the next tokens)."""
-    cached = jnp.arange(cache[0].shape[2])
+    cached = jnp.arange(cache[0][0].shape[1])
     valid = (cached[None, :] <= positions[:, None])[:, None, :]
+    write = jax.vmap(lambda c, new, at: lax.dynamic_update_slice_in_dim(c, new, at, axis=0))
 
-    def attend(q, k, v, k_cache, v_cache):
-        write = jax.vmap(lambda c, new, at: lax.dynamic_update_slice_in_dim(c, new, at, axis=0))
-        k_cache, v_cache = write(k_cache, k, positions), write(v_cache, v, positions)
+    def attend(index, q, k, v):
+        k_cache, v_cache = (write(c, new, positions) for c, new in zip(cache[index], (k, v), strict=True))
         return layers.cached_attention(q, k_cache, v_cache, valid), k_cache, v_cache
 
     x = _embed(config, params, tokens[:, None], par, positions[:, None])
-    hidden, cache = _run_layers(config, params, x, positions[:, None], cache, par, attend)
+    hidden, cache = _run_layers(config, params, x, positions[:, None], par, attend)
     logits = _full_logits(config, params, final_norm(config, params, hidden), par)
     return cache, sample(logits, key, **dataclasses.asdict(sampling))
 
@@ -188,32 +215,29 @@ class _Batch:
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = prompt
         self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-        cache_length = _bucket(int(lengths.max()) + max_new_tokens, config.max_positions)
-        self.cache_shape = (config.n_layers, rows, cache_length, _kv_heads(config), head_dim(config))
+        # The cache holds every prompt and its new tokens: (B, cache_length, kv heads, head dim).
+        self.cache_length = _bucket(int(lengths.max()) + max_new_tokens, config.max_positions)
         self.batch_axis = DATA_AXIS if data > 1 else None
 
-    def empty_cache(self, dtype) -> tuple[jax.Array, jax.Array]:
-        """Zero keys and values, sharded over "tensor" by (kv) heads."""
-        sharding = jax.sharding.NamedSharding(self.mesh, _cache_spec(self.batch_axis))
-        return tuple(jax.device_put(jnp.zeros(self.cache_shape, dtype), sharding) for _ in range(2))
-
     def compiled(self, phase, config: ModelConfig, par: Parallelism, *static):
-        """`phase(config, par, *static, params, rows, rows, cache, ...)` as jit(shard_map),
-        built once per configuration (later calls reuse its compilations)."""
+        """`phase(config, par, *static, params, rows, rows[, cache], scalars...)` as
+        jit(shard_map), built once per configuration (later calls reuse its compilations)."""
         return _compiled(phase, config, par, static, self.mesh, self.batch_axis)
 
 
-# The replicated scalar arguments after the cache, per phase (the keys, the first step).
-_SCALARS = {_prefill_logits: 0, _prefill: 1, _decode_chunk: 2}
+# Per phase: whether it takes the cache (then donated: updated in place), and how many
+# replicated scalars follow (the key, the first step).
+_ARGUMENTS = {_prefill_logits: (False, 0), _prefill: (False, 1), _decode_chunk: (True, 2)}
 
 
 @functools.lru_cache(maxsize=32)
 def _compiled(phase, config: ModelConfig, par: Parallelism, static: tuple, mesh: Mesh, batch_axis: str | None):
-    rows, cache = P(batch_axis), (_cache_spec(batch_axis),) * 2
-    in_specs = (partition_specs(config), rows, rows, cache, *((P(),) * _SCALARS[phase]))
+    takes_cache, scalars = _ARGUMENTS[phase]
+    rows, cache = P(batch_axis), ((_cache_spec(batch_axis),) * 2,) * config.n_layers
+    in_specs = (_layer_specs(config), rows, rows, *((cache,) if takes_cache else ()), *((P(),) * scalars))
     body = functools.partial(phase, config, par, *static)
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(cache, rows), check_vma=False)
-    return jax.jit(mapped, donate_argnums=(3,))
+    return jax.jit(mapped, donate_argnums=(3,) if takes_cache else ())
 
 
 def prompt_logits(
@@ -245,9 +269,9 @@ def prompt_logits(
     _check(config, prompts, 1, 0.0, 0, 1.0)
     batch = _Batch(config, _mesh_or_default(mesh), prompts, 1)
     par = Parallelism(taco or tj.TacoConfig.preset("off"), compute_dtype=jnp.dtype(dtype))
-    prefill = batch.compiled(_prefill_logits, config, par)
-    placed = shard_params(params, config, batch.mesh)
-    _, logits = prefill(placed, batch.tokens, batch.lengths, batch.empty_cache(par.compute_dtype))
+    prefill = batch.compiled(_prefill_logits, config, par, batch.cache_length)
+    placed = _place(params, config, batch.mesh, par.compute_dtype)
+    _, logits = prefill(placed, batch.tokens, batch.lengths)
     return np.asarray(logits)[: len(prompts)]
 
 
@@ -299,14 +323,15 @@ def generate(
     sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)
     chunk = min(DECODE_CHUNK, max_new_tokens - 1)
-    prefill = batch.compiled(_prefill, config, Parallelism(taco or off, compute_dtype=compute), sampling)
+    prefill = batch.compiled(
+        _prefill, config, Parallelism(taco or off, compute_dtype=compute), sampling, batch.cache_length
+    )
     decode = batch.compiled(
         _decode_chunk, config, Parallelism(decode_taco or off, compute_dtype=compute), sampling, chunk
     )
-    # Cast once: every decode step reads all the weights, and in the compute dtype.
-    placed = jax.tree.map(lambda w: w.astype(compute), shard_params(params, config, batch.mesh))
+    placed = _place(params, config, batch.mesh, compute)
     key = jax.random.key(seed)
-    cache, drawn = prefill(placed, batch.tokens, batch.lengths, batch.empty_cache(compute), jax.random.fold_in(key, 0))
+    cache, drawn = prefill(placed, batch.tokens, batch.lengths, jax.random.fold_in(key, 0))
     tokens = np.asarray(drawn)[:, None]  # (rows, tokens so far)
     while tokens.shape[1] < max_new_tokens and not _all_stopped(tokens[: len(prompts)], eos_id):
         step = tokens.shape[1]
