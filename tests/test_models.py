@@ -364,6 +364,35 @@ def test_compressed_prefill_and_sampling(hf_folders):
     assert all(len(s) == 8 or s[-1] == greedy[0][2] for s in stopped)
 
 
+def test_decode_steps_read_the_weights_where_they_lie():
+    """The compiled decode loop's live intermediates stay well below one layer's weights:
+    each GEMM reads its layer's buffer in place (a scan over the stacked weights copies
+    every layer's slice out at every step, which made decode 2.3x slower on a GPU), and
+    the per-layer caches are updated in place (donated and aliased to the outputs)."""
+    import dataclasses
+    import importlib
+
+    import jax.numpy as jnp
+
+    from taco_jax.models.transformer import Parallelism
+
+    generation = importlib.import_module("taco_jax.models.generate")  # the module, not models.generate
+    config = dataclasses.replace(models.preset("gpt2-tiny"), d_model=256, n_heads=4, d_ff=2048, n_layers=3)
+    mesh = _mesh(tensor=2)
+    batch = generation._Batch(config, mesh, PROMPTS, 8)
+    par, sampling = Parallelism(tj.TacoConfig.preset("off")), generation._Sampling(0.0, 0, 1.0)
+    placed = generation._place(models.init_params(config, jax.random.key(0)), config, mesh, jnp.dtype(jnp.float32))
+    prefill = batch.compiled(generation._prefill, config, par, sampling, batch.cache_length)
+    cache, drawn = prefill(placed, batch.tokens, batch.lengths, jax.random.key(0))
+    decode = batch.compiled(generation._decode_chunk, config, par, sampling, 4)
+    memory = decode.lower(placed, drawn, batch.lengths, cache, jax.random.key(0), 1).compile().memory_analysis()
+    # Per device, as the memory analysis counts.
+    layer_bytes = sum(w.addressable_shards[0].data.nbytes for w in jax.tree.leaves(placed["layers"][0]))
+    cache_bytes = sum(c.addressable_shards[0].data.nbytes for c in jax.tree.leaves(cache))
+    assert memory.temp_size_in_bytes < layer_bytes / 2
+    assert memory.alias_size_in_bytes == cache_bytes
+
+
 def test_generation_refuses_bad_input():
     config = models.preset("qwen2-tiny")
     params = models.init_params(config, jax.random.key(0))
