@@ -1,8 +1,10 @@
 """Generation with a KV cache over the same tensor-parallel model (`models.transformer`).
 
 A batch of prompts of different lengths is padded to one length bucket and prefilled in
-one pass (its messages through the run's `TacoConfig`), which writes every layer's keys
-and values into a preallocated cache sharded over "tensor" by (kv) heads. Then the
+one pass (its messages through the run's `TacoConfig`), which returns every layer's keys
+and values in a cache sized for the prompts and their new tokens, a buffer per layer
+sharded over "tensor" by (kv) heads. The layers run unrolled over weights placed once per
+call in a buffer per layer, so every GEMM reads its weights where they lie. Then the
 decode step feeds each sequence's last token at its own position, writes its keys and
 values and attends over the cache; its messages are a few rows per layer (latency-bound)
 and go uncompressed unless `decode_taco` says otherwise. The steps run on the device,
@@ -59,8 +61,9 @@ def _layer_specs(config: ModelConfig) -> dict:
 @functools.lru_cache(maxsize=8)
 def _per_layer_placer(config: ModelConfig, mesh: Mesh, dtype: jnp.dtype):
     """Placed parameters -> the same in `dtype` with each layer's weights in buffers of
-    their own, so that each step's GEMMs read them where they lie: a slice of the
-    stacked weights (a scan over layers) is copied out first, every decode step."""
+    their own, so that each step's GEMMs read them where they lie: a GEMM on a slice of
+    the stacked weights (a scan over layers) has it copied out first, at every decode
+    step (2.3x slower decode at 0.91B on an H200)."""
     shardings = jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), _layer_specs(config), is_leaf=lambda leaf: isinstance(leaf, P)
     )
@@ -112,7 +115,7 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
 
 
 def _run_layers(config, params, x, positions, par, attend):
-    """The layers, unrolled over the per-layer weights of `_per_layer`, with
+    """The layers, unrolled over the per-layer weights of `_place`, with
     `attend(layer_index, q, k, v) -> (out, k_cache, v_cache)`: (hidden, cache)."""
     written = []
     for index, layer in enumerate(params["layers"]):
