@@ -54,7 +54,7 @@ def _cache_spec(batch_axis: str | None) -> P:
 def _layer_specs(config: ModelConfig) -> dict:
     """`partition_specs` with "layers" as one dict per layer (the layer axis dropped)."""
     specs = partition_specs(config)
-    layer = jax.tree.map(lambda spec: P(*spec[1:]), specs["layers"], is_leaf=lambda leaf: isinstance(leaf, P))
+    layer = jax.tree.map(lambda spec: P(*spec[1:]), specs["layers"])
     return specs | {"layers": (layer,) * config.n_layers}
 
 
@@ -64,9 +64,7 @@ def _per_layer_placer(config: ModelConfig, mesh: Mesh, dtype: jnp.dtype):
     their own, so that each step's GEMMs read them where they lie: a GEMM on a slice of
     the stacked weights (a scan over layers) has it copied out first, at every decode
     step (2.3x slower decode at 0.91B on an H200)."""
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), _layer_specs(config), is_leaf=lambda leaf: isinstance(leaf, P)
-    )
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), _layer_specs(config))
 
     def per_layer(params: dict) -> dict:
         cast = jax.tree.map(lambda w: w.astype(dtype), params)

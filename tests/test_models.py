@@ -1,15 +1,19 @@
 """GPT-2 and Qwen2: parity with HuggingFace transformers, TP degrees against each other,
 clear errors."""
 
+import dataclasses
+import importlib
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import taco_jax as tj
 from taco_jax import models
 from taco_jax.models.hf import read_safetensors
+from taco_jax.models.transformer import Parallelism
 
 VOCAB = 300  # not a multiple of 128: exercises vocabulary padding
 
@@ -369,13 +373,6 @@ def test_decode_steps_read_the_weights_where_they_lie():
     each GEMM reads its layer's buffer in place (a scan over the stacked weights copies
     every layer's slice out at every step, which made decode 2.3x slower on a GPU), and
     the per-layer caches are updated in place (donated and aliased to the outputs)."""
-    import dataclasses
-    import importlib
-
-    import jax.numpy as jnp
-
-    from taco_jax.models.transformer import Parallelism
-
     generation = importlib.import_module("taco_jax.models.generate")  # the module, not models.generate
     config = dataclasses.replace(models.preset("gpt2-tiny"), d_model=256, n_heads=4, d_ff=2048, n_layers=3)
     mesh = _mesh(tensor=2)
