@@ -1,7 +1,8 @@
 """The fused codec kernels against the jnp path and a device copy.
 
-The kernels: compress by the row kernel (`row_kernels`, Gluon; the default on a CUDA GPU)
-and by the Pallas kernel's default launch, the decodes by the Pallas kernel.
+The kernels: each op by the row kernels (`row_kernels`, Gluon; the default on a CUDA GPU;
+the decodes with 1, 2 and 4 warps) and by the Pallas kernel's default launch (JAX's
+deprecated Triton lowering, the opt-in fallback).
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
 warps, pipelining stages, the transform method (`KernelConfig.transform_method`), the pieces a
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -355,6 +357,18 @@ def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str,
     return rows + [("pallas", pallas_default)]
 
 
+def _decode_kernels(fmt: str, shards: int, pallas_default: KernelConfig) -> list[tuple[str, object]]:
+    """(name, decode function) of the kernels a decode is timed with: the row kernel with
+    1, 2 and 4 warps ("gluon-wN"; `row_kernels.RowConfig`, one warp what runs by default
+    where `row_kernels.supports` holds) and the Pallas kernel's default launch."""
+    kernels = [
+        (f"gluon-w{warps}", functools.partial(kd.decompress_groups, config=row_kernels.RowConfig(num_warps=warps)))
+        for warps in (1, 2, 4)
+        if row_kernels.supports(GROUP, jnp.bfloat16, fmt, shards)
+    ]
+    return kernels + [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
+
+
 def device_ms(fn, inputs) -> float:
     """Milliseconds of GPU kernel time per input of fn(*inputs): the union of the kernels'
     intervals in a `jax.profiler` trace of queued calls (benchmarks/profiling.py), so
@@ -428,7 +442,11 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
             ("requantize_sum", SHARDS, True),
         ):
             extra = dict(requantize_to=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
-            for impl, fn in (("pallas", kd.decompress), ("jnp", kd.decompress_reference)):
+            default = kd.default_config(GROUP, transform and not requantize, shards, requantize=requantize)
+            for impl, fn in (
+                *_decode_kernels(fmt, shards, default),
+                ("jnp", kd.decompress_reference),
+            ):
                 run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, **extra) for p, m in zip(ps, ms)])
                 add(
                     op,

@@ -12,6 +12,10 @@ tiles in turn with their per-group multipliers, sums the dequantized shards in t
     transformed domain) — the middle step of the two-shot all-reduce.
 
 `decompress_reference` beside the kernel is the plain-jnp definition it is tested against.
+On a CUDA GPU with Triton, `decompress_groups` and `decompress_message` run the row
+kernels (`row_kernels`, Gluon, a group per thread) where `launch.ROW_KERNEL` takes the
+groups, unless a `KernelConfig` asks for this one, which runs on JAX's Pallas Triton
+lowering (deprecated by JAX): the fallback for groups of 256 and 512.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import formats, group_codec, wire
+from . import formats, group_codec, row_kernels, wire
 from .hadamard import hadamard_matrix, hadamard_transform
 from .launch import (
     KernelConfig,
@@ -125,6 +129,51 @@ def _decompress_kernel(
     row_loop(payload_ref.shape[1], block, decode_block)
 
 
+CODE_FORMATS = {wire.dtype: name for name, wire in formats.WIRE_FORMATS.items() if wire.bits == 8}
+
+
+def _decode(
+    payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
+):
+    """The decode by the kernel `config` names: the row kernel (`row_kernels.RowConfig`,
+    and by default where `row_kernels.supports` holds), else the Pallas kernel
+    (`KernelConfig`). Arguments and results as `_launch`, except that the row kernel
+    requantizes any number of batches (scale entries packed, `group_codec.pack_scale_entries`)."""
+    fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
+    dtype = jnp.float32 if requantize_to else out_dtype
+    shards, group_size = payload.shape[1], payload.shape[-1]
+    if isinstance(config, row_kernels.RowConfig) or (
+        config is None and not interpret and row_kernels.supports(group_size, dtype, fmt, shards)
+    ):
+        return row_kernels.row_decompress(
+            payload,
+            multiplier.astype(jnp.float32),
+            groups=groups,
+            fmt=fmt,
+            transform=transform,
+            out_dtype=out_dtype,
+            requantize_to=requantize_to and requantize_to[1],
+            payload_rows=groups + extra_rows,
+            config=config,
+        )
+    out = _launch(
+        payload,
+        multiplier,
+        groups,
+        transform=transform,
+        out_dtype=out_dtype,
+        requantize_to=requantize_to,
+        config=config,
+        interpret=interpret,
+        message_fmt=message_fmt,
+        extra_rows=extra_rows,
+    )
+    if requantize_to is None:
+        return out
+    codes, entries = out
+    return codes[None], group_codec.pack_scale_entries(tuple(entries), requantize_to[1])[None, :, 0]
+
+
 def _launch(
     payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
 ):
@@ -197,7 +246,7 @@ def decompress_groups(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize_to: tuple[str, str] | None = None,
-    config: KernelConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | None = None,
     interpret: bool = False,
 ):
     """Dequantize and sum k shards of rows of G elements with the fused kernel.
@@ -209,17 +258,21 @@ def decompress_groups(
       transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
       out_dtype: dtype of the decoded output.
       requantize_to: (fmt, scale_format) to quantize the sum into instead of decoding it.
-      config: launch parameters; `default_config` if None.
-      interpret: run the kernel in the Pallas interpreter (CPU tests).
+      config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
+        kernel, a `row_kernels.RowConfig` for the row kernel; if None, the row kernel
+        where `row_kernels.supports` holds (not in interpret mode), else the Pallas
+        kernel's `default_config`.
+      interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:
       The decoded (N, G) array in `out_dtype`, or with `requantize_to` a (payload, scales)
       pair in the layout of `group_codec.quantize_groups`.
     """
-    out = _launch(
+    groups = payload.shape[1]
+    out = _decode(
         payload[None],
         multiplier[None],
-        payload.shape[1],
+        groups,
         transform=transform,
         out_dtype=out_dtype,
         requantize_to=requantize_to,
@@ -229,8 +282,8 @@ def decompress_groups(
     )
     if requantize_to is None:
         return out[0]
-    codes, entries = out
-    return codes[: payload.shape[1]], group_codec.pack_scale_entries(tuple(entries), requantize_to[1])
+    codes, scales = out
+    return codes[0, :groups], scales[0][:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "transform", "out_dtype", "requantize", "config", "interpret"))
@@ -241,7 +294,7 @@ def decompress_message(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize: bool = False,
-    config: KernelConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | None = None,
     interpret: bool = False,
 ):
     """Decode wire messages straight from their buffers: for each of B batches, the sum
@@ -255,15 +308,15 @@ def decompress_message(
       out_dtype: dtype of the decoded output.
       requantize: quantize the sum again with the layout's format into one message
         (B = 1), staying in the transformed domain (the two-shot all-reduce).
-      config: launch parameters; `default_config` if None.
-      interpret: run the kernel in the Pallas interpreter (CPU tests).
+      config: which kernel and its launch parameters, as `decompress_groups`.
+      interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:
       decoded (B, N, G) in `out_dtype`, or with `requantize` a uint8 (rows, W) message.
     """
     multiplier = wire.multiplier(messages, layout)
     spec = (layout.fmt, layout.scale_format) if requantize else None
-    out = _launch(
+    out = _decode(
         messages,
         multiplier,
         layout.groups,
@@ -277,9 +330,9 @@ def decompress_message(
     )
     if not requantize:
         return out
-    codes, entries = out
-    buffer = codes[: layout.shape[0]]  # a copy only when padding made the kernel write past the message
-    return wire.place_scales(buffer, group_codec.pack_scale_entries(tuple(entries), layout.scale_format), layout)
+    codes, scales = out
+    buffer = codes[0, : layout.shape[0]]  # a copy only when padding made the kernel write past the message
+    return wire.place_scales(buffer, scales[0], layout)
 
 
 def decompress_reference(

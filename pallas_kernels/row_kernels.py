@@ -1,24 +1,26 @@
-"""The compress kernel with one group per GPU thread, written in Gluon (Triton with
-explicit layouts).
+"""The codec kernels with one group per GPU thread, written in Gluon (Triton with
+explicit layouts): compress, and the decode of a sum of k shards (to a float dtype, or
+requantized).
 
-Each program loads 32 * num_warps groups as coalesced 16-byte vectors, and one layout
-conversion through shared memory gives every thread a whole group in its registers. The
-group statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
+Each program loads 32 * num_warps groups as coalesced vectors, and one layout conversion
+through shared memory gives every thread a whole group in its registers. The group
+statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
 quantization then run in registers with no warp shuffle; a second conversion stores the
-codes coalesced. The Pallas compress kernel spreads a group over 8 lanes, so its
+results coalesced. The Pallas compress kernel spreads a group over 8 lanes, so its
 transform and reductions go through warp shuffles: it takes 126.5 us at 16384 x 8192
 (taco+) where this kernel takes 113 us (benchmarks/RESULTS.md). Pallas cannot ask for the
 row-per-thread layout: a group loaded as 16 pieces of one vector each
 (`KernelConfig.pieces=16`) gets it, but with uncoalesced loads, and ran at half the speed.
 
-Decoding stays with the Pallas kernel (`decompress`): its transform runs after the sum of
-k shards, and the row layout's 128 registers per group left too few warps to keep memory
-busy (measured, benchmarks/RESULTS.md).
+A decode without the transform needs no whole group per thread: it sums and stores in
+the coalesced layout of its output. Decoding through the transform, the dequantized sum is
+converted to the row layout once, after the k shards are summed.
 
 The math is `group_codec`'s, step for step (IEEE division and square root for the
-per-group scalars); `compress.compress_reference` is what this kernel is tested against.
-`compress.compress_groups` dispatches here by default where `supports` holds; there is no
-interpret mode (off GPU the Pallas kernel runs in the Pallas interpreter).
+per-group scalars); `compress.compress_reference` and `decompress.decompress_reference`
+are what these kernels are tested against. `compress` and `decompress` dispatch here by
+default where `supports` holds; there is no interpret mode (off GPU the Pallas kernels
+run in the Pallas interpreter).
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ class RowConfig:
             raise ValueError(f"RowConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
 
 
-def supports(group_size: int, dtype, fmt: str) -> bool:
-    """Whether the row kernel runs groups of `group_size` values of `dtype` in `fmt` here:
-    Gluon on a CUDA GPU (`triton_launch.available`) and work `launch.ROW_KERNEL` takes."""
-    return ROW_KERNEL.takes(group_size, dtype, fmt) and triton_launch.available()
+def supports(group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
+    """Whether the row kernels run groups of `group_size` values of `dtype` (the input of
+    a compress, the output of a decode) in `fmt`, summing `shards` shards, here: Gluon on a
+    CUDA GPU (`triton_launch.available`) and work `launch.ROW_KERNEL` takes."""
+    return ROW_KERNEL.takes(group_size, dtype, fmt, shards) and triton_launch.available()
 
 
 def _vectors(group_size: int, in_dtype, out_dtype) -> dict[str, int]:
@@ -189,6 +192,119 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
     )
 
 
+def row_decompress(
+    payload: jax.Array,
+    multiplier: jax.Array,
+    *,
+    groups: int,
+    fmt: str,
+    transform: bool,
+    out_dtype=jnp.float32,
+    requantize_to: str | None = None,
+    payload_rows: int = 0,
+    config: RowConfig | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """For each of B batches, the sum of its k dequantized shards, decoded or requantized,
+    as `decompress.decompress_reference`.
+
+    Under `jax.vmap` the mapped axes fold into the batch dimension B, so a vmapped call
+    is one launch.
+
+    Args:
+      payload: (B, k, rows >= N, G) codes in `fmt`, or uint8 message buffers holding
+        their bytes (`wire`).
+      multiplier: (B, k, N) float32 per-group dequantization multipliers.
+      groups: N.
+      fmt: the codes' format: "e4m3", "e5m2" or "int8".
+      transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
+      out_dtype: float32, bfloat16 or float16: the decoded dtype.
+      requantize_to: a scale format to quantize the sum into (in `fmt`, with no
+        transform: it is already in the transformed domain) instead of decoding it.
+      payload_rows: with `requantize_to`, rows of each batch's output payload block, at
+        least N; rows past N are left unwritten (a message's scale rows).
+      config: launch parameters; `RowConfig()` if None.
+
+    Returns:
+      decoded (B, N, G) in `out_dtype`, or with `requantize_to` (payload (B, payload_rows,
+      G) in the dtype of `payload`, scales (B, N, 2) for "dual", else (B, N)).
+    """
+    launch = functools.partial(
+        _launch_decompress,
+        groups=groups,
+        fmt=fmt,
+        transform=transform,
+        out_dtype=jnp.dtype(out_dtype),
+        requantize_to=requantize_to,
+        payload_rows=max(payload_rows, groups),
+        config=config or RowConfig(),
+    )
+    batched = jax.custom_batching.custom_vmap(launch)
+
+    @batched.def_vmap
+    def fold_batch(axis_size, in_batched, payload, multiplier):
+        payload, multiplier = (
+            value if mapped else jnp.broadcast_to(value, (axis_size, *value.shape))
+            for value, mapped in zip((payload, multiplier), in_batched)
+        )
+        outputs = batched(
+            payload.reshape(axis_size * payload.shape[1], *payload.shape[2:]),
+            multiplier.reshape(axis_size * multiplier.shape[1], *multiplier.shape[2:]),
+        )
+        if requantize_to is None:
+            return outputs.reshape(axis_size, -1, *outputs.shape[1:]), True
+        return [out.reshape(axis_size, -1, *out.shape[1:]) for out in outputs], [True, True]
+
+    return batched(payload, multiplier)
+
+
+def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config):
+    """One launch of a decode kernel; arguments as `row_decompress`."""
+    batch, shards, in_rows, group_size = payload.shape
+    code_pointer = POINTER_TYPES[formats.wire_format(fmt).dtype]
+    out_dtype = jnp.dtype(formats.wire_format(fmt).dtype) if requantize_to else out_dtype
+    constexprs = dict(
+        G=group_size, NUM_WARPS=config.num_warps, SHARDS=shards, **_vectors(group_size, jnp.int8, out_dtype)
+    )
+    scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
+    common = dict(grid=_grid(groups, batch, config), num_warps=config.num_warps)
+    if requantize_to is None:
+        return triton_launch.gluon_call(
+            taco_row_decode,
+            [payload, multiplier],
+            [output_struct((batch, groups, group_size), out_dtype, payload)],
+            pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
+            scalars=scalars,
+            constexprs=constexprs
+            | dict(
+                LOG_G=group_size.bit_length() - 1,
+                TRANSFORM=transform,
+                INV_SQRT=_inverse_sqrt(group_size),
+                OUT_MAX=_largest(out_dtype),
+            ),
+            **common,
+        )[0]
+    return tuple(
+        triton_launch.gluon_call(
+            taco_row_requantize,
+            [payload, multiplier],
+            [
+                output_struct((batch, payload_rows, group_size), payload.dtype, payload),
+                _scales_struct(batch, groups, requantize_to, payload),
+            ],
+            pointer_types=[code_pointer, "*fp32", code_pointer, POINTER_TYPES[scale_dtype(requantize_to)]],
+            scalars=[*scalars, ("payload_rows", "i64", payload_rows)],
+            constexprs=constexprs | _quantization(fmt, requantize_to),
+            **common,
+        )
+    )
+
+
+def _largest(dtype) -> float:
+    """The largest finite value of a float `dtype`, which a decode clamps to
+    (`formats.saturating_cast`)."""
+    return float(jnp.finfo(dtype).max)
+
+
 if gluon is not None:
     PRESCALE_MIN = gl.constexpr(float(group_codec.PRESCALE_MIN))
     PRESCALE_MAX = gl.constexpr(float(group_codec.PRESCALE_MAX))
@@ -220,13 +336,22 @@ if gluon is not None:
         return rows[:, None] * G + cols[None, :], rows
 
     @gluon.jit
+    def _load_tile(
+        base, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr, LANES: gl.constexpr
+    ):
+        """Rows [start, start + 32 * NUM_WARPS) of an array of G-wide rows at `base`, in
+        their dtype, in the coalesced layout of VECTOR-wide vectors. Rows past n_rows are
+        not read: their values are undefined, and as every row is computed on its own and
+        they are never stored, nothing depends on them."""
+        offsets, rows = _tile_offsets(G, NUM_WARPS, _tile_layout(NUM_WARPS, VECTOR, LANES))
+        return gl.load(base + start.to(gl.int64) * G + offsets, mask=(start + rows)[:, None] < n_rows)
+
+    @gluon.jit
     def _load_groups(
         base, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr, LANES: gl.constexpr
     ):
-        """Rows [start, start + 32 * NUM_WARPS) of a (n_rows, G) array at `base` as float32,
-        a group per thread; rows past n_rows read as zeros."""
-        offsets, rows = _tile_offsets(G, NUM_WARPS, _tile_layout(NUM_WARPS, VECTOR, LANES))
-        tile = gl.load(base + start.to(gl.int64) * G + offsets, mask=(start + rows)[:, None] < n_rows, other=0.0)
+        """`_load_tile` as float32, a group per thread."""
+        tile = _load_tile(base, start, n_rows, G, NUM_WARPS, VECTOR, LANES)
         return gl.convert_layout(tile, _row_layout(G, NUM_WARPS)).to(gl.float32)
 
     @gluon.jit
@@ -370,6 +495,165 @@ if gluon is not None:
             factor,
             prescale,
             payload_ptr + batch * payload_rows * G,
+            scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            start,
+            n_rows,
+            G,
+            NUM_WARPS,
+            OUT_VECTOR,
+            OUT_LANES,
+            FMT_MAX,
+            INTEGER,
+            SCALES,
+        )
+
+    @gluon.jit
+    def _multipliers(multiplier_ptr, start, n_rows, ROWS: gl.constexpr, layout: gl.constexpr):
+        """The (ROWS,) multipliers of a tile's groups along `layout`'s rows (undefined past
+        n_rows, as `_load_tile`'s rows)."""
+        rows = _rows(start, ROWS, layout)
+        return gl.load(multiplier_ptr + rows, mask=rows < n_rows)
+
+    @gluon.jit
+    def _dequantized_sum(
+        payload_ptr,
+        multiplier_ptr,
+        start,
+        n_rows,
+        in_rows,
+        SHARDS: gl.constexpr,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VECTOR: gl.constexpr,
+        LANES: gl.constexpr,
+        layout: gl.constexpr,
+    ):
+        """The float32 sum over the shards of codes times their groups' multipliers, for
+        the program's tile of groups, in `layout`; `payload_ptr` and `multiplier_ptr`
+        point at the batch's first shard."""
+        ROWS: gl.constexpr = 32 * NUM_WARPS
+        summed = gl.zeros([ROWS, G], gl.float32, layout)
+        for shard in gl.static_range(SHARDS):
+            codes = _load_tile(payload_ptr + shard * in_rows * G, start, n_rows, G, NUM_WARPS, VECTOR, LANES)
+            codes = gl.convert_layout(codes, layout).to(gl.float32)
+            multiplier = _multipliers(multiplier_ptr + shard * n_rows, start, n_rows, ROWS, layout)
+            summed = summed + codes * multiplier[:, None]
+        return summed
+
+    @gluon.jit
+    def _saturating_cast(values, dtype: gl.constexpr, OUT_MAX: gl.constexpr):
+        """`formats.saturating_cast`: float32 to `dtype`, finite values past its largest
+        clamped to it, NaN kept."""
+        if dtype != gl.float32:
+            values = gl.where(gl.abs(values) > OUT_MAX, gl.where(values > 0, OUT_MAX, -OUT_MAX), values)
+        return values.to(dtype)
+
+    @gluon.jit
+    def taco_row_decode(
+        payload_ptr,
+        multiplier_ptr,
+        out_ptr,
+        n_rows,
+        in_rows,
+        G: gl.constexpr,
+        LOG_G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        SHARDS: gl.constexpr,
+        IN_VECTOR: gl.constexpr,
+        IN_LANES: gl.constexpr,
+        OUT_VECTOR: gl.constexpr,
+        OUT_LANES: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        OUT_MAX: gl.constexpr,
+    ):
+        start = gl.program_id(0) * (32 * NUM_WARPS)
+        batch = gl.program_id(1).to(gl.int64)
+        payload_ptr = payload_ptr + batch * SHARDS * in_rows * G
+        multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
+        if TRANSFORM:
+            rows_layout: gl.constexpr = _row_layout(G, NUM_WARPS)
+            if SHARDS == 1:
+                # One shard's 8-bit codes: transform the small values first, then scale,
+                # so no intermediate overflows near float32's largest.
+                codes = _load_groups(payload_ptr, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
+                multiplier = _multipliers(multiplier_ptr, start, n_rows, 32 * NUM_WARPS, rows_layout)
+                values = _hadamard(codes, G, LOG_G, NUM_WARPS) * (multiplier * INV_SQRT)[:, None]
+            else:
+                summed = _dequantized_sum(
+                    payload_ptr,
+                    multiplier_ptr,
+                    start,
+                    n_rows,
+                    in_rows,
+                    SHARDS,
+                    G,
+                    NUM_WARPS,
+                    IN_VECTOR,
+                    IN_LANES,
+                    rows_layout,
+                )
+                values = _hadamard(summed, G, LOG_G, NUM_WARPS) * INV_SQRT
+        else:
+            # No transform: sum straight in the output's coalesced layout.
+            out_layout: gl.constexpr = _tile_layout(NUM_WARPS, OUT_VECTOR, OUT_LANES)
+            values = _dequantized_sum(
+                payload_ptr,
+                multiplier_ptr,
+                start,
+                n_rows,
+                in_rows,
+                SHARDS,
+                G,
+                NUM_WARPS,
+                OUT_VECTOR,
+                OUT_LANES,
+                out_layout,
+            )
+        out = _saturating_cast(values, out_ptr.dtype.element_ty, OUT_MAX)
+        _store_groups(out_ptr + batch * n_rows * G, out, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+
+    @gluon.jit
+    def taco_row_requantize(
+        payload_ptr,
+        multiplier_ptr,
+        out_ptr,
+        scales_ptr,
+        n_rows,
+        in_rows,
+        payload_rows,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        SHARDS: gl.constexpr,
+        IN_VECTOR: gl.constexpr,
+        IN_LANES: gl.constexpr,
+        OUT_VECTOR: gl.constexpr,
+        OUT_LANES: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
+        start = gl.program_id(0) * (32 * NUM_WARPS)
+        batch = gl.program_id(1).to(gl.int64)
+        summed = _dequantized_sum(
+            payload_ptr + batch * SHARDS * in_rows * G,
+            multiplier_ptr + batch * SHARDS * n_rows,
+            start,
+            n_rows,
+            in_rows,
+            SHARDS,
+            G,
+            NUM_WARPS,
+            IN_VECTOR,
+            IN_LANES,
+            _row_layout(G, NUM_WARPS),
+        )
+        values, factor, prescale = _normalize(summed, FMT_MAX, G)
+        _quantize(
+            values,
+            factor,
+            prescale,
+            out_ptr + batch * payload_rows * G,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
             start,
             n_rows,

@@ -1,6 +1,7 @@
-"""The row compress kernel (Gluon, a group per GPU thread) against the jnp reference,
-compiled on a GPU, and that compress dispatches to it by default there. Off GPU only its
-compilation for sm_90 is checked (where Triton with Gluon is installed)."""
+"""The row kernels (Gluon, a group per GPU thread: compress, decode, requantize) against
+the jnp reference, compiled on a GPU, and that the codec dispatches to them by default
+there, with no Pallas Triton kernel on the default path. Off GPU their compilation for
+sm_90 and their batching under vmap are checked (where Triton with Gluon is installed)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,17 @@ from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import formats, group_codec, row_kernels, triton_launch, wire
 from taco_jax.kernels.launch import KernelConfig
 from tests import reference as ref
-from tests.test_kernels import FMTS, SCALES, _assert_only_poisoned_groups_nan, _compress_case, _groups, _poisoned_groups
+from tests.test_kernels import (
+    FMTS,
+    SCALES,
+    _assert_only_poisoned_groups_nan,
+    _assert_payload_close,
+    _assert_scales_close,
+    _check_nan_propagates_to_the_group,
+    _compress_case,
+    _groups,
+    _poisoned_groups,
+)
 
 ROWS = row_kernels.RowConfig()
 
@@ -232,3 +243,185 @@ def test_vmapped_row_kernel_is_one_launch_over_the_folded_batch(monkeypatch):
     assert call.invars[0].aval.shape == (30, 32, 128)
     assert [v.aval.shape for v in call.outvars] == [(30, 32, 128), (30, 32)]
     assert traced.out_info.shape == x.shape
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def _shards(fmt, scale_format, transform, shards, rows, group_size, seed=0):
+    """k shards of `rows` groups compressed by the jnp reference: (payload, multiplier)."""
+    compressed = [
+        kc.compress_reference(
+            _groups(rows, group_size, jnp.float32, seed=seed + s),
+            fmt=fmt,
+            scale_format=scale_format,
+            transform=transform,
+        )
+        for s in range(shards)
+    ]
+    payload = jnp.stack([p for p, _ in compressed])
+    return payload, jnp.stack([_multiplier(s, scale_format, 1)[0] for _, s in compressed])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [16, 128])
+@pytest.mark.parametrize("shards", [1, 2, 8])
+@pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_decode_matches_reference(fmt, transform, shards, group_size):
+    """Every output dtype at an odd row count (a partial last program), against the jnp
+    reference to its rounding, and within the codec's error of the exact sum."""
+    payload, multiplier = _shards(fmt, "single", transform, shards, 1001, group_size)
+    kw = dict(transform=transform)
+    for out_dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 2.0**-8), (jnp.float16, 2.0**-10)):
+        got = kd.decompress_groups(payload, multiplier, out_dtype=out_dtype, config=ROWS, **kw)
+        want = kd.decompress_reference(payload, multiplier, out_dtype=out_dtype, **kw)
+        assert got.dtype == out_dtype and got.shape == (1001, group_size)
+        np.testing.assert_allclose(
+            ref.as_float64(got), ref.as_float64(want), rtol=tolerance, atol=tolerance * float(jnp.abs(want).max())
+        )
+    exact = sum(np.asarray(_groups(1001, group_size, jnp.float32, seed=s), np.float64) for s in range(shards))
+    decoded = ref.as_float64(kd.decompress_groups(payload, multiplier, config=ROWS, **kw))
+    assert 0 < np.linalg.norm(decoded - exact) / np.linalg.norm(exact) < 0.07
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [16, 64, 128])
+@pytest.mark.parametrize("scale_format", SCALES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_requantize_matches_reference(fmt, scale_format, group_size):
+    """The requantized sum of 4 shards: scales to float32 rounding (rounded-up scales one
+    step apart on a tie), codes one grid step apart on a tie."""
+    payload, multiplier = _shards(fmt, scale_format, True, 4, 1001, group_size)
+    kw = dict(transform=True, requantize_to=(fmt, scale_format))
+    got_payload, got_scales = kd.decompress_groups(payload, multiplier, config=ROWS, **kw)
+    want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
+    assert got_payload.shape == want_payload.shape and got_scales.shape == want_scales.shape
+    same_scale = _assert_scales_close(got_scales, want_scales, scale_format)
+    _assert_payload_close(got_payload, want_payload, fmt, 0.01, same_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "e8m0")])
+def test_decode_and_requantize_keep_nan_in_its_group(fmt, scale_format):
+    _check_nan_propagates_to_the_group(fmt, scale_format, ROWS, interpret=False)
+
+
+@pytest.mark.gpu
+def test_float16_decode_saturates_instead_of_overflowing():
+    """A decoded sum past float16's largest finite value clamps to it; NaN stays NaN."""
+    payload, multiplier = _shards("int8", "single", True, 2, 45, 128)
+    multiplier = multiplier.at[:, 3].mul(1e6).at[0, 5].set(jnp.nan)
+    got = np.asarray(kd.decompress_groups(payload, multiplier, transform=True, out_dtype=jnp.float16, config=ROWS))
+    assert np.isnan(got[5]).all() and np.isfinite(np.delete(got, 5, axis=0)).all()
+    assert np.abs(got[3]).max() == np.finfo(np.float16).max
+
+
+@pytest.mark.gpu
+def test_message_decode_and_requantize_match_the_pallas_kernel():
+    """Two batches of 4 messages of 45 groups, decoded; one batch requantized into a
+    message (payload rows, then the scale rows)."""
+    layout = wire.MessageLayout(45, 128, "int8", "bf16")
+    x = _groups(8 * 45, 128, jnp.bfloat16, seed=6).reshape(8, 45, 128)
+    messages = kc.compress_message(x, fmt="int8", scale_format="bf16", transform=True).reshape(2, 4, *layout.shape)
+    pallas = KernelConfig()
+    decoded = kd.decompress_message(messages, layout, transform=True, out_dtype=jnp.bfloat16, config=ROWS)
+    want = kd.decompress_message(messages, layout, transform=True, out_dtype=jnp.bfloat16, config=pallas)
+    assert decoded.shape == (2, 45, 128)
+    np.testing.assert_allclose(ref.as_float64(decoded), ref.as_float64(want), rtol=2.0**-7, atol=1e-2)
+    requantized = kd.decompress_message(messages[:1], layout, transform=True, requantize=True, config=ROWS)
+    want = kd.decompress_message(messages[:1], layout, transform=True, requantize=True, config=pallas)
+    assert requantized.shape == want.shape == layout.shape and requantized.dtype == jnp.uint8
+    assert np.mean(np.asarray(requantized) != np.asarray(want)) < 0.01
+
+
+@pytest.mark.gpu
+def test_vmapped_decode_equals_a_loop_over_the_batch():
+    """A simulated mesh's vmap over the decode: the payload mapped, the multipliers not."""
+    payload, multiplier = _shards("e4m3", "dual", True, 4, 45, 128)
+    stacked = jnp.stack([payload, payload[::-1]])
+    decode = lambda p: kd.decompress_groups(p, multiplier, transform=True, out_dtype=jnp.bfloat16, config=ROWS)
+    got = jax.vmap(decode)(stacked)
+    for index in range(2):
+        np.testing.assert_array_equal(np.asarray(got[index]), np.asarray(decode(stacked[index])))
+
+
+@pytest.mark.gpu
+def test_default_path_has_no_pallas_triton_kernel():
+    """The codec and a compressed all-reduce under the default kernel mode, on a GPU: every
+    kernel is a Gluon kernel (jaxlib's Triton custom call), none a `pallas_call`; asking
+    for groups of 256 takes the jnp path, not the Pallas fallback."""
+    import taco_jax as tj
+
+    x = _groups(64, 256, jnp.bfloat16)
+    spec = tj.TacoConfig.preset("taco+").forward
+
+    def codec_ops(x):
+        c = tj.compress(x, spec)
+        return (
+            tj.decompress(c),
+            tj.decompress_sum(tj.compress(jnp.stack([x, x]), spec)),
+            tj.requantize_sum(tj.compress(jnp.stack([x, x]), spec)),
+        )
+
+    config = tj.TacoConfig.preset("taco+", min_bytes=0)
+    # Two ranks simulated on the one GPU (a named vmap), as the quality runs do.
+    reduce = jax.vmap(lambda v: tj.all_reduce(v, "tensor", config), axis_name="tensor")
+    for fn, operand in ((codec_ops, x), (reduce, jnp.stack([x, x]))):
+        jaxpr = str(jax.make_jaxpr(fn)(operand))
+        assert "pallas_call" not in jaxpr and "triton_kernel_call" in jaxpr
+    wide = tj.QuantSpec(fmt="int8", group_size=256, hadamard=True, scales="bf16")
+    jaxpr = str(jax.make_jaxpr(lambda v: tj.decompress(tj.compress(v, wide)))(x))
+    assert "pallas_call" not in jaxpr and "triton_kernel_call" not in jaxpr
+
+
+def _row_decode(payload, multiplier):
+    return row_kernels.row_decompress(
+        payload, multiplier, groups=multiplier.shape[-1], fmt="int8", transform=True, out_dtype=jnp.bfloat16
+    )
+
+
+def test_vmapped_row_decode_is_one_launch_over_the_folded_batch(monkeypatch):
+    """Nested vmaps over the payload, with the multipliers mapped by the outer one only:
+    one custom call over 2 * 3 batches, the unmapped operand broadcast to them."""
+    pytest.importorskip("triton.experimental.gluon")
+    _stub_launch(monkeypatch)
+    payload = jnp.zeros((2, 3, 1, 4, 32, 128), jnp.int8)
+    multiplier = jnp.zeros((2, 1, 4, 32), jnp.float32)
+    traced = jax.jit(jax.vmap(jax.vmap(_row_decode, in_axes=(0, None)))).trace(payload, multiplier)
+    (call,) = _ffi_calls(traced.jaxpr.jaxpr)
+    assert [v.aval.shape for v in call.invars] == [(6, 4, 32, 128), (6, 4, 32)]
+    assert [v.aval.shape for v in call.outvars] == [(6, 32, 128)]
+    assert traced.out_info.shape == (2, 3, 1, 32, 128)
+
+
+@pytest.mark.parametrize(
+    "kernel, fmt, out, shards, transform",
+    [
+        ("decode", "e4m3", "*bf16", 1, True),
+        ("decode", "int8", "*fp32", 4, False),
+        ("decode", "e5m2", "*fp16", 8, True),
+        ("requantize", "int8", "bf16", 4, None),
+        ("requantize", "e4m3", "dual", 2, None),
+    ],
+)
+def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
+    """Triton builds the decode and requantize kernels for an H100/H200 (no GPU needed)."""
+    pytest.importorskip("triton.experimental.gluon")
+    codes = row_kernels.POINTER_TYPES[formats.wire_format(fmt).dtype]
+    dtypes = {"*bf16": jnp.bfloat16, "*fp32": jnp.float32, "*fp16": jnp.float16}
+    if kernel == "decode":
+        function, out_dtype = row_kernels.taco_row_decode, dtypes[out]
+        types = [codes, "*fp32", out, "i32", "i64"]
+        extra = dict(LOG_G=7, TRANSFORM=transform, INV_SQRT=row_kernels._inverse_sqrt(128))
+        extra["OUT_MAX"] = row_kernels._largest(out_dtype)
+    else:
+        function, out_dtype = row_kernels.taco_row_requantize, formats.wire_format(fmt).dtype
+        scales = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(out)]
+        types = [codes, "*fp32", codes, scales, "i32", "i64", "i64"]
+        extra = row_kernels._quantization(fmt, out)
+    constexprs = dict(G=128, NUM_WARPS=1, SHARDS=shards, **row_kernels._vectors(128, jnp.int8, out_dtype), **extra)
+    compiled = triton_launch.compile_kernel(
+        function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), 1, 90
+    )
+    assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
