@@ -133,7 +133,8 @@ def main() -> None:
             if copy:
                 row["percent_of_copy"] = 100 * row["device_tb_per_s"] / copy
         except Exception as error:  # a backend that cannot lower this kernel: recorded, not fatal
-            row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
+            first_line = next(iter(str(error).strip().splitlines()), "")
+            row["error"] = f"{type(error).__name__}: {first_line[:400]}"
         results.append(row)
         print(json.dumps(row), flush=True)
     meta = dict(shape=SHAPE, group=GROUP, shards=SHARDS, bytes=nbytes, copy_tb_per_s=copy, jax=jax.__version__)

@@ -59,6 +59,7 @@ PRESETS = {  # name: (fmt, scale_format, transform)
 }
 GROUP = 128
 SHARDS = 4
+SHAPES = [(4096, 4096, 16), (16384, 8192, 4), (32768, 16384, 2)]  # tokens, channels, distinct inputs timed
 SWEEP_SHAPE = (16384, 8192)  # tokens x channels the launch sweep runs at
 
 
@@ -358,15 +359,14 @@ def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str,
 
 
 def _decode_kernels(fmt: str, shards: int, pallas_default: KernelConfig) -> list[tuple[str, object]]:
-    """(name, decode function) of the kernels a decode is timed with: the row kernel with
-    1, 2 and 4 warps ("gluon-wN"; `row_kernels.RowConfig`, one warp what runs by default
-    where `row_kernels.supports` holds) and the Pallas kernel's default launch."""
-    kernels = [
-        (f"gluon-w{warps}", functools.partial(kd.decompress_groups, config=row_kernels.RowConfig(num_warps=warps)))
-        for warps in (1, 2, 4)
-        if row_kernels.supports(GROUP, jnp.bfloat16, fmt, shards)
-    ]
-    return kernels + [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
+    """(name, decode function) of the kernels a decode is timed with: the row kernel
+    ("gluon", `row_kernels.RowConfig()`: one warp, the fastest of 1, 2 and 4 on the H200;
+    what runs by default where `row_kernels.supports` holds) and the Pallas kernel's
+    default launch."""
+    pallas = [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
+    if not row_kernels.supports(GROUP, jnp.bfloat16, fmt, shards):
+        return pallas
+    return [("gluon", functools.partial(kd.decompress_groups, config=row_kernels.RowConfig())), *pallas]
 
 
 def device_ms(fn, inputs) -> float:
@@ -471,6 +471,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, no launch sweep")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
+    parser.add_argument(
+        "--shapes", default=",".join(f"{s[0]}x{s[1]}" for s in SHAPES), help="the shapes timed, TOKENSxCHANNELS"
+    )
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
     parser.add_argument(
@@ -521,7 +524,7 @@ def main() -> None:
         flush=True,
     )
     print(f"requantized sums against the reference: {requantized}", file=sys.stderr, flush=True)
-    shapes = [(16384, 8192)] if args.quick else [(4096, 4096, 16), (16384, 8192, 4), (32768, 16384, 2)]
+    shapes = [(16384, 8192, 4)] if args.quick else [s for s in SHAPES if f"{s[0]}x{s[1]}" in args.shapes.split(",")]
     timings = []
     for shape in shapes:
         tokens, channels, repeats = shape if len(shape) == 3 else (*shape, 4)
