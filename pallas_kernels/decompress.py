@@ -12,10 +12,13 @@ tiles in turn with their per-group multipliers, sums the dequantized shards in t
     transformed domain) — the middle step of the two-shot all-reduce.
 
 `decompress_reference` beside the kernel is the plain-jnp definition it is tested against.
-On a CUDA GPU with Triton, `decompress_groups` and `decompress_message` run the row
-kernels (`row_kernels`, Gluon, a group per thread) where `launch.ROW_KERNEL` takes the
-groups, unless a `KernelConfig` asks for this one, which runs on JAX's Pallas Triton
-lowering (deprecated by JAX): the fallback for groups of 256 and 512.
+On a CUDA GPU with Triton, `decompress_groups` and `decompress_message` decode one
+shard with the row kernel (`row_kernels`, Gluon, a group per thread) where
+`launch.ROW_KERNEL` takes the groups, unless a `KernelConfig` asks for this one. Sums of
+k > 1 shards and requantized sums run this kernel (JAX's Pallas Triton lowering, which
+JAX has deprecated) unless a `row_kernels.RowConfig` asks for the row kernel: on the H200
+the row kernel sums at 58-67% of copy bandwidth where this one reaches 85-93%
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -136,14 +139,22 @@ def _decode(
     payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
 ):
     """The decode by the kernel `config` names: the row kernel (`row_kernels.RowConfig`,
-    and by default where `row_kernels.supports` holds), else the Pallas kernel
-    (`KernelConfig`). Arguments and results as `_launch`, except that the row kernel
-    requantizes any number of batches (scale entries packed, `group_codec.pack_scale_entries`)."""
+    and by default for one shard decoded where `row_kernels.supports` holds), else the
+    Pallas kernel (`KernelConfig`). Arguments as `_launch`.
+
+    Returns:
+      decoded (B, N, G), or with `requantize_to` (payload (B, rows, G), scales packed as
+      `group_codec.pack_scale_entries` lays them out per batch); the row kernel
+      requantizes any number of batches.
+    """
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
-    dtype = jnp.float32 if requantize_to else out_dtype
     shards, group_size = payload.shape[1], payload.shape[-1]
+    one_shard_decoded = shards == 1 and requantize_to is None
     if isinstance(config, row_kernels.RowConfig) or (
-        config is None and not interpret and row_kernels.supports(group_size, dtype, fmt, shards)
+        config is None
+        and not interpret
+        and one_shard_decoded
+        and row_kernels.supports(group_size, out_dtype, fmt, shards)
     ):
         return row_kernels.row_decompress(
             payload,
@@ -260,8 +271,8 @@ def decompress_groups(
       requantize_to: (fmt, scale_format) to quantize the sum into instead of decoding it.
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
         kernel, a `row_kernels.RowConfig` for the row kernel; if None, the row kernel
-        where `row_kernels.supports` holds (not in interpret mode), else the Pallas
-        kernel's `default_config`.
+        for one shard decoded where `row_kernels.supports` holds (not in interpret
+        mode), else the Pallas kernel's `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:

@@ -13,14 +13,16 @@ row-per-thread layout: a group loaded as 16 pieces of one vector each
 (`KernelConfig.pieces=16`) gets it, but with uncoalesced loads, and ran at half the speed.
 
 A decode without the transform needs no whole group per thread: it sums and stores in
-the coalesced layout of its output. Decoding through the transform, the dequantized sum is
-converted to the row layout once, after the k shards are summed.
+the coalesced layout of its output. Decoding through the transform, each shard's 8-bit
+codes are converted to the row layout and summed there.
 
 The math is `group_codec`'s, step for step (IEEE division and square root for the
 per-group scalars); `compress.compress_reference` and `decompress.decompress_reference`
-are what these kernels are tested against. `compress` and `decompress` dispatch here by
-default where `supports` holds; there is no interpret mode (off GPU the Pallas kernels
-run in the Pallas interpreter).
+are what these kernels are tested against. `compress` dispatches here by default where
+`supports` holds, and `decompress` for one shard decoded: summing k > 1 shards, these
+kernels reach 58-67% of copy bandwidth on the H200 where the Pallas kernel reaches 85-93%
+(benchmarks/RESULTS.md), so they run sums only when a `RowConfig` asks. There is no
+interpret mode (off GPU the Pallas kernels run in the Pallas interpreter).
 """
 
 from __future__ import annotations
@@ -530,23 +532,15 @@ if gluon is not None:
     ):
         """The float32 sum over the shards of codes times their groups' multipliers, for
         the program's tile of groups, in `layout`; `payload_ptr` and `multiplier_ptr`
-        point at the batch's first shard. Every shard's codes are one load of a
-        (SHARDS, rows, G) tile whose shards lie in each thread's registers, so all of
-        them are in flight at once and the sum needs no data exchange."""
+        point at the batch's first shard."""
         ROWS: gl.constexpr = 32 * NUM_WARPS
-        shards_layout: gl.constexpr = gl.BlockedLayout(
-            [SHARDS, 1, VECTOR], [1, 32 // LANES, LANES], [1, NUM_WARPS, 1], [2, 1, 0]
-        )
-        plane: gl.constexpr = gl.SliceLayout(2, shards_layout)
-        shard = gl.arange(0, SHARDS, layout=gl.SliceLayout(1, plane)).to(gl.int64)
-        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(0, plane))
-        cols = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, shards_layout)))
-        in_range = (rows < n_rows)[None, :]
-        multiplier = gl.load(multiplier_ptr + shard[:, None] * n_rows + rows[None, :], mask=in_range)
-        offsets = (shard[:, None] * in_rows + rows.to(gl.int64)[None, :]) * G
-        codes = gl.load(payload_ptr + offsets[:, :, None] + cols[None, None, :], mask=in_range[:, :, None])
-        summed = gl.sum(codes.to(gl.float32) * multiplier[:, :, None], axis=0)
-        return gl.convert_layout(summed, layout)
+        summed = gl.zeros([ROWS, G], gl.float32, layout)
+        for shard in gl.static_range(SHARDS):
+            codes = _load_tile(payload_ptr + shard * in_rows * G, start, n_rows, G, NUM_WARPS, VECTOR, LANES)
+            codes = gl.convert_layout(codes, layout).to(gl.float32)
+            multiplier = _multipliers(multiplier_ptr + shard * n_rows, start, n_rows, ROWS, layout)
+            summed = summed + codes * multiplier[:, None]
+        return summed
 
     @gluon.jit
     def _saturating_cast(values, dtype: gl.constexpr, OUT_MAX: gl.constexpr):

@@ -20,23 +20,18 @@ from jax.typing import ArrayLike
 
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
-from taco_jax.kernels import group_codec, launch, row_kernels, wire
+from taco_jax.kernels import group_codec, launch, wire
 from taco_jax.spec import KERNEL_MODES, QuantSpec
 
 
 def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, size: int, shards: int = 1) -> str:
     """How this call runs under `kernel_mode`: "jnp", "interpret", "pallas", or "auto"
-    (the Gluon row kernels where the program is lowered for a CUDA GPU, jnp elsewhere).
-    Work the kernels of the mode do not take (`launch.ROW_KERNEL` under "auto", else
-    `launch.PALLAS_KERNELS`) and empty arrays run the jnp path, so the Pallas kernels on
-    JAX's deprecated Triton lowering (groups of 256 and 512) run only when asked for."""
+    (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere). Work the
+    kernels do not take (`launch.PALLAS_KERNELS`) and empty arrays run the jnp path."""
     if kernel_mode not in KERNEL_MODES:
         raise ValueError(f"unknown kernel mode {kernel_mode!r}; expected one of {list(KERNEL_MODES)}")
-    if kernel_mode == "auto":
-        supported = row_kernels.supports(spec.group_size, dtype, spec.fmt, shards)
-    else:
-        supported = launch.PALLAS_KERNELS.takes(spec.group_size, dtype, spec.fmt, shards)
-    if size == 0 or not supported or kernel_mode == "jnp":
+    supported = size > 0 and launch.PALLAS_KERNELS.takes(spec.group_size, dtype, spec.fmt, shards)
+    if not supported or kernel_mode == "jnp" or (kernel_mode == "auto" and not launch.has_cuda()):
         return "jnp"
     return kernel_mode
 

@@ -86,11 +86,9 @@ class TacoConfig:
         message takes the fastest measured route and stays uncompressed where
         compression was not measured faster (`taco_jax.policy`). None: compress every
         message of at least `min_bytes`.
-      kernel_mode: codec implementation, one of `KERNEL_MODES`: "auto" (the Gluon
-        kernels where the program is lowered for a CUDA GPU and they take the groups, up
-        to 128 elements; the jnp path elsewhere), "pallas" (also the Pallas kernels on
-        JAX's deprecated Triton lowering, for groups of 256 and 512), "interpret" (the
-        Pallas kernels in the Pallas interpreter, for CPU tests) or "jnp". Part of the
+      kernel_mode: codec implementation, one of `KERNEL_MODES`: "auto" (the GPU kernels
+        where the program is lowered for a CUDA GPU, the jnp path elsewhere), "pallas",
+        "interpret" or "jnp". Part of the
         config, so a jitted function compiled with one mode is never reused for another.
     """
 
