@@ -149,12 +149,17 @@ def _decode(
     """
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
     shards, group_size = payload.shape[1], payload.shape[-1]
+    if isinstance(config, row_kernels.RowConfig) and fmt is None:
+        raise ValueError(f"the row kernel decodes 8-bit codes {sorted(CODE_FORMATS.values())}, got {payload.dtype}")
     one_shard_decoded = shards == 1 and requantize_to is None
-    if isinstance(config, row_kernels.RowConfig) or (
-        config is None
-        and not interpret
-        and one_shard_decoded
-        and row_kernels.supports(group_size, out_dtype, fmt, shards)
+    if fmt is not None and (
+        isinstance(config, row_kernels.RowConfig)
+        or (
+            config is None
+            and not interpret
+            and one_shard_decoded
+            and row_kernels.supports(group_size, out_dtype, fmt, shards)
+        )
     ):
         return row_kernels.row_decompress(
             payload,

@@ -419,3 +419,10 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
         function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), 1, 90
     )
     assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
+
+
+def test_row_decode_refuses_codes_that_are_not_8_bit():
+    """Asked for by `RowConfig`, the row decode names the payload dtype it cannot read."""
+    payload = jnp.zeros((1, 4, 128), jnp.float32)
+    with pytest.raises(ValueError, match="decodes 8-bit codes .* got float32"):
+        kd.decompress_groups(payload, jnp.ones((1, 4), jnp.float32), transform=True, config=ROWS)
