@@ -132,7 +132,8 @@ def _decompress_kernel(
     row_loop(payload_ref.shape[1], block, decode_block)
 
 
-CODE_FORMATS = {wire.dtype: name for name, wire in formats.WIRE_FORMATS.items() if wire.bits == 8}
+# The 8-bit wire formats by their payload dtype: what a typed payload holds.
+CODE_FORMATS = {spec.dtype: name for name, spec in formats.WIRE_FORMATS.items() if spec.bits == 8}
 
 
 def _decode(
