@@ -263,9 +263,9 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
     """One launch of a decode kernel; arguments as `row_decompress`."""
     batch, shards, in_rows, group_size = payload.shape
     code_pointer = POINTER_TYPES[formats.wire_format(fmt).dtype]
-    out_dtype = jnp.dtype(formats.wire_format(fmt).dtype) if requantize_to else out_dtype
+    stored_dtype = jnp.dtype(formats.wire_format(fmt).dtype) if requantize_to else out_dtype
     constexprs = dict(
-        G=group_size, NUM_WARPS=config.num_warps, SHARDS=shards, **_vectors(group_size, jnp.int8, out_dtype)
+        G=group_size, NUM_WARPS=config.num_warps, SHARDS=shards, **_vectors(group_size, jnp.int8, stored_dtype)
     )
     scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
     common = dict(grid=_grid(groups, batch, config), num_warps=config.num_warps)
