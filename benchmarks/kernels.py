@@ -358,15 +358,18 @@ def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str,
     return rows + [("pallas", pallas_default)]
 
 
-def _decode_kernels(fmt: str, shards: int, pallas_default: KernelConfig) -> list[tuple[str, object]]:
-    """(name, decode function) of the kernels a decode is timed with: the row kernel
-    ("gluon", `row_kernels.RowConfig()`: one warp, the fastest of 1, 2 and 4 on the H200;
-    what runs by default where `row_kernels.supports` holds) and the Pallas kernel's
-    default launch."""
+def _decode_kernels(
+    fmt: str, shards: int, transform: bool, requantize: bool, pallas_default: KernelConfig
+) -> list[tuple[str, object]]:
+    """(name, decode function) of the kernels a decode is timed with: the Gluon kernel the
+    work runs on by default where `row_kernels.supports` holds ("gluon":
+    `row_kernels.decode_config`'s default, the row kernel for one shard through the
+    transform, else the split kernels) and the Pallas kernel's default launch."""
     pallas = [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
     if not row_kernels.supports(GROUP, jnp.bfloat16, fmt, shards):
         return pallas
-    return [("gluon", functools.partial(kd.decompress_groups, config=row_kernels.RowConfig())), *pallas]
+    gluon = row_kernels.decode_config(shards, transform, requantize)
+    return [("gluon", functools.partial(kd.decompress_groups, config=gluon)), *pallas]
 
 
 def device_ms(fn, inputs) -> float:
@@ -444,7 +447,7 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
             extra = dict(requantize_to=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
             default = kd.default_config(GROUP, transform and not requantize, shards, requantize=requantize)
             for impl, fn in (
-                *_decode_kernels(fmt, shards, default),
+                *_decode_kernels(fmt, shards, transform, requantize, default),
                 ("jnp", kd.decompress_reference),
             ):
                 run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, **extra) for p, m in zip(ps, ms)])
@@ -467,6 +470,41 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
     return results
 
 
+SPLIT_LAUNCHES = tuple(
+    row_kernels.SplitConfig(values_per_thread=v, rows_per_thread=r, num_warps=w)
+    for v in (8, 16, 32)
+    for r in (1, 2)
+    for w in (2, 4)
+)
+# The ops the split kernels run by default (`row_kernels.decode_config`).
+SPLIT_OPS = (
+    "decompress/fp8",
+    "decompress_sum/taco",
+    "decompress_sum/taco+",
+    "requantize_sum/taco",
+    "requantize_sum/taco+",
+)
+
+
+def sweep_split(key, tokens: int, channels: int) -> list[dict]:
+    """Time the split kernels' ops over `SPLIT_LAUNCHES` (values and rows per thread, warps)
+    in GPU time, the Pallas kernel's default launch of each op first as the baseline."""
+    rows_n = tokens * channels // GROUP
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
+    results = []
+    for name in SPLIT_OPS:
+        preset, shards, requantize = SWEEP_OPS[name]
+        pallas = kd.default_config(GROUP, PRESETS[preset][2] and not requantize, shards, requantize=requantize)
+        for config in (pallas, *SPLIT_LAUNCHES):
+            fn, inputs, nbytes = _sweep_op(name, xs, config)
+            gpu_ms = device_ms(fn, inputs)
+            label = "pallas default" if config is pallas else "v{values_per_thread} r{rows_per_thread} w{num_warps}"
+            label = label.format(**dataclasses.asdict(config))
+            results.append(dict(op=name, launch=label, device_ms=gpu_ms, device_tb_per_s=nbytes / gpu_ms / 1e9))
+            print(f"  {name:22s} {label:15s} GPU {gpu_ms:7.3f} ms {nbytes / gpu_ms / 1e9:5.2f} TB/s", file=sys.stderr)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, no launch sweep")
@@ -475,6 +513,11 @@ def main() -> None:
         "--shapes", default=",".join(f"{s[0]}x{s[1]}" for s in SHAPES), help="the shapes timed, TOKENSxCHANNELS"
     )
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
+    parser.add_argument(
+        "--split-sweep-only",
+        action="store_true",
+        help="only the split kernels' launch sweep (`SPLIT_LAUNCHES`), to kernels_split_sweep.json",
+    )
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
     parser.add_argument(
         "--sweep-hadamard",
@@ -500,6 +543,17 @@ def main() -> None:
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
+    if args.split_sweep_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        split = sweep_split(key, *SWEEP_SHAPE)
+        copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
+        (args.out / "kernels_split_sweep.json").write_text(
+            json.dumps({"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": split})
+        )
+        print(f"| op | launch | GPU ms | % of copy ({copy_bw:.2f} TB/s) |\n|---|---|---|---|")
+        for r in split:
+            print(f"| {r['op']} | {r['launch']} | {r['device_ms']:.3f} | {100 * r['device_tb_per_s'] / copy_bw:.0f}% |")
+        return
     sweep = (
         [] if args.quick or args.no_sweep else sweep_configs(key, *SWEEP_SHAPE, args.sweep_budget, methods, pieces, ops)
     )
@@ -535,6 +589,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "default_kernel": "gluon" if row_kernels.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
         "row_default": dataclasses.asdict(row_kernels.RowConfig()),
+        "split_default": dataclasses.asdict(row_kernels.SplitConfig()),
         "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
         "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),
         "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS)),

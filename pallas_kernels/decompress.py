@@ -12,13 +12,10 @@ tiles in turn with their per-group multipliers, sums the dequantized shards in t
     transformed domain) — the middle step of the two-shot all-reduce.
 
 `decompress_reference` beside the kernel is the plain-jnp definition it is tested against.
-On a CUDA GPU with Triton, `decompress_groups` and `decompress_message` decode one
-shard with the row kernel (`row_kernels`, Gluon, a group per thread) where
-`launch.ROW_KERNEL` takes the groups, unless a `KernelConfig` asks for this one. Sums of
-k > 1 shards and requantized sums run this kernel (JAX's Pallas Triton lowering, which
-JAX has deprecated) unless a `row_kernels.RowConfig` asks for the row kernel: on the H200
-the row kernel sums at 58-67% of copy bandwidth where this one reaches 85-93%
-(benchmarks/RESULTS.md).
+On a CUDA GPU with Triton, `decompress_groups` and `decompress_message` run the Gluon
+kernels (`row_kernels`) where `launch.ROW_KERNEL` takes the groups, unless a
+`KernelConfig` asks for this one; this kernel (JAX's Pallas Triton lowering, which JAX
+has deprecated) runs the rest: groups of 256 and 512, and the Pallas interpreter off GPU.
 """
 
 from __future__ import annotations
@@ -139,28 +136,22 @@ CODE_FORMATS = {spec.dtype: name for name, spec in formats.WIRE_FORMATS.items() 
 def _decode(
     payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
 ):
-    """The decode by the kernel `config` names: the row kernel (`row_kernels.RowConfig`,
-    and by default for one shard decoded where `row_kernels.supports` holds), else the
-    Pallas kernel (`KernelConfig`). Arguments as `_launch`.
+    """The decode by the kernel `config` names: a Gluon kernel (`row_kernels.RowConfig` or
+    `SplitConfig`, and by default where `row_kernels.supports` holds), else the Pallas
+    kernel (`KernelConfig`). Arguments as `_launch`.
 
     Returns:
       decoded (B, N, G), or with `requantize_to` (payload (B, rows, G), scales packed as
-      `group_codec.pack_scale_entries` lays them out per batch); the row kernel
-      requantizes any number of batches.
+      `group_codec.pack_scale_entries` lays them out per batch); the Gluon kernels
+      requantize any number of batches.
     """
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
     shards, group_size = payload.shape[1], payload.shape[-1]
-    if isinstance(config, row_kernels.RowConfig) and fmt is None:
-        raise ValueError(f"the row kernel decodes 8-bit codes {sorted(CODE_FORMATS.values())}, got {payload.dtype}")
-    one_shard_decoded = shards == 1 and requantize_to is None
+    gluon_config = isinstance(config, row_kernels.RowConfig | row_kernels.SplitConfig)
+    if gluon_config and fmt is None:
+        raise ValueError(f"the Gluon kernels decode 8-bit codes {sorted(CODE_FORMATS.values())}, got {payload.dtype}")
     if fmt is not None and (
-        isinstance(config, row_kernels.RowConfig)
-        or (
-            config is None
-            and not interpret
-            and one_shard_decoded
-            and row_kernels.supports(group_size, out_dtype, fmt, shards)
-        )
+        gluon_config or (config is None and not interpret and row_kernels.supports(group_size, out_dtype, fmt, shards))
     ):
         return row_kernels.row_decompress(
             payload,
@@ -263,7 +254,7 @@ def decompress_groups(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize_to: tuple[str, str] | None = None,
-    config: KernelConfig | row_kernels.RowConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ):
     """Dequantize and sum k shards of rows of G elements with the fused kernel.
@@ -276,9 +267,10 @@ def decompress_groups(
       out_dtype: dtype of the decoded output.
       requantize_to: (fmt, scale_format) to quantize the sum into instead of decoding it.
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
-        kernel, a `row_kernels.RowConfig` for the row kernel; if None, the row kernel
-        for one shard decoded where `row_kernels.supports` holds (not in interpret
-        mode), else the Pallas kernel's `default_config`.
+        kernel; a `row_kernels.RowConfig` (one shard decoded through the transform) or
+        `row_kernels.SplitConfig` (anything else) for a Gluon kernel; if None, the
+        Gluon kernel the work needs where `row_kernels.supports` holds (not in
+        interpret mode), else the Pallas kernel's `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -311,7 +303,7 @@ def decompress_message(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize: bool = False,
-    config: KernelConfig | row_kernels.RowConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ):
     """Decode wire messages straight from their buffers: for each of B batches, the sum

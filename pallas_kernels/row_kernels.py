@@ -71,6 +71,38 @@ class RowConfig:
             raise ValueError(f"RowConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """Launch parameters of the split kernels: the decode of a sum of k shards or of codes
+    sent without the transform, and the requantized sum. A group's values are spread
+    over G / V lanes of a warp, V consecutive values per thread.
+
+    Attributes:
+      values_per_thread: V (at most G): 4, 8, 16 or 32.
+      rows_per_thread: groups each thread holds a slice of: 1, 2 or 4.
+      num_warps: warps per program: 1, 2, 4 or 8.
+    """
+
+    values_per_thread: int = 16
+    rows_per_thread: int = 1
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name, allowed in (("values_per_thread", (4, 8, 16, 32)), ("rows_per_thread", (1, 2, 4))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SplitConfig.{name} must be one of {allowed}, got {getattr(self, name)}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"SplitConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+
+    def values(self, group_size: int) -> int:
+        """V for groups of `group_size`: `values_per_thread`, or the whole group if smaller."""
+        return min(self.values_per_thread, group_size)
+
+    def rows_per_program(self, group_size: int) -> int:
+        """Groups one program takes: 32 / (G / V) per warp, times `rows_per_thread`."""
+        return 32 // (group_size // self.values(group_size)) * self.num_warps * self.rows_per_thread
+
+
 def supports(group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
     """Whether the row kernels run groups of `group_size` values of `dtype` (the input of
     a compress, the output of a decode) in `fmt`, summing `shards` shards, here: Gluon on a
@@ -113,8 +145,8 @@ def _scales_struct(batch: int, groups: int, scale_format: str, like: jax.Array) 
     return output_struct(shape, scale_dtype(scale_format), like)
 
 
-def _grid(groups: int, batch: int, config: RowConfig) -> tuple[int, int]:
-    return (-(-groups // (32 * config.num_warps)), batch)
+def _grid(groups: int, batch: int, rows_per_program: int) -> tuple[int, int]:
+    return (-(-groups // rows_per_program), batch)
 
 
 def row_compress(
@@ -188,7 +220,7 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
             POINTER_TYPES[scale_dtype(scale_format)],
         ],
         scalars=[("n_rows", "i32", groups), ("payload_rows", "i64", payload_rows)],
-        grid=_grid(groups, batch, config),
+        grid=_grid(groups, batch, 32 * config.num_warps),
         num_warps=config.num_warps,
         constexprs=constexprs,
     )
@@ -204,7 +236,7 @@ def row_decompress(
     out_dtype=jnp.float32,
     requantize_to: str | None = None,
     payload_rows: int = 0,
-    config: RowConfig | None = None,
+    config: RowConfig | SplitConfig | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """For each of B batches, the sum of its k dequantized shards, decoded or requantized,
     as `decompress.decompress_reference`.
@@ -224,7 +256,9 @@ def row_decompress(
         transform: it is already in the transformed domain) instead of decoding it.
       payload_rows: with `requantize_to`, rows of each batch's output payload block, at
         least N; rows past N are left unwritten (a message's scale rows).
-      config: launch parameters; `RowConfig()` if None.
+      config: the kernel and its launch (`decode_config`): a `RowConfig` for one shard
+        decoded through the transform, a `SplitConfig` otherwise; that kernel's
+        default if None.
 
     Returns:
       decoded (B, N, G) in `out_dtype`, or with `requantize_to` (payload (B, payload_rows,
@@ -238,7 +272,7 @@ def row_decompress(
         out_dtype=jnp.dtype(out_dtype),
         requantize_to=requantize_to,
         payload_rows=max(payload_rows, groups),
-        config=config or RowConfig(),
+        config=config,
     )
     batched = jax.custom_batching.custom_vmap(launch)
 
@@ -259,26 +293,72 @@ def row_decompress(
     return batched(payload, multiplier)
 
 
+def decode_config(shards: int, transform: bool, requantize: bool, config=None) -> RowConfig | SplitConfig:
+    """The kernel a decode runs on and its launch: one shard through the transform on the
+    row kernel (`RowConfig`), everything else on the split kernels (`SplitConfig`).
+
+    Args:
+      shards: k, the shards summed.
+      transform: whether the decode applies the inverse transform.
+      requantize: whether the sum is requantized.
+      config: the launch asked for, or None for the default of the kernel the work needs.
+
+    Returns:
+      `config`, or the default config of the kernel the work runs on.
+
+    Raises:
+      ValueError: `config` is for the other kernel.
+    """
+    kind = RowConfig if shards == 1 and transform and not requantize else SplitConfig
+    if config is None:
+        return kind()
+    if not isinstance(config, kind):
+        raise ValueError(
+            f"a decode of {shards} shard(s) (transform={transform}, requantize={requantize}) runs the "
+            f"{'row' if kind is RowConfig else 'split'} kernel: pass a {kind.__name__}, got {config!r}"
+        )
+    return config
+
+
 def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config):
     """One launch of a decode kernel; arguments as `row_decompress`."""
     batch, shards, in_rows, group_size = payload.shape
+    config = decode_config(shards, transform, requantize_to is not None, config)
     code_pointer = POINTER_TYPES[formats.wire_format(fmt).dtype]
-    stored_dtype = jnp.dtype(formats.wire_format(fmt).dtype) if requantize_to else out_dtype
-    constexprs = dict(
-        G=group_size, NUM_WARPS=config.num_warps, SHARDS=shards, **_vectors(group_size, jnp.int8, stored_dtype)
-    )
     scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
-    common = dict(grid=_grid(groups, batch, config), num_warps=config.num_warps)
-    if requantize_to is None:
+    if isinstance(config, RowConfig):
         return triton_launch.gluon_call(
             taco_row_decode,
             [payload, multiplier],
             [output_struct((batch, groups, group_size), out_dtype, payload)],
             pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
             scalars=scalars,
+            grid=_grid(groups, batch, 32 * config.num_warps),
+            num_warps=config.num_warps,
+            constexprs=dict(
+                G=group_size,
+                LOG_G=group_size.bit_length() - 1,
+                NUM_WARPS=config.num_warps,
+                INV_SQRT=_inverse_sqrt(group_size),
+                OUT_MAX=_largest(out_dtype),
+                **_vectors(group_size, jnp.int8, out_dtype),
+            ),
+        )[0]
+    values = config.values(group_size)
+    rows = config.rows_per_program(group_size)
+    constexprs = dict(G=group_size, VALUES=values, ROWS=rows, NUM_WARPS=config.num_warps, SHARDS=shards)
+    common = dict(grid=_grid(groups, batch, rows), num_warps=config.num_warps)
+    if requantize_to is None:
+        return triton_launch.gluon_call(
+            taco_split_decode,
+            [payload, multiplier],
+            [output_struct((batch, groups, group_size), out_dtype, payload)],
+            pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
+            scalars=scalars,
             constexprs=constexprs
             | dict(
-                LOG_G=group_size.bit_length() - 1,
+                LOG_VALUES=values.bit_length() - 1,
+                LOG_LANES=(group_size // values).bit_length() - 1,
                 TRANSFORM=transform,
                 INV_SQRT=_inverse_sqrt(group_size),
                 OUT_MAX=_largest(out_dtype),
@@ -287,7 +367,7 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
         )[0]
     return tuple(
         triton_launch.gluon_call(
-            taco_row_requantize,
+            taco_split_requantize,
             [payload, multiplier],
             [
                 output_struct((batch, payload_rows, group_size), payload.dtype, payload),
@@ -422,28 +502,23 @@ if gluon is not None:
         return gl.where(gl.abs(ratio) < float("inf"), code, 255)
 
     @gluon.jit
-    def _quantize(
+    def _scaled_codes(
         values,
         factor,
         prescale,
-        codes_ptr,
+        codes_dtype: gl.constexpr,
         scales_ptr,
-        start,
-        n_rows,
-        G: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        OUT_VECTOR: gl.constexpr,
-        OUT_LANES: gl.constexpr,
+        rows,
+        in_range,
         FMT_MAX: gl.constexpr,
         INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
     ):
-        """`group_codec.quantize_scaled` of a tile of groups y = values * factor, stored:
-        the codes into rows [start, ...) at `codes_ptr`, the packed scales at `scales_ptr`."""
+        """`group_codec.quantize_scaled` of a tile of groups y = values * factor: stores
+        the packed scales of its `rows` (along the tile's rows; `in_range` masks them) at
+        `scales_ptr` and returns the codes in `codes_dtype`, in the layout of `values`."""
         scale = gl.div_rn(gl.max(gl.abs(values), axis=1) * factor, gl.full_like(factor, FMT_MAX))
         scale = gl.where(scale < SCALE_MIN, SCALE_MIN, scale)  # NaN stays NaN
-        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
-        in_range = rows < n_rows
         divisor = scale
         if SCALES == 0:
             gl.store(scales_ptr + 2 * rows, prescale, mask=in_range)
@@ -460,10 +535,8 @@ if gluon is not None:
             gl.store(scales_ptr + rows, code.to(gl.uint8), mask=in_range)
         scaled = values * gl.div_rn(factor, divisor)[:, None]
         if INTEGER:
-            codes = ((scaled + ROUNDING_BIAS).to(gl.int32, bitcast=True) - ROUNDING_BIAS_BITS).to(gl.int8)
-        else:
-            codes = scaled.to(codes_ptr.dtype.element_ty)
-        _store_groups(codes_ptr, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+            return ((scaled + ROUNDING_BIAS).to(gl.int32, bitcast=True) - ROUNDING_BIAS_BITS).to(gl.int8)
+        return scaled.to(codes_dtype)
 
     @gluon.jit
     def taco_row_compress(
@@ -492,55 +565,20 @@ if gluon is not None:
         if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
             values = _hadamard(values, G, LOG_G, NUM_WARPS)
             factor = factor * INV_SQRT
-        _quantize(
+        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
+        codes = _scaled_codes(
             values,
             factor,
             prescale,
-            payload_ptr + batch * payload_rows * G,
+            payload_ptr.dtype.element_ty,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
-            start,
-            n_rows,
-            G,
-            NUM_WARPS,
-            OUT_VECTOR,
-            OUT_LANES,
+            rows,
+            rows < n_rows,
             FMT_MAX,
             INTEGER,
             SCALES,
         )
-
-    @gluon.jit
-    def _multipliers(multiplier_ptr, start, n_rows, ROWS: gl.constexpr, layout: gl.constexpr):
-        """The (ROWS,) multipliers of a tile's groups along `layout`'s rows (undefined past
-        n_rows, as `_load_tile`'s rows)."""
-        rows = _rows(start, ROWS, layout)
-        return gl.load(multiplier_ptr + rows, mask=rows < n_rows)
-
-    @gluon.jit
-    def _dequantized_sum(
-        payload_ptr,
-        multiplier_ptr,
-        start,
-        n_rows,
-        in_rows,
-        SHARDS: gl.constexpr,
-        G: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        VECTOR: gl.constexpr,
-        LANES: gl.constexpr,
-        layout: gl.constexpr,
-    ):
-        """The float32 sum over the shards of codes times their groups' multipliers, for
-        the program's tile of groups, in `layout`; `payload_ptr` and `multiplier_ptr`
-        point at the batch's first shard."""
-        ROWS: gl.constexpr = 32 * NUM_WARPS
-        summed = gl.zeros([ROWS, G], gl.float32, layout)
-        for shard in gl.static_range(SHARDS):
-            codes = _load_tile(payload_ptr + shard * in_rows * G, start, n_rows, G, NUM_WARPS, VECTOR, LANES)
-            codes = gl.convert_layout(codes, layout).to(gl.float32)
-            multiplier = _multipliers(multiplier_ptr + shard * n_rows, start, n_rows, ROWS, layout)
-            summed = summed + codes * multiplier[:, None]
-        return summed
+        _store_groups(payload_ptr + batch * payload_rows * G, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
 
     @gluon.jit
     def _saturating_cast(values, dtype: gl.constexpr, OUT_MAX: gl.constexpr):
@@ -560,63 +598,129 @@ if gluon is not None:
         G: gl.constexpr,
         LOG_G: gl.constexpr,
         NUM_WARPS: gl.constexpr,
-        SHARDS: gl.constexpr,
         IN_VECTOR: gl.constexpr,
         IN_LANES: gl.constexpr,
         OUT_VECTOR: gl.constexpr,
         OUT_LANES: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        OUT_MAX: gl.constexpr,
+    ):
+        """One shard decoded through the inverse transform, a group per thread."""
+        start = gl.program_id(0) * (32 * NUM_WARPS)
+        batch = gl.program_id(1).to(gl.int64)
+        codes = _load_groups(payload_ptr + batch * in_rows * G, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
+        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
+        multiplier = gl.load(multiplier_ptr + batch * n_rows + rows, mask=rows < n_rows)
+        # The 8-bit codes are transformed first, then scaled, so no intermediate
+        # overflows near float32's largest.
+        values = _hadamard(codes, G, LOG_G, NUM_WARPS) * (multiplier * INV_SQRT)[:, None]
+        out = _saturating_cast(values, out_ptr.dtype.element_ty, OUT_MAX)
+        _store_groups(out_ptr + batch * n_rows * G, out, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+
+    @gluon.constexpr_function
+    def _split_layout(G, VALUES, NUM_WARPS):
+        """VALUES consecutive values of a group per thread, G / VALUES lanes per group."""
+        return gl.BlockedLayout([1, VALUES], [32 // (G // VALUES), G // VALUES], [NUM_WARPS, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _butterfly_shuffle(lane_mask):
+        """PTX of a warp shuffle taking the value of lane (this lane xor `lane_mask`)."""
+        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.jit
+    def _split_tile(start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, layout: gl.constexpr):
+        """(element offsets, row indices, rows in range) of rows [start, start + ROWS) of
+        an array of G-wide rows, in the split `layout`."""
+        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, G, layout=gl.SliceLayout(0, layout))
+        return rows.to(gl.int64)[:, None] * G + cols[None, :], rows, rows < n_rows
+
+    @gluon.jit
+    def _split_sum(
+        payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS: gl.constexpr, G: gl.constexpr
+    ):
+        """The float32 sum over the shards of codes times their groups' multipliers, on
+        the tile `_split_tile` gives (rows out of range are not read; their values are
+        undefined and never stored); the pointers are at the batch's first shard."""
+        summed = gl.zeros_like(offsets, dtype=gl.float32)
+        for shard in gl.static_range(SHARDS):
+            codes = gl.load(payload_ptr + shard * in_rows * G + offsets, mask=in_range[:, None])
+            multiplier = gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range)
+            summed = summed + codes.to(gl.float32) * multiplier[:, None]
+        return summed
+
+    @gluon.jit
+    def _split_hadamard(
+        values,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        LOG_VALUES: gl.constexpr,
+        LOG_LANES: gl.constexpr,
+    ):
+        """values @ H (unnormalized, Sylvester order) along each group of a split tile. H_G =
+        H_{G/V} x H_V: the log2 V stages within a thread's V values run in registers
+        (as `_hadamard`), then one stage per lane bit exchanges values with the lane
+        holding the partner slice by a warp shuffle."""
+        layout: gl.constexpr = values.type.layout
+        LANES: gl.constexpr = G // VALUES
+        if LOG_VALUES > 0:
+            slices = values.reshape([ROWS, LANES, VALUES])
+            for _ in gl.static_range(LOG_VALUES):
+                low, high = gl.split(gl.permute(slices.reshape([ROWS, LANES, 2, VALUES // 2]), [0, 1, 3, 2]))
+                slices = gl.join(low + high, low - high).reshape([ROWS, LANES, VALUES])
+            values = gl.convert_layout(slices.reshape([ROWS, G]), layout)
+        lane = gl.arange(0, G, layout=gl.SliceLayout(0, layout)) // VALUES
+        for stage in gl.static_range(LOG_LANES):
+            partner = gl.inline_asm_elementwise(
+                _butterfly_shuffle(1 << stage), "=r,r", [values], dtype=gl.float32, is_pure=True, pack=1
+            )
+            # +1 on the low slice of a pair, -1 on the high one: low + high and low - high,
+            # each one exact rounding.
+            sign = (1 - 2 * ((lane >> stage) & 1)).to(gl.float32)[None, :]
+            values = values * sign + partner
+        return values
+
+    @gluon.jit
+    def taco_split_decode(
+        payload_ptr,
+        multiplier_ptr,
+        out_ptr,
+        n_rows,
+        in_rows,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        LOG_VALUES: gl.constexpr,
+        LOG_LANES: gl.constexpr,
+        ROWS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        SHARDS: gl.constexpr,
         TRANSFORM: gl.constexpr,
         INV_SQRT: gl.constexpr,
         OUT_MAX: gl.constexpr,
     ):
-        start = gl.program_id(0) * (32 * NUM_WARPS)
+        """The sum of k dequantized shards, inverse-transformed or not, in the output dtype."""
+        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
         batch = gl.program_id(1).to(gl.int64)
-        payload_ptr = payload_ptr + batch * SHARDS * in_rows * G
-        multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
+        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
+        values = _split_sum(
+            payload_ptr + batch * SHARDS * in_rows * G,
+            multiplier_ptr + batch * SHARDS * n_rows,
+            offsets,
+            rows,
+            in_range,
+            n_rows,
+            in_rows,
+            SHARDS,
+            G,
+        )
         if TRANSFORM:
-            rows_layout: gl.constexpr = _row_layout(G, NUM_WARPS)
-            if SHARDS == 1:
-                # One shard's 8-bit codes: transform the small values first, then scale,
-                # so no intermediate overflows near float32's largest.
-                codes = _load_groups(payload_ptr, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
-                multiplier = _multipliers(multiplier_ptr, start, n_rows, 32 * NUM_WARPS, rows_layout)
-                values = _hadamard(codes, G, LOG_G, NUM_WARPS) * (multiplier * INV_SQRT)[:, None]
-            else:
-                summed = _dequantized_sum(
-                    payload_ptr,
-                    multiplier_ptr,
-                    start,
-                    n_rows,
-                    in_rows,
-                    SHARDS,
-                    G,
-                    NUM_WARPS,
-                    IN_VECTOR,
-                    IN_LANES,
-                    rows_layout,
-                )
-                values = _hadamard(summed, G, LOG_G, NUM_WARPS) * INV_SQRT
-        else:
-            # No transform: sum straight in the output's coalesced layout.
-            out_layout: gl.constexpr = _tile_layout(NUM_WARPS, OUT_VECTOR, OUT_LANES)
-            values = _dequantized_sum(
-                payload_ptr,
-                multiplier_ptr,
-                start,
-                n_rows,
-                in_rows,
-                SHARDS,
-                G,
-                NUM_WARPS,
-                OUT_VECTOR,
-                OUT_LANES,
-                out_layout,
-            )
+            values = _split_hadamard(values, ROWS, G, VALUES, LOG_VALUES, LOG_LANES) * INV_SQRT
         out = _saturating_cast(values, out_ptr.dtype.element_ty, OUT_MAX)
-        _store_groups(out_ptr + batch * n_rows * G, out, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+        gl.store(out_ptr + batch * n_rows * G + offsets, out, mask=in_range[:, None])
 
     @gluon.jit
-    def taco_row_requantize(
+    def taco_split_requantize(
         payload_ptr,
         multiplier_ptr,
         out_ptr,
@@ -625,45 +729,40 @@ if gluon is not None:
         in_rows,
         payload_rows,
         G: gl.constexpr,
+        VALUES: gl.constexpr,
+        ROWS: gl.constexpr,
         NUM_WARPS: gl.constexpr,
         SHARDS: gl.constexpr,
-        IN_VECTOR: gl.constexpr,
-        IN_LANES: gl.constexpr,
-        OUT_VECTOR: gl.constexpr,
-        OUT_LANES: gl.constexpr,
         FMT_MAX: gl.constexpr,
         INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
     ):
-        start = gl.program_id(0) * (32 * NUM_WARPS)
+        """The sum of k dequantized shards quantized again (in the transformed domain)."""
+        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
         batch = gl.program_id(1).to(gl.int64)
-        summed = _dequantized_sum(
+        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
+        summed = _split_sum(
             payload_ptr + batch * SHARDS * in_rows * G,
             multiplier_ptr + batch * SHARDS * n_rows,
-            start,
+            offsets,
+            rows,
+            in_range,
             n_rows,
             in_rows,
             SHARDS,
             G,
-            NUM_WARPS,
-            IN_VECTOR,
-            IN_LANES,
-            _row_layout(G, NUM_WARPS),
         )
         values, factor, prescale = _normalize(summed, FMT_MAX, G)
-        _quantize(
+        codes = _scaled_codes(
             values,
             factor,
             prescale,
-            out_ptr + batch * payload_rows * G,
+            out_ptr.dtype.element_ty,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
-            start,
-            n_rows,
-            G,
-            NUM_WARPS,
-            OUT_VECTOR,
-            OUT_LANES,
+            rows,
+            in_range,
             FMT_MAX,
             INTEGER,
             SCALES,
         )
+        gl.store(out_ptr + batch * payload_rows * G + offsets, codes, mask=in_range[:, None])

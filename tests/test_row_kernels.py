@@ -1,7 +1,8 @@
-"""The row kernels (Gluon, a group per GPU thread: compress, decode, requantize) against
-the jnp reference, compiled on a GPU, and that the codec dispatches to them by default
-there, with no Pallas Triton kernel on the default path. Off GPU their compilation for
-sm_90 and their batching under vmap are checked (where Triton with Gluon is installed)."""
+"""The Gluon codec kernels (`row_kernels`: compress and one-shard decode with a group per
+GPU thread; the split kernels' sums and requantize) against the jnp reference, compiled
+on a GPU, and that the codec dispatches to them by default there, with no Pallas Triton
+kernel on the default path. Off GPU their compilation for sm_90 and their batching
+under vmap are checked (where Triton with Gluon is installed)."""
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,13 @@ from tests.test_kernels import (
 )
 
 ROWS = row_kernels.RowConfig()
+SPLIT = row_kernels.SplitConfig()
+# Every split layout the config allows at G = 128, and one capped by a smaller group.
+SPLIT_LAYOUTS = [
+    row_kernels.SplitConfig(values_per_thread=4, rows_per_thread=2, num_warps=1),
+    row_kernels.SplitConfig(values_per_thread=8, rows_per_thread=4, num_warps=8),
+    row_kernels.SplitConfig(values_per_thread=32, rows_per_thread=1, num_warps=2),
+]
 
 
 def _multiplier(scales, scale_format, shards):
@@ -272,17 +280,34 @@ def test_decode_matches_reference(fmt, transform, shards, group_size):
     """Every output dtype at an odd row count (a partial last program), against the jnp
     reference to its rounding, and within the codec's error of the exact sum."""
     payload, multiplier = _shards(fmt, "single", transform, shards, 1001, group_size)
-    kw = dict(transform=transform)
+    kw = dict(transform=transform, config=row_kernels.decode_config(shards, transform, requantize=False))
     for out_dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 2.0**-8), (jnp.float16, 2.0**-10)):
-        got = kd.decompress_groups(payload, multiplier, out_dtype=out_dtype, config=ROWS, **kw)
-        want = kd.decompress_reference(payload, multiplier, out_dtype=out_dtype, **kw)
+        got = kd.decompress_groups(payload, multiplier, out_dtype=out_dtype, **kw)
+        want = kd.decompress_reference(payload, multiplier, out_dtype=out_dtype, transform=transform)
         assert got.dtype == out_dtype and got.shape == (1001, group_size)
         np.testing.assert_allclose(
             ref.as_float64(got), ref.as_float64(want), rtol=tolerance, atol=tolerance * float(jnp.abs(want).max())
         )
     exact = sum(np.asarray(_groups(1001, group_size, jnp.float32, seed=s), np.float64) for s in range(shards))
-    decoded = ref.as_float64(kd.decompress_groups(payload, multiplier, config=ROWS, **kw))
+    decoded = ref.as_float64(kd.decompress_groups(payload, multiplier, **kw))
     assert 0 < np.linalg.norm(decoded - exact) / np.linalg.norm(exact) < 0.07
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [16, 128])
+@pytest.mark.parametrize("config", SPLIT_LAYOUTS, ids=str)
+def test_every_split_layout_decodes_and_requantizes(config, group_size):
+    """Each split layout (values per thread, rows per thread, warps) against the reference,
+    through the transform's in-thread and cross-lane stages, at a partial last program."""
+    payload, multiplier = _shards("e4m3", "dual", True, 4, 333, group_size)
+    got = kd.decompress_groups(payload, multiplier, transform=True, config=config)
+    want = kd.decompress_reference(payload, multiplier, transform=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
+    kw = dict(transform=True, requantize_to=("e4m3", "dual"))
+    got_payload, got_scales = kd.decompress_groups(payload, multiplier, config=config, **kw)
+    want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
+    same_scale = _assert_scales_close(got_scales, want_scales, "dual")
+    _assert_payload_close(got_payload, want_payload, "e4m3", 0.01, same_scale)
 
 
 @pytest.mark.gpu
@@ -294,7 +319,7 @@ def test_requantize_matches_reference(fmt, scale_format, group_size):
     step apart on a tie), codes one grid step apart on a tie."""
     payload, multiplier = _shards(fmt, scale_format, True, 4, 1001, group_size)
     kw = dict(transform=True, requantize_to=(fmt, scale_format))
-    got_payload, got_scales = kd.decompress_groups(payload, multiplier, config=ROWS, **kw)
+    got_payload, got_scales = kd.decompress_groups(payload, multiplier, config=SPLIT, **kw)
     want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
     assert got_payload.shape == want_payload.shape and got_scales.shape == want_scales.shape
     same_scale = _assert_scales_close(got_scales, want_scales, scale_format)
@@ -304,15 +329,19 @@ def test_requantize_matches_reference(fmt, scale_format, group_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int8", "e8m0")])
 def test_decode_and_requantize_keep_nan_in_its_group(fmt, scale_format):
-    _check_nan_propagates_to_the_group(fmt, scale_format, ROWS, interpret=False)
+    """Through the default dispatch, which on a GPU runs the Gluon kernels."""
+    _check_nan_propagates_to_the_group(fmt, scale_format, None, interpret=False)
 
 
 @pytest.mark.gpu
-def test_float16_decode_saturates_instead_of_overflowing():
-    """A decoded sum past float16's largest finite value clamps to it; NaN stays NaN."""
-    payload, multiplier = _shards("int8", "single", True, 2, 45, 128)
+@pytest.mark.parametrize("shards", [1, 2])
+def test_float16_decode_saturates_instead_of_overflowing(shards):
+    """A decoded group (one shard: the row kernel; a sum: the split kernel) past float16's
+    largest finite value clamps to it; NaN stays NaN."""
+    payload, multiplier = _shards("int8", "single", True, shards, 45, 128)
     multiplier = multiplier.at[:, 3].mul(1e6).at[0, 5].set(jnp.nan)
-    got = np.asarray(kd.decompress_groups(payload, multiplier, transform=True, out_dtype=jnp.float16, config=ROWS))
+    config = row_kernels.decode_config(shards, transform=True, requantize=False)
+    got = np.asarray(kd.decompress_groups(payload, multiplier, transform=True, out_dtype=jnp.float16, config=config))
     assert np.isnan(got[5]).all() and np.isfinite(np.delete(got, 5, axis=0)).all()
     assert np.abs(got[3]).max() == np.finfo(np.float16).max
 
@@ -325,11 +354,11 @@ def test_message_decode_and_requantize_match_the_pallas_kernel():
     x = _groups(8 * 45, 128, jnp.bfloat16, seed=6).reshape(8, 45, 128)
     messages = kc.compress_message(x, fmt="int8", scale_format="bf16", transform=True).reshape(2, 4, *layout.shape)
     pallas = KernelConfig()
-    decoded = kd.decompress_message(messages, layout, transform=True, out_dtype=jnp.bfloat16, config=ROWS)
+    decoded = kd.decompress_message(messages, layout, transform=True, out_dtype=jnp.bfloat16, config=SPLIT)
     want = kd.decompress_message(messages, layout, transform=True, out_dtype=jnp.bfloat16, config=pallas)
     assert decoded.shape == (2, 45, 128)
     np.testing.assert_allclose(ref.as_float64(decoded), ref.as_float64(want), rtol=2.0**-7, atol=1e-2)
-    requantized = kd.decompress_message(messages[:1], layout, transform=True, requantize=True, config=ROWS)
+    requantized = kd.decompress_message(messages[:1], layout, transform=True, requantize=True, config=SPLIT)
     want = kd.decompress_message(messages[:1], layout, transform=True, requantize=True, config=pallas)
     assert requantized.shape == want.shape == layout.shape and requantized.dtype == jnp.uint8
     assert np.mean(np.asarray(requantized) != np.asarray(want)) < 0.01
@@ -340,33 +369,34 @@ def test_vmapped_decode_equals_a_loop_over_the_batch():
     """A simulated mesh's vmap over the decode: the payload mapped, the multipliers not."""
     payload, multiplier = _shards("e4m3", "dual", True, 4, 45, 128)
     stacked = jnp.stack([payload, payload[::-1]])
-    decode = lambda p: kd.decompress_groups(p, multiplier, transform=True, out_dtype=jnp.bfloat16, config=ROWS)
+    decode = lambda p: kd.decompress_groups(p, multiplier, transform=True, out_dtype=jnp.bfloat16, config=SPLIT)
     got = jax.vmap(decode)(stacked)
     for index in range(2):
         np.testing.assert_array_equal(np.asarray(got[index]), np.asarray(decode(stacked[index])))
 
 
 @pytest.mark.gpu
-def test_default_dispatch_follows_the_measured_kernels():
-    """Under the default kernel mode on a GPU, compress and every one-shard decode (the
-    codec's, and an all-gather's receive on a simulated mesh) are Gluon kernels (jaxlib's
-    Triton custom call) with no `pallas_call`; sums of shards stay on the Pallas kernel,
-    measured faster there (benchmarks/RESULTS.md)."""
+@pytest.mark.parametrize("preset", ["taco", "taco+", "fp8"])
+def test_default_dispatch_runs_no_pallas_kernel(preset):
+    """Under the default kernel mode on a GPU, the codec's compress, decode and sum, and an
+    all-gather, reduce-scatter and all-reduce on a simulated mesh, are Gluon kernels
+    (jaxlib's Triton custom call) with no `pallas_call` (the deprecated lowering)."""
     import taco_jax as tj
 
     x = _groups(64, 256, jnp.bfloat16)
-    spec = tj.TacoConfig.preset("taco+").forward
-    config = tj.TacoConfig.preset("taco+", min_bytes=0)
-    gather = jax.vmap(lambda v: tj.all_gather(v, "tensor", config), axis_name="tensor")
-    one_shard = (
+    spec = tj.TacoConfig.preset(preset).forward
+    config = tj.TacoConfig.preset(preset, min_bytes=0)
+    on_mesh = lambda collective: jax.vmap(lambda v: collective(v, "tensor", config), axis_name="tensor")
+    pairs = jnp.stack([x, x])
+    for fn, operand in (
         (lambda v: tj.decompress(tj.compress(v, spec)), x),
-        (gather, jnp.stack([x, x])),
-    )
-    for fn, operand in one_shard:
+        (lambda v: tj.decompress_sum(tj.compress(jnp.stack([v, v]), spec)), x),
+        (on_mesh(tj.all_gather), pairs),
+        (on_mesh(tj.reduce_scatter), pairs),
+        (on_mesh(tj.all_reduce), pairs),
+    ):
         jaxpr = str(jax.make_jaxpr(fn)(operand))
         assert "pallas_call" not in jaxpr and "triton_kernel_call" in jaxpr
-    summed = jax.make_jaxpr(lambda v: tj.decompress_sum(tj.compress(jnp.stack([v, v]), spec)))(x)
-    assert "pallas_call" in str(summed)
 
 
 def _row_decode(payload, multiplier):
@@ -392,37 +422,60 @@ def test_vmapped_row_decode_is_one_launch_over_the_folded_batch(monkeypatch):
 @pytest.mark.parametrize(
     "kernel, fmt, out, shards, transform",
     [
-        ("decode", "e4m3", "*bf16", 1, True),
-        ("decode", "int8", "*fp32", 4, False),
-        ("decode", "e5m2", "*fp16", 8, True),
+        ("row", "e4m3", "*bf16", 1, True),
+        ("split", "int8", "*fp32", 4, False),
+        ("split", "e5m2", "*fp16", 8, True),
+        ("split", "e4m3", "*bf16", 1, False),
         ("requantize", "int8", "bf16", 4, None),
         ("requantize", "e4m3", "dual", 2, None),
     ],
 )
 def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
-    """Triton builds the decode and requantize kernels for an H100/H200 (no GPU needed)."""
+    """Triton builds the decode and requantize kernels for an H100/H200 (no GPU needed),
+    the split kernels with no shared memory (the transform's cross-lane stages are warp
+    shuffles)."""
     pytest.importorskip("triton.experimental.gluon")
     codes = row_kernels.POINTER_TYPES[formats.wire_format(fmt).dtype]
     dtypes = {"*bf16": jnp.bfloat16, "*fp32": jnp.float32, "*fp16": jnp.float16}
-    if kernel == "decode":
-        function, out_dtype = row_kernels.taco_row_decode, dtypes[out]
-        types = [codes, "*fp32", out, "i32", "i64"]
-        extra = dict(LOG_G=7, TRANSFORM=transform, INV_SQRT=row_kernels._inverse_sqrt(128))
-        extra["OUT_MAX"] = row_kernels._largest(out_dtype)
+    config = ROWS if kernel == "row" else SPLIT
+    decoded = dict(INV_SQRT=row_kernels._inverse_sqrt(128), OUT_MAX=row_kernels._largest(dtypes.get(out, jnp.float32)))
+    split = dict(VALUES=16, ROWS=config.rows_per_program(128) if kernel != "row" else 0, NUM_WARPS=4, SHARDS=shards)
+    if kernel == "row":
+        function, types = row_kernels.taco_row_decode, [codes, "*fp32", out, "i32", "i64"]
+        constexprs = dict(G=128, LOG_G=7, NUM_WARPS=1, **row_kernels._vectors(128, jnp.int8, dtypes[out]), **decoded)
+    elif kernel == "split":
+        function, types = row_kernels.taco_split_decode, [codes, "*fp32", out, "i32", "i64"]
+        constexprs = dict(G=128, LOG_VALUES=4, LOG_LANES=3, TRANSFORM=transform, **split, **decoded)
     else:
-        function, out_dtype = row_kernels.taco_row_requantize, formats.wire_format(fmt).dtype
+        function = row_kernels.taco_split_requantize
         scales = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(out)]
         types = [codes, "*fp32", codes, scales, "i32", "i64", "i64"]
-        extra = row_kernels._quantization(fmt, out)
-    constexprs = dict(G=128, NUM_WARPS=1, SHARDS=shards, **row_kernels._vectors(128, jnp.int8, out_dtype), **extra)
+        constexprs = dict(G=128, **split, **row_kernels._quantization(fmt, out))
     compiled = triton_launch.compile_kernel(
-        function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), 1, 90
+        function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
     )
     assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
+    assert kernel == "row" or compiled.metadata.shared == 0
+
+
+def test_decode_config_names_the_kernel_the_work_needs():
+    """One shard through the transform takes a `RowConfig`, every other decode a
+    `SplitConfig`; the other kind is refused by name. A bad split layout is refused."""
+    assert row_kernels.decode_config(1, transform=True, requantize=False) == ROWS
+    assert row_kernels.decode_config(4, transform=True, requantize=False) == SPLIT
+    assert row_kernels.decode_config(1, transform=False, requantize=False) == SPLIT
+    with pytest.raises(ValueError, match="runs the split kernel: pass a SplitConfig"):
+        row_kernels.decode_config(2, transform=True, requantize=True, config=ROWS)
+    with pytest.raises(ValueError, match="runs the row kernel: pass a RowConfig"):
+        row_kernels.decode_config(1, transform=True, requantize=False, config=SPLIT)
+    with pytest.raises(ValueError, match="values_per_thread must be one of"):
+        row_kernels.SplitConfig(values_per_thread=64)
+    assert row_kernels.SplitConfig(values_per_thread=32).rows_per_program(16) == 4 * 32
 
 
 def test_row_decode_refuses_codes_that_are_not_8_bit():
-    """Asked for by `RowConfig`, the row decode names the payload dtype it cannot read."""
+    """Asked for by a Gluon config, the decode names the payload dtype it cannot read."""
     payload = jnp.zeros((1, 4, 128), jnp.float32)
-    with pytest.raises(ValueError, match="decodes 8-bit codes .* got float32"):
-        kd.decompress_groups(payload, jnp.ones((1, 4), jnp.float32), transform=True, config=ROWS)
+    for config in (ROWS, SPLIT):
+        with pytest.raises(ValueError, match="Gluon kernels decode 8-bit codes .* got float32"):
+            kd.decompress_groups(payload, jnp.ones((1, 4), jnp.float32), transform=True, config=config)
