@@ -77,13 +77,16 @@ class SplitConfig:
     sent without the transform, and the requantized sum. A group's values are spread
     over G / V lanes of a warp, V consecutive values per thread.
 
+    The defaults are the decode's (`SPLIT_REQUANTIZE` the requantized sum's), the fastest
+    of `benchmarks.kernels.SPLIT_LAUNCHES` on the H200 (benchmarks/RESULTS.md).
+
     Attributes:
       values_per_thread: V (at most G): 4, 8, 16 or 32.
       rows_per_thread: groups each thread holds a slice of: 1, 2 or 4.
       num_warps: warps per program: 1, 2, 4 or 8.
     """
 
-    values_per_thread: int = 16
+    values_per_thread: int = 8
     rows_per_thread: int = 1
     num_warps: int = 4
 
@@ -101,6 +104,11 @@ class SplitConfig:
     def rows_per_program(self, group_size: int) -> int:
         """Groups one program takes: 32 / (G / V) per warp, times `rows_per_thread`."""
         return 32 // (group_size // self.values(group_size)) * self.num_warps * self.rows_per_thread
+
+
+# The requantized sum computes a group's statistics across its lanes: fewer lanes per
+# group (more values per thread) were faster on the H200 (benchmarks/RESULTS.md).
+SPLIT_REQUANTIZE = SplitConfig(values_per_thread=32, num_warps=2)
 
 
 def supports(group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
@@ -288,7 +296,7 @@ def row_decompress(
         )
         if requantize_to is None:
             return outputs.reshape(axis_size, -1, *outputs.shape[1:]), True
-        return [out.reshape(axis_size, -1, *out.shape[1:]) for out in outputs], [True, True]
+        return tuple(out.reshape(axis_size, -1, *out.shape[1:]) for out in outputs), (True, True)
 
     return batched(payload, multiplier)
 
@@ -304,14 +312,15 @@ def decode_config(shards: int, transform: bool, requantize: bool, config=None) -
       config: the launch asked for, or None for the default of the kernel the work needs.
 
     Returns:
-      `config`, or the default config of the kernel the work runs on.
+      `config`, or the default launch of the work: `RowConfig()`, `SplitConfig()`, or
+      `SPLIT_REQUANTIZE` for a requantized sum.
 
     Raises:
       ValueError: `config` is for the other kernel.
     """
     kind = RowConfig if shards == 1 and transform and not requantize else SplitConfig
     if config is None:
-        return kind()
+        return SPLIT_REQUANTIZE if requantize else kind()
     if not isinstance(config, kind):
         raise ValueError(
             f"a decode of {shards} shard(s) (transform={transform}, requantize={requantize}) runs the "

@@ -419,6 +419,23 @@ def test_vmapped_row_decode_is_one_launch_over_the_folded_batch(monkeypatch):
     assert traced.out_info.shape == (2, 3, 1, 32, 128)
 
 
+def test_vmapped_requantize_is_one_launch_over_the_folded_batch(monkeypatch):
+    """A simulated mesh's two-shot all-reduce requantizes under vmap: one custom call over
+    the folded batch, its (payload, scales) pair unfolded to the vmapped shape."""
+    pytest.importorskip("triton.experimental.gluon")
+    _stub_launch(monkeypatch)
+
+    def requantize(payload, multiplier):
+        return row_kernels.row_decompress(
+            payload, multiplier, groups=32, fmt="int8", transform=True, requantize_to="bf16", payload_rows=34
+        )
+
+    traced = jax.jit(jax.vmap(requantize)).trace(jnp.zeros((3, 1, 4, 34, 128), jnp.int8), jnp.zeros((3, 1, 4, 32)))
+    (call,) = _ffi_calls(traced.jaxpr.jaxpr)
+    assert [v.aval.shape for v in call.outvars] == [(3, 34, 128), (3, 32)]
+    assert [info.shape for info in traced.out_info] == [(3, 1, 34, 128), (3, 1, 32)]
+
+
 @pytest.mark.parametrize(
     "kernel, fmt, out, shards, transform",
     [
@@ -464,6 +481,7 @@ def test_decode_config_names_the_kernel_the_work_needs():
     assert row_kernels.decode_config(1, transform=True, requantize=False) == ROWS
     assert row_kernels.decode_config(4, transform=True, requantize=False) == SPLIT
     assert row_kernels.decode_config(1, transform=False, requantize=False) == SPLIT
+    assert row_kernels.decode_config(2, transform=True, requantize=True) == row_kernels.SPLIT_REQUANTIZE
     with pytest.raises(ValueError, match="runs the split kernel: pass a SplitConfig"):
         row_kernels.decode_config(2, transform=True, requantize=True, config=ROWS)
     with pytest.raises(ValueError, match="runs the row kernel: pass a RowConfig"):
