@@ -77,7 +77,8 @@ class SplitConfig:
     sent without the transform, and the requantized sum. A group's values are spread
     over G / V lanes of a warp, V consecutive values per thread.
 
-    The defaults are the decode's (`SPLIT_REQUANTIZE` the requantized sum's), the fastest
+    The defaults are the sum's (`SPLIT_ONE_SHARD` and `SPLIT_REQUANTIZE` below for the
+    other work), the fastest
     of `benchmarks.kernels.SPLIT_LAUNCHES` on the H200 (benchmarks/RESULTS.md).
 
     Attributes:
@@ -109,6 +110,9 @@ class SplitConfig:
 # The requantized sum computes a group's statistics across its lanes: fewer lanes per
 # group (more values per thread) were faster on the H200 (benchmarks/RESULTS.md).
 SPLIT_REQUANTIZE = SplitConfig(values_per_thread=32, num_warps=2)
+# One shard decoded without the transform has little work per value: two groups per
+# thread were faster on the H200 (98% of copy against 95% with one).
+SPLIT_ONE_SHARD = SplitConfig(rows_per_thread=2)
 
 
 def supports(group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
@@ -312,15 +316,18 @@ def decode_config(shards: int, transform: bool, requantize: bool, config=None) -
       config: the launch asked for, or None for the default of the kernel the work needs.
 
     Returns:
-      `config`, or the default launch of the work: `RowConfig()`, `SplitConfig()`, or
-      `SPLIT_REQUANTIZE` for a requantized sum.
+      `config`, or the default launch of the work: `RowConfig()`, `SplitConfig()`,
+      `SPLIT_ONE_SHARD` for one shard without the transform, or `SPLIT_REQUANTIZE` for a
+      requantized sum.
 
     Raises:
       ValueError: `config` is for the other kernel.
     """
     kind = RowConfig if shards == 1 and transform and not requantize else SplitConfig
     if config is None:
-        return SPLIT_REQUANTIZE if requantize else kind()
+        if requantize:
+            return SPLIT_REQUANTIZE
+        return SPLIT_ONE_SHARD if kind is SplitConfig and shards == 1 else kind()
     if not isinstance(config, kind):
         raise ValueError(
             f"a decode of {shards} shard(s) (transform={transform}, requantize={requantize}) runs the "

@@ -33,6 +33,7 @@ SPLIT_LAYOUTS = [
     row_kernels.SplitConfig(values_per_thread=4, rows_per_thread=2, num_warps=1),
     row_kernels.SplitConfig(values_per_thread=8, rows_per_thread=4, num_warps=8),
     row_kernels.SplitConfig(values_per_thread=32, rows_per_thread=1, num_warps=2),
+    row_kernels.SPLIT_ONE_SHARD,
 ]
 
 
@@ -480,7 +481,7 @@ def test_decode_config_names_the_kernel_the_work_needs():
     `SplitConfig`; the other kind is refused by name. A bad split layout is refused."""
     assert row_kernels.decode_config(1, transform=True, requantize=False) == ROWS
     assert row_kernels.decode_config(4, transform=True, requantize=False) == SPLIT
-    assert row_kernels.decode_config(1, transform=False, requantize=False) == SPLIT
+    assert row_kernels.decode_config(1, transform=False, requantize=False) == row_kernels.SPLIT_ONE_SHARD
     assert row_kernels.decode_config(2, transform=True, requantize=True) == row_kernels.SPLIT_REQUANTIZE
     with pytest.raises(ValueError, match="runs the split kernel: pass a SplitConfig"):
         row_kernels.decode_config(2, transform=True, requantize=True, config=ROWS)
