@@ -5,8 +5,8 @@ The kernel: the sum of k = 4 shards of 8-bit codes times their groups' multiplie
 bfloat16 (the fp8 preset's reduce-scatter receive: E4M3 codes, one float32 multiplier
 per group of 128, no transform), at 16384 x 8192 elements. It is timed as
 
-  gluon        the Gluon row kernel (`row_kernels`, jaxlib's Triton custom call), 1 and
-               2 warps per program
+  gluon        the Gluon split kernel (`row_kernels.SplitConfig`, jaxlib's Triton custom
+               call), 8 and 16 values per thread
   mosaic       Pallas on the Mosaic GPU backend (`jax.experimental.pallas.mosaic_gpu`):
                a (k, R, 128) code tile and (k, R) multipliers per program, brought into
                shared memory by TMA and pipelined by the grid, summed in registers
@@ -99,8 +99,10 @@ def _variants() -> dict:
     """name: decode function (payload, multiplier) -> (N, G) bfloat16."""
     kw = dict(transform=False, out_dtype=jnp.bfloat16)
     variants = {
-        f"gluon-w{warps}": functools.partial(kd.decompress_groups, config=row_kernels.RowConfig(num_warps=warps), **kw)
-        for warps in (1, 2)
+        f"gluon-v{values}": functools.partial(
+            kd.decompress_groups, config=row_kernels.SplitConfig(values_per_thread=values), **kw
+        )
+        for values in (8, 16)
     }
     variants |= {
         name: jax.jit(functools.partial(mosaic_decode_sum, rows=rows, wgmma=wgmma))

@@ -1,8 +1,9 @@
 """The fused codec kernels against the jnp path and a device copy.
 
-The kernels: each op by the row kernels (`row_kernels`, Gluon: compress and the
-one-shard decode by default on a CUDA GPU) and by the Pallas kernel's default launch
-(JAX's deprecated Triton lowering: the sums by default, and groups of 256 and 512).
+The kernels: each op by the Gluon kernels (`row_kernels`: every op by default on a CUDA
+GPU, the row or the split kernel as `row_kernels.decode_config` picks) and by the Pallas
+kernel's default launch (JAX's deprecated Triton lowering: groups of 256 and 512).
+`--split-sweep-only` times the split kernels over `SPLIT_LAUNCHES` instead.
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
 warps, pipelining stages, the transform method (`KernelConfig.transform_method`), the pieces a

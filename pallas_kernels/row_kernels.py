@@ -1,6 +1,7 @@
-"""The codec kernels with one group per GPU thread, written in Gluon (Triton with
-explicit layouts): compress, and the decode of a sum of k shards (to a float dtype, or
-requantized).
+"""The codec kernels in Gluon (Triton with explicit layouts): compress and the one-shard
+decode through the transform with one group per GPU thread (the row kernels), and the
+decode of a sum of k shards (to a float dtype, or requantized) with a group spread over
+a few lanes (the split kernels).
 
 Each program loads 32 * num_warps groups as coalesced vectors, and one layout conversion
 through shared memory gives every thread a whole group in its registers. The group
@@ -12,17 +13,19 @@ transform and reductions go through warp shuffles: it takes 126.5 us at 16384 x 
 row-per-thread layout: a group loaded as 16 pieces of one vector each
 (`KernelConfig.pieces=16`) gets it, but with uncoalesced loads, and ran at half the speed.
 
-A decode without the transform needs no whole group per thread: it sums and stores in
-the coalesced layout of its output. Decoding through the transform, each shard's 8-bit
-codes are converted to the row layout and summed there.
+Summing k shards, a whole group per thread holds too much: every shard's codes in flight
+took 194-255 registers and ran at 58-67% of copy. The split kernels keep the coalesced
+layout of the codes instead (`SplitConfig`: V consecutive values per thread, G / V lanes
+per group), so nothing goes through shared memory: the group statistics are reductions
+over those lanes, and the inverse transform runs log2 V stages in registers, then one
+stage per lane bit with a warp shuffle (H_G = H_{G/V} x H_V). They reach 92-103% of copy
+on the H200 (benchmarks/RESULTS.md).
 
 The math is `group_codec`'s, step for step (IEEE division and square root for the
 per-group scalars); `compress.compress_reference` and `decompress.decompress_reference`
-are what these kernels are tested against. `compress` dispatches here by default where
-`supports` holds, and `decompress` for one shard decoded: summing k > 1 shards, these
-kernels reach 58-67% of copy bandwidth on the H200 where the Pallas kernel reaches 85-93%
-(benchmarks/RESULTS.md), so they run sums only when a `RowConfig` asks. There is no
-interpret mode (off GPU the Pallas kernels run in the Pallas interpreter).
+are what these kernels are tested against. `compress` and `decompress` dispatch here by
+default where `supports` holds (`decode_config` picks the row or the split kernel).
+There is no interpret mode (off GPU the Pallas kernels run in the Pallas interpreter).
 """
 
 from __future__ import annotations
