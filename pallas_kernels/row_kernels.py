@@ -669,6 +669,36 @@ if gluon is not None:
         return summed
 
     @gluon.jit
+    def _program_sum(
+        payload_ptr,
+        multiplier_ptr,
+        n_rows,
+        in_rows,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        ROWS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        SHARDS: gl.constexpr,
+    ):
+        """This program's float32 sum of k dequantized shards in the split layout:
+        (sum, element offsets, row indices, rows in range, batch index)."""
+        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
+        batch = gl.program_id(1).to(gl.int64)
+        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
+        summed = _split_sum(
+            payload_ptr + batch * SHARDS * in_rows * G,
+            multiplier_ptr + batch * SHARDS * n_rows,
+            offsets,
+            rows,
+            in_range,
+            n_rows,
+            in_rows,
+            SHARDS,
+            G,
+        )
+        return summed, offsets, rows, in_range, batch
+
+    @gluon.jit
     def _split_hadamard(
         values,
         ROWS: gl.constexpr,
@@ -719,19 +749,8 @@ if gluon is not None:
         OUT_MAX: gl.constexpr,
     ):
         """The sum of k dequantized shards, inverse-transformed or not, in the output dtype."""
-        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
-        batch = gl.program_id(1).to(gl.int64)
-        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
-        values = _split_sum(
-            payload_ptr + batch * SHARDS * in_rows * G,
-            multiplier_ptr + batch * SHARDS * n_rows,
-            offsets,
-            rows,
-            in_range,
-            n_rows,
-            in_rows,
-            SHARDS,
-            G,
+        values, offsets, rows, in_range, batch = _program_sum(
+            payload_ptr, multiplier_ptr, n_rows, in_rows, G, VALUES, ROWS, NUM_WARPS, SHARDS
         )
         if TRANSFORM:
             values = _split_hadamard(values, ROWS, G, VALUES, LOG_VALUES, LOG_LANES) * INV_SQRT
@@ -757,19 +776,8 @@ if gluon is not None:
         SCALES: gl.constexpr,
     ):
         """The sum of k dequantized shards quantized again (in the transformed domain)."""
-        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
-        batch = gl.program_id(1).to(gl.int64)
-        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
-        summed = _split_sum(
-            payload_ptr + batch * SHARDS * in_rows * G,
-            multiplier_ptr + batch * SHARDS * n_rows,
-            offsets,
-            rows,
-            in_range,
-            n_rows,
-            in_rows,
-            SHARDS,
-            G,
+        summed, offsets, rows, in_range, batch = _program_sum(
+            payload_ptr, multiplier_ptr, n_rows, in_rows, G, VALUES, ROWS, NUM_WARPS, SHARDS
         )
         values, factor, prescale = _normalize(summed, FMT_MAX, G)
         codes = _scaled_codes(
