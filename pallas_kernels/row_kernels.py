@@ -81,8 +81,8 @@ class SplitConfig:
     over G / V lanes of a warp, V consecutive values per thread.
 
     The defaults are the sum's (`SPLIT_ONE_SHARD` and `SPLIT_REQUANTIZE` below for the
-    other work), the fastest
-    of `benchmarks.kernels.SPLIT_LAUNCHES` on the H200 (benchmarks/RESULTS.md).
+    other work), the fastest of `benchmarks.kernels.SPLIT_LAUNCHES` on the H200
+    (benchmarks/RESULTS.md).
 
     Attributes:
       values_per_thread: V (at most G): 4, 8, 16 or 32.
@@ -119,7 +119,7 @@ SPLIT_ONE_SHARD = SplitConfig(rows_per_thread=2)
 
 
 def supports(group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
-    """Whether the row kernels run groups of `group_size` values of `dtype` (the input of
+    """Whether the Gluon kernels run groups of `group_size` values of `dtype` (the input of
     a compress, the output of a decode) in `fmt`, summing `shards` shards, here: Gluon on a
     CUDA GPU (`triton_launch.available`) and work `launch.ROW_KERNEL` takes."""
     return ROW_KERNEL.takes(group_size, dtype, fmt, shards) and triton_launch.available()
@@ -326,11 +326,13 @@ def decode_config(shards: int, transform: bool, requantize: bool, config=None) -
     Raises:
       ValueError: `config` is for the other kernel.
     """
-    kind = RowConfig if shards == 1 and transform and not requantize else SplitConfig
     if config is None:
         if requantize:
             return SPLIT_REQUANTIZE
-        return SPLIT_ONE_SHARD if kind is SplitConfig and shards == 1 else kind()
+        if shards == 1:
+            return RowConfig() if transform else SPLIT_ONE_SHARD
+        return SplitConfig()
+    kind = RowConfig if shards == 1 and transform and not requantize else SplitConfig
     if not isinstance(config, kind):
         raise ValueError(
             f"a decode of {shards} shard(s) (transform={transform}, requantize={requantize}) runs the "

@@ -455,15 +455,18 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     pytest.importorskip("triton.experimental.gluon")
     codes = row_kernels.POINTER_TYPES[formats.wire_format(fmt).dtype]
     dtypes = {"*bf16": jnp.bfloat16, "*fp32": jnp.float32, "*fp16": jnp.float16}
-    config = ROWS if kernel == "row" else SPLIT
+    config = row_kernels.decode_config(shards, bool(transform), requantize=kernel == "requantize")
     decoded = dict(INV_SQRT=row_kernels._inverse_sqrt(128), OUT_MAX=row_kernels._largest(dtypes.get(out, jnp.float32)))
-    split = dict(VALUES=16, ROWS=config.rows_per_program(128) if kernel != "row" else 0, NUM_WARPS=4, SHARDS=shards)
+    if kernel != "row":
+        values = config.values(128)
+        split = dict(VALUES=values, ROWS=config.rows_per_program(128), NUM_WARPS=config.num_warps, SHARDS=shards)
     if kernel == "row":
         function, types = row_kernels.taco_row_decode, [codes, "*fp32", out, "i32", "i64"]
         constexprs = dict(G=128, LOG_G=7, NUM_WARPS=1, **row_kernels._vectors(128, jnp.int8, dtypes[out]), **decoded)
     elif kernel == "split":
         function, types = row_kernels.taco_split_decode, [codes, "*fp32", out, "i32", "i64"]
-        constexprs = dict(G=128, LOG_VALUES=4, LOG_LANES=3, TRANSFORM=transform, **split, **decoded)
+        logs = dict(LOG_VALUES=values.bit_length() - 1, LOG_LANES=(128 // values).bit_length() - 1)
+        constexprs = dict(G=128, TRANSFORM=transform, **logs, **split, **decoded)
     else:
         function = row_kernels.taco_split_requantize
         scales = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(out)]
