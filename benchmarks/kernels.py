@@ -473,7 +473,7 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
 
 SPLIT_LAUNCHES = tuple(
     row_kernels.SplitConfig(values_per_thread=v, rows_per_thread=r, num_warps=w)
-    for v in (8, 16, 32)
+    for v in (8, 16, 32, 64)
     for r in (1, 2)
     for w in (2, 4)
 )
@@ -485,22 +485,42 @@ SPLIT_OPS = (
     "requantize_sum/taco",
     "requantize_sum/taco+",
 )
+# The ops the row kernel also runs (one group per thread), its launch the baseline there.
+ROW_OPS = ("compress/taco", "compress/taco+", "decompress/taco", "decompress/taco+")
 
 
-def sweep_split(key, tokens: int, channels: int) -> list[dict]:
-    """Time the split kernels' ops over `SPLIT_LAUNCHES` (values and rows per thread, warps)
-    in GPU time, the Pallas kernel's default launch of each op first as the baseline."""
+def _baselines(name: str) -> list:
+    """The launches a split sweep of op `name` starts from: the Pallas kernel's default,
+    and the row kernel's where it runs the op."""
+    preset, shards, requantize = SWEEP_OPS[name]
+    transformed = PRESETS[preset][2] and not requantize
+    pallas = (
+        kd.default_config(GROUP, transformed, shards, requantize=requantize)
+        if shards
+        else kc.default_config(GROUP, transformed)
+    )
+    return [pallas, row_kernels.RowConfig()] if name in ROW_OPS else [pallas]
+
+
+def _launch_label(config) -> str:
+    if isinstance(config, KernelConfig):
+        return "pallas default"
+    if isinstance(config, row_kernels.RowConfig):
+        return f"row w{config.num_warps}"
+    return "v{values_per_thread} r{rows_per_thread} w{num_warps}".format(**dataclasses.asdict(config))
+
+
+def sweep_split(key, tokens: int, channels: int, ops: list[str]) -> list[dict]:
+    """Time `ops` on the split kernels over `SPLIT_LAUNCHES` (values and rows per thread,
+    warps) in GPU time, after the baselines `_baselines` names."""
     rows_n = tokens * channels // GROUP
     xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
     results = []
-    for name in SPLIT_OPS:
-        preset, shards, requantize = SWEEP_OPS[name]
-        pallas = kd.default_config(GROUP, PRESETS[preset][2] and not requantize, shards, requantize=requantize)
-        for config in (pallas, *SPLIT_LAUNCHES):
+    for name in ops:
+        for config in (*_baselines(name), *SPLIT_LAUNCHES):
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             gpu_ms = device_ms(fn, inputs)
-            label = "pallas default" if config is pallas else "v{values_per_thread} r{rows_per_thread} w{num_warps}"
-            label = label.format(**dataclasses.asdict(config))
+            label = _launch_label(config)
             results.append(dict(op=name, launch=label, device_ms=gpu_ms, device_tb_per_s=nbytes / gpu_ms / 1e9))
             print(f"  {name:22s} {label:15s} GPU {gpu_ms:7.3f} ms {nbytes / gpu_ms / 1e9:5.2f} TB/s", file=sys.stderr)
     return results
@@ -530,7 +550,11 @@ def main() -> None:
         default="1,2,4,8",
         help="pieces a group is loaded in (KernelConfig.pieces) for the sweep, comma-separated",
     )
-    parser.add_argument("--sweep-ops", default=",".join(SWEEP_OPS), help="ops the sweep times, comma-separated")
+    parser.add_argument(
+        "--sweep-ops",
+        default=",".join(SWEEP_OPS),
+        help="ops the sweep times, comma-separated (with --split-sweep-only: `SPLIT_OPS` unless given)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     methods, ops = args.sweep_hadamard.split(","), args.sweep_ops.split(",")
@@ -546,7 +570,8 @@ def main() -> None:
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
     if args.split_sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        split = sweep_split(key, *SWEEP_SHAPE)
+        split_ops = ops if args.sweep_ops != parser.get_default("sweep_ops") else list(SPLIT_OPS)
+        split = sweep_split(key, *SWEEP_SHAPE, split_ops)
         copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
         (args.out / "kernels_split_sweep.json").write_text(
             json.dumps({"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": split})

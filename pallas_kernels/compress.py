@@ -112,14 +112,14 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
 
 
 def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
-    """x (B, N, G) quantized by the kernel `config` names: the row kernel
-    (`row_kernels.RowConfig`, and by default where `row_kernels.supports` holds), else the
-    Pallas kernel (`KernelConfig`). Arguments as `_launch`.
+    """x (B, N, G) quantized by the kernel `config` names: a Gluon kernel
+    (`row_kernels.RowConfig` or `SplitConfig`, and by default where `row_kernels.supports`
+    holds), else the Pallas kernel (`KernelConfig`). Arguments as `_launch`.
 
     Returns:
       (payload (B, >= payload_rows, G), scales (B, N, 1, 2) for "dual", else (B, N, 1)).
     """
-    if isinstance(config, row_kernels.RowConfig) or (
+    if isinstance(config, row_kernels.RowConfig | row_kernels.SplitConfig) or (
         config is None and not interpret and row_kernels.supports(x.shape[-1], x.dtype, fmt)
     ):
         payload, scales = row_kernels.row_compress(
@@ -143,7 +143,7 @@ def compress_groups(
     fmt: str,
     scale_format: str,
     transform: bool,
-    config: KernelConfig | row_kernels.RowConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize rows of G elements with the fused kernel.
@@ -176,7 +176,7 @@ def compress_message(
     fmt: str,
     scale_format: str,
     transform: bool,
-    config: KernelConfig | row_kernels.RowConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Quantize rows of G elements straight into wire messages (`wire.MessageLayout`).

@@ -73,6 +73,11 @@ class RowConfig:
         if self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"RowConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
 
+    def rows_per_program(self, group_size: int) -> int:
+        """Groups one program takes: one per thread."""
+        del group_size  # a whole group per thread, whatever its size
+        return 32 * self.num_warps
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
@@ -85,7 +90,7 @@ class SplitConfig:
     (benchmarks/RESULTS.md).
 
     Attributes:
-      values_per_thread: V (at most G): 4, 8, 16 or 32.
+      values_per_thread: V (at most G): 4, 8, 16, 32 or 64.
       rows_per_thread: groups each thread holds a slice of: 1, 2 or 4.
       num_warps: warps per program: 1, 2, 4 or 8.
     """
@@ -95,7 +100,7 @@ class SplitConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("values_per_thread", (4, 8, 16, 32)), ("rows_per_thread", (1, 2, 4))):
+        for name, allowed in (("values_per_thread", (4, 8, 16, 32, 64)), ("rows_per_thread", (1, 2, 4))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SplitConfig.{name} must be one of {allowed}, got {getattr(self, name)}")
         if self.num_warps not in (1, 2, 4, 8):
@@ -217,16 +222,16 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
     batch, groups, group_size = x.shape
     payload_type = output_struct((batch, payload_rows, group_size), payload_dtype, x)
     constexprs = dict(
-        G=group_size,
-        LOG_G=group_size.bit_length() - 1,
-        NUM_WARPS=config.num_warps,
-        TRANSFORM=transform,
-        INV_SQRT=_inverse_sqrt(group_size),
-        **_vectors(group_size, x.dtype, jnp.int8),
-        **_quantization(fmt, scale_format),
+        G=group_size, TRANSFORM=transform, INV_SQRT=_inverse_sqrt(group_size), **_quantization(fmt, scale_format)
     )
+    if isinstance(config, SplitConfig):
+        kernel = taco_split_compress
+        constexprs |= _split_constexprs(group_size, config)
+    else:
+        kernel = taco_row_compress
+        constexprs |= _row_constexprs(group_size, config, x.dtype, jnp.int8)
     return triton_launch.gluon_call(
-        taco_row_compress,
+        kernel,
         [x],
         [payload_type, _scales_struct(batch, groups, scale_format, x)],
         pointer_types=[
@@ -235,9 +240,29 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
             POINTER_TYPES[scale_dtype(scale_format)],
         ],
         scalars=[("n_rows", "i32", groups), ("payload_rows", "i64", payload_rows)],
-        grid=_grid(groups, batch, 32 * config.num_warps),
+        grid=_grid(groups, batch, config.rows_per_program(group_size)),
         num_warps=config.num_warps,
         constexprs=constexprs,
+    )
+
+
+def _row_constexprs(group_size: int, config: RowConfig, in_dtype, out_dtype) -> dict[str, int]:
+    """The row kernels' layout constexprs: warps, log2 G, and the coalesced vectors of the
+    input and output tiles."""
+    return dict(
+        NUM_WARPS=config.num_warps,
+        LOG_G=group_size.bit_length() - 1,
+        **_vectors(group_size, in_dtype, out_dtype),
+    )
+
+
+def _split_constexprs(group_size: int, config: SplitConfig) -> dict[str, int]:
+    """The split kernels' layout constexprs: V values per thread and the rows a program
+    takes."""
+    return dict(
+        VALUES=config.values(group_size),
+        ROWS=config.rows_per_program(group_size),
+        NUM_WARPS=config.num_warps,
     )
 
 
@@ -332,13 +357,14 @@ def decode_config(shards: int, transform: bool, requantize: bool, config=None) -
         if shards == 1:
             return RowConfig() if transform else SPLIT_ONE_SHARD
         return SplitConfig()
-    kind = RowConfig if shards == 1 and transform and not requantize else SplitConfig
-    if not isinstance(config, kind):
-        raise ValueError(
-            f"a decode of {shards} shard(s) (transform={transform}, requantize={requantize}) runs the "
-            f"{'row' if kind is RowConfig else 'split'} kernel: pass a {kind.__name__}, got {config!r}"
-        )
-    return config
+    if isinstance(config, SplitConfig) or (
+        isinstance(config, RowConfig) and shards == 1 and transform and not requantize
+    ):
+        return config
+    raise ValueError(
+        f"a decode of {shards} shard(s) (transform={transform}, requantize={requantize}) runs the split kernel: "
+        f"pass a SplitConfig, got {config!r} (a RowConfig decodes one shard through the transform)"
+    )
 
 
 def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config):
@@ -354,21 +380,16 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
             [output_struct((batch, groups, group_size), out_dtype, payload)],
             pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
             scalars=scalars,
-            grid=_grid(groups, batch, 32 * config.num_warps),
+            grid=_grid(groups, batch, config.rows_per_program(group_size)),
             num_warps=config.num_warps,
             constexprs=dict(
                 G=group_size,
-                LOG_G=group_size.bit_length() - 1,
-                NUM_WARPS=config.num_warps,
                 INV_SQRT=_inverse_sqrt(group_size),
-                OUT_MAX=_largest(out_dtype),
-                **_vectors(group_size, jnp.int8, out_dtype),
+                **_row_constexprs(group_size, config, jnp.int8, out_dtype),
             ),
         )[0]
-    values = config.values(group_size)
-    rows = config.rows_per_program(group_size)
-    constexprs = dict(G=group_size, VALUES=values, ROWS=rows, NUM_WARPS=config.num_warps, SHARDS=shards)
-    common = dict(grid=_grid(groups, batch, rows), num_warps=config.num_warps)
+    constexprs = dict(G=group_size, SHARDS=shards, **_split_constexprs(group_size, config))
+    common = dict(grid=_grid(groups, batch, config.rows_per_program(group_size)), num_warps=config.num_warps)
     if requantize_to is None:
         return triton_launch.gluon_call(
             taco_split_decode,
@@ -376,14 +397,7 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
             [output_struct((batch, groups, group_size), out_dtype, payload)],
             pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
             scalars=scalars,
-            constexprs=constexprs
-            | dict(
-                LOG_VALUES=values.bit_length() - 1,
-                LOG_LANES=(group_size // values).bit_length() - 1,
-                TRANSFORM=transform,
-                INV_SQRT=_inverse_sqrt(group_size),
-                OUT_MAX=_largest(out_dtype),
-            ),
+            constexprs=constexprs | dict(TRANSFORM=transform, INV_SQRT=_inverse_sqrt(group_size)),
             **common,
         )[0]
     return tuple(
@@ -400,12 +414,6 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
             **common,
         )
     )
-
-
-def _largest(dtype) -> float:
-    """The largest finite value of a float `dtype`, which a decode clamps to
-    (`formats.saturating_cast`)."""
-    return float(jnp.finfo(dtype).max)
 
 
 if gluon is not None:
@@ -601,13 +609,21 @@ if gluon is not None:
         )
         _store_groups(payload_ptr + batch * payload_rows * G, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
 
+    @gluon.constexpr_function
+    def _pair_conversion(dtype):
+        """PTX rounding two float32 to a packed pair of `dtype` (bfloat16 or float16) to
+        nearest, values past its largest finite clamped to it and NaN kept (`.satfinite`)."""
+        pair = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
+        return f"cvt.rn.satfinite.{pair}.f32 $0, $2, $1;"
+
     @gluon.jit
-    def _saturating_cast(values, dtype: gl.constexpr, OUT_MAX: gl.constexpr):
-        """`formats.saturating_cast`: float32 to `dtype`, finite values past its largest
-        clamped to it, NaN kept."""
-        if dtype != gl.float32:
-            values = gl.where(gl.abs(values) > OUT_MAX, gl.where(values > 0, OUT_MAX, -OUT_MAX), values)
-        return values.to(dtype)
+    def _saturating_cast(values, dtype: gl.constexpr):
+        """`formats.saturating_cast`: float32 to `dtype`, values past its largest finite
+        clamped to it, NaN kept: one conversion instruction per pair of values (a compare
+        and two selects per value otherwise)."""
+        if dtype == gl.float32:
+            return values
+        return gl.inline_asm_elementwise(_pair_conversion(dtype), "=r,r,r", [values], dtype=dtype.value, is_pure=True, pack=2)
 
     @gluon.jit
     def taco_row_decode(
@@ -624,7 +640,6 @@ if gluon is not None:
         OUT_VECTOR: gl.constexpr,
         OUT_LANES: gl.constexpr,
         INV_SQRT: gl.constexpr,
-        OUT_MAX: gl.constexpr,
     ):
         """One shard decoded through the inverse transform, a group per thread."""
         start = gl.program_id(0) * (32 * NUM_WARPS)
@@ -635,7 +650,7 @@ if gluon is not None:
         # The 8-bit codes are transformed first, then scaled, so no intermediate
         # overflows near float32's largest.
         values = _hadamard(codes, G, LOG_G, NUM_WARPS) * (multiplier * INV_SQRT)[:, None]
-        out = _saturating_cast(values, out_ptr.dtype.element_ty, OUT_MAX)
+        out = _saturating_cast(values, out_ptr.dtype.element_ty)
         _store_groups(out_ptr + batch * n_rows * G, out, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
 
     @gluon.constexpr_function
@@ -656,6 +671,19 @@ if gluon is not None:
         cols = gl.arange(0, G, layout=gl.SliceLayout(0, layout))
         return rows.to(gl.int64)[:, None] * G + cols[None, :], rows, rows < n_rows
 
+    @gluon.constexpr_function
+    def _log2(n):
+        """log2 of a power of two."""
+        return n.bit_length() - 1
+
+    @gluon.jit
+    def _program_tile(n_rows, G: gl.constexpr, VALUES: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """This program's rows of its batch in the split layout: (element offsets within
+        the batch, row indices, rows in range, batch index)."""
+        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
+        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
+        return offsets, rows, in_range, gl.program_id(1).to(gl.int64)
+
     @gluon.jit
     def _split_sum(
         payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS: gl.constexpr, G: gl.constexpr
@@ -671,58 +699,21 @@ if gluon is not None:
         return summed
 
     @gluon.jit
-    def _program_sum(
-        payload_ptr,
-        multiplier_ptr,
-        n_rows,
-        in_rows,
-        G: gl.constexpr,
-        VALUES: gl.constexpr,
-        ROWS: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        SHARDS: gl.constexpr,
-    ):
-        """This program's float32 sum of k dequantized shards in the split layout:
-        (sum, element offsets, row indices, rows in range, batch index)."""
-        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
-        batch = gl.program_id(1).to(gl.int64)
-        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
-        summed = _split_sum(
-            payload_ptr + batch * SHARDS * in_rows * G,
-            multiplier_ptr + batch * SHARDS * n_rows,
-            offsets,
-            rows,
-            in_range,
-            n_rows,
-            in_rows,
-            SHARDS,
-            G,
-        )
-        return summed, offsets, rows, in_range, batch
-
-    @gluon.jit
-    def _split_hadamard(
-        values,
-        ROWS: gl.constexpr,
-        G: gl.constexpr,
-        VALUES: gl.constexpr,
-        LOG_VALUES: gl.constexpr,
-        LOG_LANES: gl.constexpr,
-    ):
+    def _split_hadamard(values, ROWS: gl.constexpr, G: gl.constexpr, VALUES: gl.constexpr):
         """values @ H (unnormalized, Sylvester order) along each group of a split tile. H_G =
         H_{G/V} x H_V: the log2 V stages within a thread's V values run in registers
         (as `_hadamard`), then one stage per lane bit exchanges values with the lane
         holding the partner slice by a warp shuffle."""
         layout: gl.constexpr = values.type.layout
         LANES: gl.constexpr = G // VALUES
-        if LOG_VALUES > 0:
+        if VALUES > 1:
             slices = values.reshape([ROWS, LANES, VALUES])
-            for _ in gl.static_range(LOG_VALUES):
+            for _ in gl.static_range(_log2(VALUES)):
                 low, high = gl.split(gl.permute(slices.reshape([ROWS, LANES, 2, VALUES // 2]), [0, 1, 3, 2]))
                 slices = gl.join(low + high, low - high).reshape([ROWS, LANES, VALUES])
             values = gl.convert_layout(slices.reshape([ROWS, G]), layout)
         lane = gl.arange(0, G, layout=gl.SliceLayout(0, layout)) // VALUES
-        for stage in gl.static_range(LOG_LANES):
+        for stage in gl.static_range(_log2(LANES)):
             partner = gl.inline_asm_elementwise(
                 _butterfly_shuffle(1 << stage), "=r,r", [values], dtype=gl.float32, is_pure=True, pack=1
             )
@@ -733,6 +724,45 @@ if gluon is not None:
         return values
 
     @gluon.jit
+    def taco_split_compress(
+        x_ptr,
+        payload_ptr,
+        scales_ptr,
+        n_rows,
+        payload_rows,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        ROWS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
+        """`taco_row_compress` in the split layout: the group statistics are reductions
+        over a group's lanes, and nothing goes through shared memory."""
+        offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
+        groups = gl.load(x_ptr + batch * n_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
+        values, factor, prescale = _normalize(groups, FMT_MAX, G)
+        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values = _split_hadamard(values, ROWS, G, VALUES)
+            factor = factor * INV_SQRT
+        codes = _scaled_codes(
+            values,
+            factor,
+            prescale,
+            payload_ptr.dtype.element_ty,
+            scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            rows,
+            in_range,
+            FMT_MAX,
+            INTEGER,
+            SCALES,
+        )
+        gl.store(payload_ptr + batch * payload_rows * G + offsets, codes, mask=in_range[:, None])
+
+    @gluon.jit
     def taco_split_decode(
         payload_ptr,
         multiplier_ptr,
@@ -741,22 +771,27 @@ if gluon is not None:
         in_rows,
         G: gl.constexpr,
         VALUES: gl.constexpr,
-        LOG_VALUES: gl.constexpr,
-        LOG_LANES: gl.constexpr,
         ROWS: gl.constexpr,
         NUM_WARPS: gl.constexpr,
         SHARDS: gl.constexpr,
         TRANSFORM: gl.constexpr,
         INV_SQRT: gl.constexpr,
-        OUT_MAX: gl.constexpr,
     ):
         """The sum of k dequantized shards, inverse-transformed or not, in the output dtype."""
-        values, offsets, rows, in_range, batch = _program_sum(
-            payload_ptr, multiplier_ptr, n_rows, in_rows, G, VALUES, ROWS, NUM_WARPS, SHARDS
-        )
-        if TRANSFORM:
-            values = _split_hadamard(values, ROWS, G, VALUES, LOG_VALUES, LOG_LANES) * INV_SQRT
-        out = _saturating_cast(values, out_ptr.dtype.element_ty, OUT_MAX)
+        offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
+        payload_ptr = payload_ptr + batch * SHARDS * in_rows * G
+        multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
+        if TRANSFORM and SHARDS == 1:
+            # One shard's codes are transformed first, then scaled (as `taco_row_decode`),
+            # so no intermediate overflows near float32's largest.
+            codes = gl.load(payload_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
+            multiplier = gl.load(multiplier_ptr + rows, mask=in_range)
+            values = _split_hadamard(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
+        else:
+            values = _split_sum(payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS, G)
+            if TRANSFORM:
+                values = _split_hadamard(values, ROWS, G, VALUES) * INV_SQRT
+        out = _saturating_cast(values, out_ptr.dtype.element_ty)
         gl.store(out_ptr + batch * n_rows * G + offsets, out, mask=in_range[:, None])
 
     @gluon.jit
@@ -778,8 +813,17 @@ if gluon is not None:
         SCALES: gl.constexpr,
     ):
         """The sum of k dequantized shards quantized again (in the transformed domain)."""
-        summed, offsets, rows, in_range, batch = _program_sum(
-            payload_ptr, multiplier_ptr, n_rows, in_rows, G, VALUES, ROWS, NUM_WARPS, SHARDS
+        offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
+        summed = _split_sum(
+            payload_ptr + batch * SHARDS * in_rows * G,
+            multiplier_ptr + batch * SHARDS * n_rows,
+            offsets,
+            rows,
+            in_range,
+            n_rows,
+            in_rows,
+            SHARDS,
+            G,
         )
         values, factor, prescale = _normalize(summed, FMT_MAX, G)
         codes = _scaled_codes(

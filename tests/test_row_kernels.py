@@ -33,6 +33,7 @@ SPLIT_LAYOUTS = [
     row_kernels.SplitConfig(values_per_thread=4, rows_per_thread=2, num_warps=1),
     row_kernels.SplitConfig(values_per_thread=8, rows_per_thread=4, num_warps=8),
     row_kernels.SplitConfig(values_per_thread=32, rows_per_thread=1, num_warps=2),
+    row_kernels.SplitConfig(values_per_thread=64, rows_per_thread=2, num_warps=4),
     row_kernels.SPLIT_ONE_SHARD,
 ]
 
@@ -52,6 +53,18 @@ def test_compress_matches_reference(fmt, scale_format, transform, group_size):
         _compress_case(
             _groups(rows, group_size, dtype, seed=rows), fmt, scale_format, transform, interpret=False, config=ROWS
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [16, 128])
+@pytest.mark.parametrize("config", SPLIT_LAYOUTS, ids=str)
+def test_every_split_layout_compresses(config, group_size):
+    """The split compress (a group over G / V lanes) against the reference in every
+    layout, through the transform's in-thread and cross-lane stages, at a partial last
+    program, for each kind of scale and code."""
+    x = _groups(333, group_size, jnp.bfloat16, seed=5)
+    for fmt, scale_format in (("e4m3", "dual"), ("int8", "bf16"), ("e5m2", "e8m0")):
+        _compress_case(x, fmt, scale_format, True, interpret=False, config=config)
 
 
 @pytest.mark.gpu
@@ -299,11 +312,14 @@ def test_decode_matches_reference(fmt, transform, shards, group_size):
 @pytest.mark.parametrize("config", SPLIT_LAYOUTS, ids=str)
 def test_every_split_layout_decodes_and_requantizes(config, group_size):
     """Each split layout (values per thread, rows per thread, warps) against the reference,
-    through the transform's in-thread and cross-lane stages, at a partial last program."""
+    through the transform's in-thread and cross-lane stages, at a partial last program:
+    one shard decoded (transformed, then scaled, as the reference), four summed, and
+    four requantized."""
     payload, multiplier = _shards("e4m3", "dual", True, 4, 333, group_size)
-    got = kd.decompress_groups(payload, multiplier, transform=True, config=config)
-    want = kd.decompress_reference(payload, multiplier, transform=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
+    for shards in (1, 4):
+        got = kd.decompress_groups(payload[:shards], multiplier[:shards], transform=True, config=config)
+        want = kd.decompress_reference(payload[:shards], multiplier[:shards], transform=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
     kw = dict(transform=True, requantize_to=("e4m3", "dual"))
     got_payload, got_scales = kd.decompress_groups(payload, multiplier, config=config, **kw)
     want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
@@ -456,22 +472,20 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     codes = row_kernels.POINTER_TYPES[formats.wire_format(fmt).dtype]
     dtypes = {"*bf16": jnp.bfloat16, "*fp32": jnp.float32, "*fp16": jnp.float16}
     config = row_kernels.decode_config(shards, bool(transform), requantize=kernel == "requantize")
-    decoded = dict(INV_SQRT=row_kernels._inverse_sqrt(128), OUT_MAX=row_kernels._largest(dtypes.get(out, jnp.float32)))
-    if kernel != "row":
-        values = config.values(128)
-        split = dict(VALUES=values, ROWS=config.rows_per_program(128), NUM_WARPS=config.num_warps, SHARDS=shards)
+    inv_sqrt = row_kernels._inverse_sqrt(128)
     if kernel == "row":
         function, types = row_kernels.taco_row_decode, [codes, "*fp32", out, "i32", "i64"]
-        constexprs = dict(G=128, LOG_G=7, NUM_WARPS=1, **row_kernels._vectors(128, jnp.int8, dtypes[out]), **decoded)
+        constexprs = dict(G=128, INV_SQRT=inv_sqrt, **row_kernels._row_constexprs(128, config, jnp.int8, dtypes[out]))
     elif kernel == "split":
         function, types = row_kernels.taco_split_decode, [codes, "*fp32", out, "i32", "i64"]
-        logs = dict(LOG_VALUES=values.bit_length() - 1, LOG_LANES=(128 // values).bit_length() - 1)
-        constexprs = dict(G=128, TRANSFORM=transform, **logs, **split, **decoded)
+        constexprs = dict(G=128, SHARDS=shards, TRANSFORM=transform, INV_SQRT=inv_sqrt)
+        constexprs |= row_kernels._split_constexprs(128, config)
     else:
         function = row_kernels.taco_split_requantize
         scales = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(out)]
         types = [codes, "*fp32", codes, scales, "i32", "i64", "i64"]
-        constexprs = dict(G=128, **split, **row_kernels._quantization(fmt, out))
+        constexprs = dict(G=128, SHARDS=shards, **row_kernels._split_constexprs(128, config))
+        constexprs |= row_kernels._quantization(fmt, out)
     compiled = triton_launch.compile_kernel(
         function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
     )
@@ -488,10 +502,11 @@ def test_decode_config_names_the_kernel_the_work_needs():
     assert row_kernels.decode_config(2, transform=True, requantize=True) == row_kernels.SPLIT_REQUANTIZE
     with pytest.raises(ValueError, match="runs the split kernel: pass a SplitConfig"):
         row_kernels.decode_config(2, transform=True, requantize=True, config=ROWS)
-    with pytest.raises(ValueError, match="runs the row kernel: pass a RowConfig"):
-        row_kernels.decode_config(1, transform=True, requantize=False, config=SPLIT)
+    with pytest.raises(ValueError, match="runs the split kernel: pass a SplitConfig"):
+        row_kernels.decode_config(1, transform=False, requantize=False, config=ROWS)
+    assert row_kernels.decode_config(1, transform=True, requantize=False, config=SPLIT) == SPLIT
     with pytest.raises(ValueError, match="values_per_thread must be one of"):
-        row_kernels.SplitConfig(values_per_thread=64)
+        row_kernels.SplitConfig(values_per_thread=128)
     assert row_kernels.SplitConfig(values_per_thread=32).rows_per_program(16) == 4 * 32
 
 
