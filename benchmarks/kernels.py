@@ -1,9 +1,10 @@
 """The fused codec kernels against the jnp path and a device copy.
 
 The kernels: each op by the Gluon kernels (`row_kernels`: every op by default on a CUDA
-GPU, the row or the split kernel as `row_kernels.decode_config` picks) and by the Pallas
-kernel's default launch (JAX's deprecated Triton lowering: groups of 256 and 512).
-`--split-sweep-only` times the split kernels over `SPLIT_LAUNCHES` instead.
+GPU; compress on the row kernel, the decodes on the split kernels, as
+`row_kernels.compress_config` and `decode_config` pick) and by the Pallas kernel's
+default launch (JAX's deprecated Triton lowering, an opt-in). `--split-sweep-only` times
+the split kernels over `SPLIT_LAUNCHES` instead (`--group-size` for groups other than 128).
 
 On a GPU: sweeps launch configurations (`KernelConfig`: block rows, blocks per program,
 warps, pipelining stages, the transform method (`KernelConfig.transform_method`), the pieces a
@@ -222,22 +223,22 @@ def _as_shards(compressed: list, scale_format: str, shards: int) -> tuple[list, 
     """Payloads and multipliers of compressed (N, G) tensors as k shards of N / k rows each:
     what a reduce-scatter receives (k = 1: one all-gathered shard)."""
     return (
-        [p.reshape(shards, -1, GROUP) for p, _ in compressed],
+        [p.reshape(shards, -1, p.shape[-1]) for p, _ in compressed],
         [group_codec.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed],
     )
 
 
-def _compress_bytes(rows: int, scale_format: str) -> int:
+def _compress_bytes(rows: int, scale_format: str, group_size: int = GROUP) -> int:
     """bf16 in, 8-bit payload and scales out."""
-    return 3 * rows * GROUP + _scales_bytes(rows, scale_format)
+    return 3 * rows * group_size + _scales_bytes(rows, scale_format)
 
 
-def _decode_bytes(rows: int, shards: int, scale_format: str, requantize: bool) -> int:
+def _decode_bytes(rows: int, shards: int, scale_format: str, requantize: bool, group_size: int = GROUP) -> int:
     """k shards of rows / k payload rows and their multipliers in; their sum out, in bf16
     or requantized."""
     out_rows = rows // shards
-    out = out_rows * GROUP + _scales_bytes(out_rows, scale_format) if requantize else 2 * out_rows * GROUP
-    return rows * GROUP + 4 * rows + out
+    out = out_rows * group_size + _scales_bytes(out_rows, scale_format) if requantize else 2 * out_rows * group_size
+    return rows * group_size + 4 * rows + out
 
 
 def _sweep_op(name: str, xs: list, config: KernelConfig):
@@ -245,10 +246,10 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
     preset, shards, requantize = SWEEP_OPS[name]
     fmt, scale_format, transform = PRESETS[preset]
     kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
-    rows_n = xs[0].shape[0]
+    rows_n, group_size = xs[0].shape
     if not shards:
         fn = jax.jit(lambda vs: [kc.compress_groups(v, config=config, **kw) for v in vs])
-        return fn, (xs,), _compress_bytes(rows_n, scale_format)
+        return fn, (xs,), _compress_bytes(rows_n, scale_format, group_size)
     payloads, multipliers = _as_shards([kc.compress_groups(v, **kw) for v in xs], scale_format, shards)
     decode = dict(requantize_to=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
     fn = jax.jit(
@@ -256,7 +257,7 @@ def _sweep_op(name: str, xs: list, config: KernelConfig):
             kd.decompress_groups(p, m, transform=transform, config=config, **decode) for p, m in zip(ps, ms)
         ]
     )
-    return fn, (payloads, multipliers), _decode_bytes(rows_n, shards, scale_format, requantize)
+    return fn, (payloads, multipliers), _decode_bytes(rows_n, shards, scale_format, requantize, group_size)
 
 
 # (block rows, blocks per program, warps, stages) swept for the methods other than "matmul",
@@ -353,23 +354,24 @@ def sweep_configs(
 
 
 def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str, object]]:
-    """(name, config) of the kernels compress is timed with: the row kernel ("gluon", what
-    runs by default where `row_kernels.supports` holds) and the Pallas kernel's default."""
-    rows = [("gluon", row_kernels.RowConfig())] if row_kernels.supports(GROUP, jnp.bfloat16, fmt) else []
-    return rows + [("pallas", pallas_default)]
+    """(name, config) of the kernels compress is timed with: the Gluon kernel ("gluon",
+    `row_kernels.compress_config`'s, what runs by default where `row_kernels.supports`
+    holds) and the Pallas kernel's default."""
+    gluon = [("gluon", row_kernels.compress_config(GROUP))] if row_kernels.supports(GROUP, jnp.bfloat16, fmt) else []
+    return gluon + [("pallas", pallas_default)]
 
 
 def _decode_kernels(
     fmt: str, shards: int, transform: bool, requantize: bool, pallas_default: KernelConfig
 ) -> list[tuple[str, object]]:
-    """(name, decode function) of the kernels a decode is timed with: the Gluon kernel the
-    work runs on by default where `row_kernels.supports` holds ("gluon":
-    `row_kernels.decode_config`'s default, the row kernel for one shard through the
-    transform, else the split kernels) and the Pallas kernel's default launch."""
+    """(name, decode function) of the kernels a decode is timed with: the split kernel's
+    launch the work runs on by default where `row_kernels.supports` holds ("gluon":
+    `row_kernels.decode_config`'s default) and the Pallas kernel's default launch."""
+    del transform  # the split kernels' launch does not depend on it
     pallas = [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
     if not row_kernels.supports(GROUP, jnp.bfloat16, fmt, shards):
         return pallas
-    gluon = row_kernels.decode_config(shards, transform, requantize)
+    gluon = row_kernels.decode_config(shards, requantize)
     return [("gluon", functools.partial(kd.decompress_groups, config=gluon)), *pallas]
 
 
@@ -473,33 +475,30 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
 
 SPLIT_LAUNCHES = tuple(
     row_kernels.SplitConfig(values_per_thread=v, rows_per_thread=r, num_warps=w)
-    for v in (8, 16, 32, 64)
+    for v in (8, 16, 32)
     for r in (1, 2)
     for w in (2, 4)
 )
-# The ops the split kernels run by default (`row_kernels.decode_config`).
+# The decodes, which the split kernels run by default (`row_kernels.decode_config`).
 SPLIT_OPS = (
+    "decompress/taco",
+    "decompress/taco+",
     "decompress/fp8",
     "decompress_sum/taco",
     "decompress_sum/taco+",
     "requantize_sum/taco",
     "requantize_sum/taco+",
 )
-# The ops the row kernel also runs (one group per thread), its launch the baseline there.
-ROW_OPS = ("compress/taco", "compress/taco+", "decompress/taco", "decompress/taco+")
 
 
-def _baselines(name: str) -> list:
+def _baselines(name: str, group_size: int) -> list:
     """The launches a split sweep of op `name` starts from: the Pallas kernel's default,
-    and the row kernel's where it runs the op."""
+    and for compress the Gluon kernel's default (`row_kernels.compress_config`)."""
     preset, shards, requantize = SWEEP_OPS[name]
     transformed = PRESETS[preset][2] and not requantize
-    pallas = (
-        kd.default_config(GROUP, transformed, shards, requantize=requantize)
-        if shards
-        else kc.default_config(GROUP, transformed)
-    )
-    return [pallas, row_kernels.RowConfig()] if name in ROW_OPS else [pallas]
+    if shards:
+        return [kd.default_config(group_size, transformed, shards, requantize=requantize)]
+    return [kc.default_config(group_size, transformed), row_kernels.compress_config(group_size)]
 
 
 def _launch_label(config) -> str:
@@ -510,18 +509,28 @@ def _launch_label(config) -> str:
     return "v{values_per_thread} r{rows_per_thread} w{num_warps}".format(**dataclasses.asdict(config))
 
 
-def sweep_split(key, tokens: int, channels: int, ops: list[str]) -> list[dict]:
+def sweep_split(key, tokens: int, channels: int, ops: list[str], group_size: int = GROUP) -> list[dict]:
     """Time `ops` on the split kernels over `SPLIT_LAUNCHES` (values and rows per thread,
-    warps) in GPU time, after the baselines `_baselines` names."""
-    rows_n = tokens * channels // GROUP
-    xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, GROUP), jnp.bfloat16) for i in range(4)]
+    warps; V is raised to G / 32 where a group would span more than a warp) in GPU time,
+    after the baselines `_baselines` names."""
+    rows_n = tokens * channels // group_size
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, group_size), jnp.bfloat16) for i in range(4)]
+    launches = dict.fromkeys(dataclasses.replace(c, values_per_thread=c.values(group_size)) for c in SPLIT_LAUNCHES)
     results = []
     for name in ops:
-        for config in (*_baselines(name), *SPLIT_LAUNCHES):
+        for config in (*dict.fromkeys(_baselines(name, group_size)), *launches):
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             gpu_ms = device_ms(fn, inputs)
             label = _launch_label(config)
-            results.append(dict(op=name, launch=label, device_ms=gpu_ms, device_tb_per_s=nbytes / gpu_ms / 1e9))
+            results.append(
+                dict(
+                    op=name,
+                    group_size=group_size,
+                    launch=label,
+                    device_ms=gpu_ms,
+                    device_tb_per_s=nbytes / gpu_ms / 1e9,
+                )
+            )
             print(f"  {name:22s} {label:15s} GPU {gpu_ms:7.3f} ms {nbytes / gpu_ms / 1e9:5.2f} TB/s", file=sys.stderr)
     return results
 
@@ -537,8 +546,9 @@ def main() -> None:
     parser.add_argument(
         "--split-sweep-only",
         action="store_true",
-        help="only the split kernels' launch sweep (`SPLIT_LAUNCHES`), to kernels_split_sweep.json",
+        help="only the split kernels' launch sweep (`SPLIT_LAUNCHES`), to kernels_split_sweep[_gG].json",
     )
+    parser.add_argument("--group-size", type=int, default=GROUP, help="G for --split-sweep-only")
     parser.add_argument("--sweep-budget", type=float, default=600.0, help="seconds the sweep may take")
     parser.add_argument(
         "--sweep-hadamard",
@@ -571,9 +581,12 @@ def main() -> None:
     if args.split_sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
         split_ops = ops if args.sweep_ops != parser.get_default("sweep_ops") else list(SPLIT_OPS)
-        split = sweep_split(key, *SWEEP_SHAPE, split_ops)
+        split = sweep_split(key, *SWEEP_SHAPE, split_ops, args.group_size)
         copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
-        (args.out / "kernels_split_sweep.json").write_text(
+        name = (
+            "kernels_split_sweep.json" if args.group_size == GROUP else f"kernels_split_sweep_g{args.group_size}.json"
+        )
+        (args.out / name).write_text(
             json.dumps({"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": split})
         )
         print(f"| op | launch | GPU ms | % of copy ({copy_bw:.2f} TB/s) |\n|---|---|---|---|")
@@ -614,7 +627,7 @@ def main() -> None:
         "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "default_kernel": "gluon" if row_kernels.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
-        "row_default": dataclasses.asdict(row_kernels.RowConfig()),
+        "compress_gluon_default": dataclasses.asdict(row_kernels.compress_config(GROUP)),
         "split_default": dataclasses.asdict(row_kernels.SplitConfig()),
         "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
         "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),

@@ -9,9 +9,11 @@ spans lanes), or a tensor-core matmul against the +-1 Hadamard matrix loaded onc
 program (exact in bf16, FP32 accumulation; float32 inputs split into three bf16 parts).
 
 `compress_reference` beside the kernel is the plain-jnp definition it is tested against.
-On a CUDA GPU with Triton, `compress_groups` and `compress_message` run the row kernel
-(`row_kernels`, a group per thread, faster on an H200: benchmarks/RESULTS.md) where
-`launch.ROW_KERNEL` takes the groups, unless a `KernelConfig` asks for this one.
+On a CUDA GPU with Triton, `compress_groups` and `compress_message` run the Gluon kernels
+(`row_kernels`: a group per thread up to G = 128, a group over a few lanes above; faster
+on an H200, benchmarks/RESULTS.md) where `launch.GLUON_KERNELS` takes the groups, unless
+a `KernelConfig` asks for this one. This kernel (JAX's Pallas Triton lowering, which JAX
+has deprecated) is then an opt-in, and what the Pallas interpreter runs off GPU.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
     if isinstance(config, row_kernels.RowConfig | row_kernels.SplitConfig) or (
         config is None and not interpret and row_kernels.supports(x.shape[-1], x.dtype, fmt)
     ):
-        payload, scales = row_kernels.row_compress(
+        payload, scales = row_kernels.gluon_compress(
             x,
             fmt=fmt,
             scale_format=scale_format,
@@ -154,9 +156,10 @@ def compress_groups(
       scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the Walsh-Hadamard transform.
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
-        kernel, a `row_kernels.RowConfig` for the row kernel; if None, the row kernel
-        where `row_kernels.supports` holds (not in interpret mode), else the Pallas
-        kernel's `default_config`.
+        kernel, a `row_kernels.RowConfig` (G <= 128) or `SplitConfig` for a Gluon
+        kernel; if None, the Gluon kernel of the group size
+        (`row_kernels.compress_config`) where `row_kernels.supports` holds (not in
+        interpret mode), else the Pallas kernel's `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:

@@ -13,9 +13,9 @@ tiles in turn with their per-group multipliers, sums the dequantized shards in t
 
 `decompress_reference` beside the kernel is the plain-jnp definition it is tested against.
 On a CUDA GPU with Triton, `decompress_groups` and `decompress_message` run the Gluon
-kernels (`row_kernels`) where `launch.ROW_KERNEL` takes the groups, unless a
-`KernelConfig` asks for this one; this kernel (JAX's Pallas Triton lowering, which JAX
-has deprecated) runs the rest: groups of 256 and 512, and the Pallas interpreter off GPU.
+split kernels (`row_kernels`) where `launch.GLUON_KERNELS` takes the groups, unless a
+`KernelConfig` asks for this one. This kernel (JAX's Pallas Triton lowering, which JAX
+has deprecated) is then an opt-in, and what the Pallas interpreter runs off GPU.
 """
 
 from __future__ import annotations
@@ -136,9 +136,10 @@ CODE_FORMATS = {spec.dtype: name for name, spec in formats.WIRE_FORMATS.items() 
 def _decode(
     payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
 ):
-    """The decode by the kernel `config` names: a Gluon kernel (`row_kernels.RowConfig` or
-    `SplitConfig`, and by default where `row_kernels.supports` holds), else the Pallas
-    kernel (`KernelConfig`). Arguments as `_launch`.
+    """The decode by the kernel `config` names: a Gluon split kernel
+    (`row_kernels.SplitConfig`, and by default where `row_kernels.supports` holds; a
+    `RowConfig` is refused by name there), else the Pallas kernel (`KernelConfig`).
+    Arguments as `_launch`.
 
     Returns:
       decoded (B, N, G), or with `requantize_to` (payload (B, rows, G), scales packed as
@@ -153,7 +154,7 @@ def _decode(
     if fmt is not None and (
         gluon_config or (config is None and not interpret and row_kernels.supports(group_size, out_dtype, fmt, shards))
     ):
-        return row_kernels.row_decompress(
+        return row_kernels.gluon_decompress(
             payload,
             multiplier.astype(jnp.float32),
             groups=groups,
@@ -254,7 +255,7 @@ def decompress_groups(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize_to: tuple[str, str] | None = None,
-    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
+    config: KernelConfig | row_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ):
     """Dequantize and sum k shards of rows of G elements with the fused kernel.
@@ -267,10 +268,10 @@ def decompress_groups(
       out_dtype: dtype of the decoded output.
       requantize_to: (fmt, scale_format) to quantize the sum into instead of decoding it.
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
-        kernel; a `row_kernels.RowConfig` (one shard decoded through the transform) or
-        `row_kernels.SplitConfig` (anything else) for a Gluon kernel; if None, the
-        Gluon kernel the work needs where `row_kernels.supports` holds (not in
-        interpret mode), else the Pallas kernel's `default_config`.
+        kernel, a `row_kernels.SplitConfig` for the Gluon split kernel; if None, the
+        split kernel's launch for the work (`row_kernels.decode_config`) where
+        `row_kernels.supports` holds (not in interpret mode), else the Pallas kernel's
+        `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -303,7 +304,7 @@ def decompress_message(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize: bool = False,
-    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
+    config: KernelConfig | row_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ):
     """Decode wire messages straight from their buffers: for each of B batches, the sum

@@ -46,10 +46,9 @@ class KernelSupport:
 
 # The Pallas compress and decompress kernels.
 PALLAS_KERNELS = KernelSupport(max_group=512)
-# The Gluon kernels (`row_kernels`): the row kernels hold a group's float32 values in one
-# thread's registers (128 of its 255); the split kernels follow them (larger groups there
-# are not yet built or measured).
-ROW_KERNEL = KernelSupport(max_group=128)
+# The Gluon kernels (`row_kernels`): the split kernels spread a group over at most a warp's
+# 32 lanes, so groups up to 512 keep 16 values per thread.
+GLUON_KERNELS = KernelSupport(max_group=512)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,30 +1,29 @@
-"""The codec kernels in Gluon (Triton with explicit layouts): compress and the one-shard
-decode through the transform with one group per GPU thread (the row kernels), and the
-decode of a sum of k shards (to a float dtype, or requantized) with a group spread over
-a few lanes (the split kernels).
+"""The codec kernels in Gluon (Triton with explicit layouts): compress with one group per
+GPU thread (the row kernel), and every decode (one shard, a sum of k shards, to a float
+dtype or requantized) and the compress of larger groups with a group spread over a few
+lanes (the split kernels).
 
-Each program loads 32 * num_warps groups as coalesced vectors, and one layout conversion
-through shared memory gives every thread a whole group in its registers. The group
-statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
-quantization then run in registers with no warp shuffle; a second conversion stores the
-results coalesced. The Pallas compress kernel spreads a group over 8 lanes, so its
-transform and reductions go through warp shuffles: it takes 126.5 us at 16384 x 8192
-(taco+) where this kernel takes 113 us (benchmarks/RESULTS.md). Pallas cannot ask for the
-row-per-thread layout: a group loaded as 16 pieces of one vector each
-(`KernelConfig.pieces=16`) gets it, but with uncoalesced loads, and ran at half the speed.
+The row kernel's program loads 32 * num_warps groups as coalesced vectors, and one
+layout conversion through shared memory gives every thread a whole group in its
+registers. The group statistics, the log2 G add/subtract stages of the Walsh-Hadamard
+transform and the quantization then run in registers with no warp shuffle; a second
+conversion stores the results coalesced. It holds groups of at most `ROW_MAX_GROUP`.
+With its per-group scalar math (IEEE divisions and a square root) done once per group,
+it took 19.5 instructions per value where the split compress took 20-27, and ran at
+86-88% of copy against 80-84% (benchmarks/RESULTS.md).
 
-Summing k shards, a whole group per thread holds too much: every shard's codes in flight
-took 194-255 registers and ran at 58-67% of copy. The split kernels keep the coalesced
-layout of the codes instead (`SplitConfig`: V consecutive values per thread, G / V lanes
-per group), so nothing goes through shared memory: the group statistics are reductions
-over those lanes, and the inverse transform runs log2 V stages in registers, then one
-stage per lane bit with a warp shuffle (H_G = H_{G/V} x H_V). They reach 92-103% of copy
+The split kernels keep the coalesced layout of the codes instead (`SplitConfig`: V
+consecutive values per thread, G / V lanes per group), so nothing goes through shared
+memory: the group statistics are reductions over those lanes, and the transform runs
+log2 V stages in registers, then one stage per lane bit with a warp shuffle (H_G =
+H_{G/V} x H_V). Summing k shards, a whole group per thread held too much (194-255
+registers, 58-67% of copy); the split kernels take 24-80 and decode at 91-103% of copy
 on the H200 (benchmarks/RESULTS.md).
 
 The math is `group_codec`'s, step for step (IEEE division and square root for the
 per-group scalars); `compress.compress_reference` and `decompress.decompress_reference`
 are what these kernels are tested against. `compress` and `decompress` dispatch here by
-default where `supports` holds (`decode_config` picks the row or the split kernel).
+default where `supports` holds (`compress_config` and `decode_config` pick the launch).
 There is no interpret mode (off GPU the Pallas kernels run in the Pallas interpreter).
 """
 
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import formats, group_codec, triton_launch
-from .launch import ROW_KERNEL, output_struct
+from .launch import GLUON_KERNELS, output_struct
 
 try:
     from triton.experimental import gluon
@@ -60,7 +59,8 @@ POINTER_TYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
-    """Launch parameters of the row kernel.
+    """Launch parameters of the row kernel: compress with a whole group per thread, for
+    groups of at most `ROW_MAX_GROUP` values.
 
     Attributes:
       num_warps: warps per program; a program takes 32 groups per warp, one per thread.
@@ -81,16 +81,17 @@ class RowConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
-    """Launch parameters of the split kernels: the decode of a sum of k shards or of codes
-    sent without the transform, and the requantized sum. A group's values are spread
-    over G / V lanes of a warp, V consecutive values per thread.
+    """Launch parameters of the split kernels: every decode (one shard, a sum of k, the
+    requantized sum), and compress of groups the row kernel does not hold. A group's
+    values are spread over G / V lanes of a warp, V consecutive values per thread.
 
-    The defaults are the sum's (`SPLIT_ONE_SHARD` and `SPLIT_REQUANTIZE` below for the
-    other work), the fastest of `benchmarks.kernels.SPLIT_LAUNCHES` on the H200
-    (benchmarks/RESULTS.md).
+    The defaults are the sum's (`SPLIT_ONE_SHARD`, `SPLIT_REQUANTIZE` and
+    `SPLIT_COMPRESS` below for the other work), the fastest of
+    `benchmarks.kernels.SPLIT_LAUNCHES` on the H200 (benchmarks/RESULTS.md).
 
     Attributes:
-      values_per_thread: V (at most G): 4, 8, 16, 32 or 64.
+      values_per_thread: V: 4, 8, 16 or 32; at most G, and at least G / 32 (a group
+        spans at most one warp).
       rows_per_thread: groups each thread holds a slice of: 1, 2 or 4.
       num_warps: warps per program: 1, 2, 4 or 8.
     """
@@ -100,15 +101,15 @@ class SplitConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        for name, allowed in (("values_per_thread", (4, 8, 16, 32, 64)), ("rows_per_thread", (1, 2, 4))):
+        for name, allowed in (("values_per_thread", (4, 8, 16, 32)), ("rows_per_thread", (1, 2, 4))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SplitConfig.{name} must be one of {allowed}, got {getattr(self, name)}")
         if self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"SplitConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
 
     def values(self, group_size: int) -> int:
-        """V for groups of `group_size`: `values_per_thread`, or the whole group if smaller."""
-        return min(self.values_per_thread, group_size)
+        """V for groups of `group_size`: `values_per_thread`, within [G / 32, G]."""
+        return min(max(self.values_per_thread, group_size // 32), group_size)
 
     def rows_per_program(self, group_size: int) -> int:
         """Groups one program takes: 32 / (G / V) per warp, times `rows_per_thread`."""
@@ -118,16 +119,43 @@ class SplitConfig:
 # The requantized sum computes a group's statistics across its lanes: fewer lanes per
 # group (more values per thread) were faster on the H200 (benchmarks/RESULTS.md).
 SPLIT_REQUANTIZE = SplitConfig(values_per_thread=32, num_warps=2)
-# One shard decoded without the transform has little work per value: two groups per
-# thread were faster on the H200 (98% of copy against 95% with one).
-SPLIT_ONE_SHARD = SplitConfig(rows_per_thread=2)
+# One shard decoded has little work per value: two groups per thread were faster on the
+# H200 (92-98% of copy against 84-95% with one, and 91-93% for a group per thread).
+SPLIT_ONE_SHARD = SplitConfig(rows_per_thread=2, num_warps=2)
+# Compress of groups larger than the row kernel holds.
+SPLIT_COMPRESS = SplitConfig(values_per_thread=32, num_warps=2)
+# A whole group per thread holds its float32 values in registers (128 of a thread's 255).
+ROW_MAX_GROUP = 128
+
+
+def compress_config(group_size: int, config: RowConfig | SplitConfig | None = None) -> RowConfig | SplitConfig:
+    """The kernel a compress runs on and its launch: the row kernel for groups of at most
+    `ROW_MAX_GROUP`, the split kernel for larger ones.
+
+    Args:
+      group_size: G.
+      config: the launch asked for, or None for the default of the group size.
+
+    Returns:
+      `config`, or `RowConfig()` (G <= `ROW_MAX_GROUP`) or `SPLIT_COMPRESS`.
+
+    Raises:
+      ValueError: a `RowConfig` for groups larger than `ROW_MAX_GROUP`.
+    """
+    if config is None:
+        return RowConfig() if group_size <= ROW_MAX_GROUP else SPLIT_COMPRESS
+    if isinstance(config, RowConfig) and group_size > ROW_MAX_GROUP:
+        raise ValueError(
+            f"the row kernel holds groups of at most {ROW_MAX_GROUP} values, got {group_size}: pass a SplitConfig"
+        )
+    return config
 
 
 def supports(group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
     """Whether the Gluon kernels run groups of `group_size` values of `dtype` (the input of
     a compress, the output of a decode) in `fmt`, summing `shards` shards, here: Gluon on a
-    CUDA GPU (`triton_launch.available`) and work `launch.ROW_KERNEL` takes."""
-    return ROW_KERNEL.takes(group_size, dtype, fmt, shards) and triton_launch.available()
+    CUDA GPU (`triton_launch.available`) and work `launch.GLUON_KERNELS` takes."""
+    return GLUON_KERNELS.takes(group_size, dtype, fmt, shards) and triton_launch.available()
 
 
 def _vectors(group_size: int, in_dtype, out_dtype) -> dict[str, int]:
@@ -169,7 +197,7 @@ def _grid(groups: int, batch: int, rows_per_program: int) -> tuple[int, int]:
     return (-(-groups // rows_per_program), batch)
 
 
-def row_compress(
+def gluon_compress(
     x: jax.Array,
     *,
     fmt: str,
@@ -177,7 +205,7 @@ def row_compress(
     transform: bool,
     payload_dtype,
     payload_rows: int,
-    config: RowConfig | None = None,
+    config: RowConfig | SplitConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize B batches of N groups, x (B, N, G), as `group_codec.quantize_groups`.
 
@@ -192,7 +220,8 @@ def row_compress(
       payload_dtype: dtype of the payload array (the format's, or uint8 for messages).
       payload_rows: rows of each batch's payload block, at least N; rows past N are left
         unwritten (a message's scale rows).
-      config: launch parameters; `RowConfig()` if None.
+      config: the kernel and its launch (`compress_config`): a `RowConfig` for the row
+        kernel, a `SplitConfig` for the split kernel; that of the group size if None.
 
     Returns:
       (payload (B, payload_rows, G), scales (B, N, 2) for "dual", else (B, N)).
@@ -204,7 +233,7 @@ def row_compress(
         transform=transform,
         payload_dtype=payload_dtype,
         payload_rows=payload_rows,
-        config=config or RowConfig(),
+        config=compress_config(x.shape[-1], config),
     )
     batched = jax.custom_batching.custom_vmap(launch)
 
@@ -266,7 +295,7 @@ def _split_constexprs(group_size: int, config: SplitConfig) -> dict[str, int]:
     )
 
 
-def row_decompress(
+def gluon_decompress(
     payload: jax.Array,
     multiplier: jax.Array,
     *,
@@ -276,7 +305,7 @@ def row_decompress(
     out_dtype=jnp.float32,
     requantize_to: str | None = None,
     payload_rows: int = 0,
-    config: RowConfig | SplitConfig | None = None,
+    config: SplitConfig | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """For each of B batches, the sum of its k dequantized shards, decoded or requantized,
     as `decompress.decompress_reference`.
@@ -296,9 +325,8 @@ def row_decompress(
         transform: it is already in the transformed domain) instead of decoding it.
       payload_rows: with `requantize_to`, rows of each batch's output payload block, at
         least N; rows past N are left unwritten (a message's scale rows).
-      config: the kernel and its launch (`decode_config`): a `RowConfig` for one shard
-        decoded through the transform, a `SplitConfig` otherwise; that kernel's
-        default if None.
+      config: the split kernel's launch; the default of the work if None
+        (`decode_config`).
 
     Returns:
       decoded (B, N, G) in `out_dtype`, or with `requantize_to` (payload (B, payload_rows,
@@ -333,61 +361,36 @@ def row_decompress(
     return batched(payload, multiplier)
 
 
-def decode_config(shards: int, transform: bool, requantize: bool, config=None) -> RowConfig | SplitConfig:
-    """The kernel a decode runs on and its launch: one shard through the transform on the
-    row kernel (`RowConfig`), everything else on the split kernels (`SplitConfig`).
+def decode_config(shards: int, requantize: bool, config: SplitConfig | None = None) -> SplitConfig:
+    """The split kernel's launch for a decode.
 
     Args:
       shards: k, the shards summed.
-      transform: whether the decode applies the inverse transform.
       requantize: whether the sum is requantized.
-      config: the launch asked for, or None for the default of the kernel the work needs.
+      config: the launch asked for, or None for the default of the work.
 
     Returns:
-      `config`, or the default launch of the work: `RowConfig()`, `SplitConfig()`,
-      `SPLIT_ONE_SHARD` for one shard without the transform, or `SPLIT_REQUANTIZE` for a
-      requantized sum.
+      `config`, or the default launch of the work: `SPLIT_REQUANTIZE` for a requantized
+      sum, `SPLIT_ONE_SHARD` for one shard decoded, `SplitConfig()` for a sum.
 
     Raises:
-      ValueError: `config` is for the other kernel.
+      ValueError: `config` is not a `SplitConfig`.
     """
     if config is None:
         if requantize:
             return SPLIT_REQUANTIZE
-        if shards == 1:
-            return RowConfig() if transform else SPLIT_ONE_SHARD
-        return SplitConfig()
-    if isinstance(config, SplitConfig) or (
-        isinstance(config, RowConfig) and shards == 1 and transform and not requantize
-    ):
-        return config
-    raise ValueError(
-        f"a decode of {shards} shard(s) (transform={transform}, requantize={requantize}) runs the split kernel: "
-        f"pass a SplitConfig, got {config!r} (a RowConfig decodes one shard through the transform)"
-    )
+        return SPLIT_ONE_SHARD if shards == 1 else SplitConfig()
+    if not isinstance(config, SplitConfig):
+        raise ValueError(f"the Gluon decode kernels are the split kernels: pass a SplitConfig, got {config!r}")
+    return config
 
 
 def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config):
-    """One launch of a decode kernel; arguments as `row_decompress`."""
+    """One launch of a decode kernel; arguments as `gluon_decompress`."""
     batch, shards, in_rows, group_size = payload.shape
-    config = decode_config(shards, transform, requantize_to is not None, config)
+    config = decode_config(shards, requantize_to is not None, config)
     code_pointer = POINTER_TYPES[formats.wire_format(fmt).dtype]
     scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
-    if isinstance(config, RowConfig):
-        return triton_launch.gluon_call(
-            taco_row_decode,
-            [payload, multiplier],
-            [output_struct((batch, groups, group_size), out_dtype, payload)],
-            pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
-            scalars=scalars,
-            grid=_grid(groups, batch, config.rows_per_program(group_size)),
-            num_warps=config.num_warps,
-            constexprs=dict(
-                G=group_size,
-                INV_SQRT=_inverse_sqrt(group_size),
-                **_row_constexprs(group_size, config, jnp.int8, out_dtype),
-            ),
-        )[0]
     constexprs = dict(G=group_size, SHARDS=shards, **_split_constexprs(group_size, config))
     common = dict(grid=_grid(groups, batch, config.rows_per_program(group_size)), num_warps=config.num_warps)
     if requantize_to is None:
@@ -623,35 +626,9 @@ if gluon is not None:
         and two selects per value otherwise)."""
         if dtype == gl.float32:
             return values
-        return gl.inline_asm_elementwise(_pair_conversion(dtype), "=r,r,r", [values], dtype=dtype.value, is_pure=True, pack=2)
-
-    @gluon.jit
-    def taco_row_decode(
-        payload_ptr,
-        multiplier_ptr,
-        out_ptr,
-        n_rows,
-        in_rows,
-        G: gl.constexpr,
-        LOG_G: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        IN_VECTOR: gl.constexpr,
-        IN_LANES: gl.constexpr,
-        OUT_VECTOR: gl.constexpr,
-        OUT_LANES: gl.constexpr,
-        INV_SQRT: gl.constexpr,
-    ):
-        """One shard decoded through the inverse transform, a group per thread."""
-        start = gl.program_id(0) * (32 * NUM_WARPS)
-        batch = gl.program_id(1).to(gl.int64)
-        codes = _load_groups(payload_ptr + batch * in_rows * G, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
-        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
-        multiplier = gl.load(multiplier_ptr + batch * n_rows + rows, mask=rows < n_rows)
-        # The 8-bit codes are transformed first, then scaled, so no intermediate
-        # overflows near float32's largest.
-        values = _hadamard(codes, G, LOG_G, NUM_WARPS) * (multiplier * INV_SQRT)[:, None]
-        out = _saturating_cast(values, out_ptr.dtype.element_ty)
-        _store_groups(out_ptr + batch * n_rows * G, out, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+        return gl.inline_asm_elementwise(
+            _pair_conversion(dtype), "=r,r,r", [values], dtype=dtype.value, is_pure=True, pack=2
+        )
 
     @gluon.constexpr_function
     def _split_layout(G, VALUES, NUM_WARPS):
@@ -782,7 +759,7 @@ if gluon is not None:
         payload_ptr = payload_ptr + batch * SHARDS * in_rows * G
         multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
         if TRANSFORM and SHARDS == 1:
-            # One shard's codes are transformed first, then scaled (as `taco_row_decode`),
+            # One shard's codes are transformed first, then scaled (as the reference),
             # so no intermediate overflows near float32's largest.
             codes = gl.load(payload_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
             multiplier = gl.load(multiplier_ptr + rows, mask=in_range)

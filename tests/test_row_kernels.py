@@ -33,7 +33,6 @@ SPLIT_LAYOUTS = [
     row_kernels.SplitConfig(values_per_thread=4, rows_per_thread=2, num_warps=1),
     row_kernels.SplitConfig(values_per_thread=8, rows_per_thread=4, num_warps=8),
     row_kernels.SplitConfig(values_per_thread=32, rows_per_thread=1, num_warps=2),
-    row_kernels.SplitConfig(values_per_thread=64, rows_per_thread=2, num_warps=4),
     row_kernels.SPLIT_ONE_SHARD,
 ]
 
@@ -56,7 +55,7 @@ def test_compress_matches_reference(fmt, scale_format, transform, group_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group_size", [16, 128])
+@pytest.mark.parametrize("group_size", [16, 128, 512])
 @pytest.mark.parametrize("config", SPLIT_LAYOUTS, ids=str)
 def test_every_split_layout_compresses(config, group_size):
     """The split compress (a group over G / V lanes) against the reference in every
@@ -131,36 +130,58 @@ def test_compress_dispatches_to_the_row_kernel_by_default():
 
 
 @pytest.mark.gpu
-def test_unsupported_groups_fall_back_to_pallas():
-    assert not row_kernels.supports(256, jnp.bfloat16, "int8") and not row_kernels.supports(128, jnp.bfloat16, "int4")
-    x = _groups(64, 256, jnp.bfloat16)
-    payload, _ = kc.compress_groups(x, fmt="int8", scale_format="bf16", transform=True)
-    want, _ = kc.compress_reference(x, fmt="int8", scale_format="bf16", transform=True)
-    assert np.mean(ref.as_float64(payload) != ref.as_float64(want)) < 0.03
+@pytest.mark.parametrize("group_size", [256, 512])
+def test_large_groups_compress_and_decode_on_the_split_kernels(group_size):
+    """Groups past the row kernel's 128 values: compress and the decodes run the split
+    kernels by default (no `pallas_call`), against the reference."""
+    x = _groups(77, group_size, jnp.bfloat16, seed=group_size)
+    kw = dict(fmt="int8", scale_format="bf16", transform=True)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda v: kc.compress_groups(v, **kw))(x))
+    payload, scales = _compress_case(x, "int8", "bf16", True, interpret=False)
+    shards = (payload[:76].reshape(2, 38, group_size), _multiplier(scales, "bf16", 1)[:, :76].reshape(2, 38))
+    for pair in ((payload[None], _multiplier(scales, "bf16", 1)), shards):
+        got = kd.decompress_groups(*pair, transform=True)
+        want = kd.decompress_reference(*pair, transform=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
 
 
+def test_gluon_kernels_take_8_bit_groups_up_to_512():
+    """Off GPU nothing is taken (`supports` needs a CUDA GPU); the work list itself takes
+    groups of 16 to 512 in the 8-bit formats, and not int4 or G = 1024."""
+    take = row_kernels.GLUON_KERNELS.takes
+    assert take(16, jnp.bfloat16, "e4m3") and take(512, jnp.float16, "int8", shards=8)
+    assert not take(1024, jnp.bfloat16, "int8") and not take(128, jnp.bfloat16, "int4")
+
+
+@pytest.mark.parametrize("kernel", ["row", "split"])
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
-def test_row_kernel_compiles_for_sm90(fmt, scale_format):
-    """Triton builds the kernel for an H100/H200 (no GPU needed), its layout conversions
-    through shared memory."""
+def test_compress_kernels_compile_for_sm90(fmt, scale_format, kernel):
+    """Triton builds the compress kernels for an H100/H200 (no GPU needed): the row
+    kernel with its layout conversions through shared memory, the split kernel (G = 512,
+    16 lanes a group) with none."""
     pytest.importorskip("triton.experimental.gluon")
     dtype = formats.wire_format(fmt).dtype
     scale_pointer = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(scale_format)]
     types = ["*bf16", row_kernels.POINTER_TYPES[dtype], scale_pointer, "i32", "i64"]
+    group_size = 128 if kernel == "row" else 512
+    config = row_kernels.compress_config(group_size)
     constexprs = dict(
-        G=128,
-        LOG_G=7,
-        NUM_WARPS=1,
+        G=group_size,
         TRANSFORM=True,
-        INV_SQRT=row_kernels._inverse_sqrt(128),
-        **row_kernels._vectors(128, jnp.bfloat16, jnp.int8),
+        INV_SQRT=row_kernels._inverse_sqrt(group_size),
         **row_kernels._quantization(fmt, scale_format),
     )
-    kernel = row_kernels.taco_row_compress
+    if kernel == "row":
+        function = row_kernels.taco_row_compress
+        constexprs |= row_kernels._row_constexprs(group_size, config, jnp.bfloat16, jnp.int8)
+    else:
+        function = row_kernels.taco_split_compress
+        constexprs |= row_kernels._split_constexprs(group_size, config)
     compiled = triton_launch.compile_kernel(
-        kernel, tuple(zip(kernel.arg_names, types)), tuple(sorted(constexprs.items())), 1, 90
+        function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
     )
-    assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"] and compiled.metadata.shared > 0
+    assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
+    assert (compiled.metadata.shared > 0) == (kernel == "row")
 
 
 def test_gluon_call_rejects_scalars_out_of_place():
@@ -193,7 +214,7 @@ def test_gluon_call_rejects_scalars_out_of_place():
 
 def _stub_launch(monkeypatch):
     """jaxlib's Triton handles stubbed, so the kernel's custom call traces and lowers
-    without a GPU (the compile is `test_row_kernel_compiles_for_sm90`'s)."""
+    without a GPU (the compile is `test_compress_kernels_compile_for_sm90`'s)."""
     import types
 
     call = type("Call", (), {"to_proto": lambda self, name, metadata: b""})
@@ -211,7 +232,7 @@ def _stub_launch(monkeypatch):
 
 
 def _row_compress(x):
-    payload, scales = row_kernels.row_compress(
+    payload, scales = row_kernels.gluon_compress(
         x, fmt="int8", scale_format="bf16", transform=True, payload_dtype=jnp.int8, payload_rows=x.shape[1]
     )
     return payload.astype(jnp.float32) * scales[..., None]
@@ -294,7 +315,7 @@ def test_decode_matches_reference(fmt, transform, shards, group_size):
     """Every output dtype at an odd row count (a partial last program), against the jnp
     reference to its rounding, and within the codec's error of the exact sum."""
     payload, multiplier = _shards(fmt, "single", transform, shards, 1001, group_size)
-    kw = dict(transform=transform, config=row_kernels.decode_config(shards, transform, requantize=False))
+    kw = dict(transform=transform, config=row_kernels.decode_config(shards, requantize=False))
     for out_dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 2.0**-8), (jnp.float16, 2.0**-10)):
         got = kd.decompress_groups(payload, multiplier, out_dtype=out_dtype, **kw)
         want = kd.decompress_reference(payload, multiplier, out_dtype=out_dtype, transform=transform)
@@ -308,7 +329,7 @@ def test_decode_matches_reference(fmt, transform, shards, group_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group_size", [16, 128])
+@pytest.mark.parametrize("group_size", [16, 128, 512])
 @pytest.mark.parametrize("config", SPLIT_LAYOUTS, ids=str)
 def test_every_split_layout_decodes_and_requantizes(config, group_size):
     """Each split layout (values per thread, rows per thread, warps) against the reference,
@@ -353,11 +374,11 @@ def test_decode_and_requantize_keep_nan_in_its_group(fmt, scale_format):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shards", [1, 2])
 def test_float16_decode_saturates_instead_of_overflowing(shards):
-    """A decoded group (one shard: the row kernel; a sum: the split kernel) past float16's
-    largest finite value clamps to it; NaN stays NaN."""
+    """A decoded group (one shard or a sum) past float16's largest finite value clamps to
+    it (the conversion's `.satfinite`); NaN stays NaN."""
     payload, multiplier = _shards("int8", "single", True, shards, 45, 128)
     multiplier = multiplier.at[:, 3].mul(1e6).at[0, 5].set(jnp.nan)
-    config = row_kernels.decode_config(shards, transform=True, requantize=False)
+    config = row_kernels.decode_config(shards, requantize=False)
     got = np.asarray(kd.decompress_groups(payload, multiplier, transform=True, out_dtype=jnp.float16, config=config))
     assert np.isnan(got[5]).all() and np.isfinite(np.delete(got, 5, axis=0)).all()
     assert np.abs(got[3]).max() == np.finfo(np.float16).max
@@ -416,20 +437,20 @@ def test_default_dispatch_runs_no_pallas_kernel(preset):
         assert "pallas_call" not in jaxpr and "triton_kernel_call" in jaxpr
 
 
-def _row_decode(payload, multiplier):
-    return row_kernels.row_decompress(
+def _one_shard_decode(payload, multiplier):
+    return row_kernels.gluon_decompress(
         payload, multiplier, groups=multiplier.shape[-1], fmt="int8", transform=True, out_dtype=jnp.bfloat16
     )
 
 
-def test_vmapped_row_decode_is_one_launch_over_the_folded_batch(monkeypatch):
+def test_vmapped_decode_is_one_launch_over_the_folded_batch(monkeypatch):
     """Nested vmaps over the payload, with the multipliers mapped by the outer one only:
     one custom call over 2 * 3 batches, the unmapped operand broadcast to them."""
     pytest.importorskip("triton.experimental.gluon")
     _stub_launch(monkeypatch)
     payload = jnp.zeros((2, 3, 1, 4, 32, 128), jnp.int8)
     multiplier = jnp.zeros((2, 1, 4, 32), jnp.float32)
-    traced = jax.jit(jax.vmap(jax.vmap(_row_decode, in_axes=(0, None)))).trace(payload, multiplier)
+    traced = jax.jit(jax.vmap(jax.vmap(_one_shard_decode, in_axes=(0, None)))).trace(payload, multiplier)
     (call,) = _ffi_calls(traced.jaxpr.jaxpr)
     assert [v.aval.shape for v in call.invars] == [(6, 4, 32, 128), (6, 4, 32)]
     assert [v.aval.shape for v in call.outvars] == [(6, 32, 128)]
@@ -443,7 +464,7 @@ def test_vmapped_requantize_is_one_launch_over_the_folded_batch(monkeypatch):
     _stub_launch(monkeypatch)
 
     def requantize(payload, multiplier):
-        return row_kernels.row_decompress(
+        return row_kernels.gluon_decompress(
             payload, multiplier, groups=32, fmt="int8", transform=True, requantize_to="bf16", payload_rows=34
         )
 
@@ -456,7 +477,7 @@ def test_vmapped_requantize_is_one_launch_over_the_folded_batch(monkeypatch):
 @pytest.mark.parametrize(
     "kernel, fmt, out, shards, transform",
     [
-        ("row", "e4m3", "*bf16", 1, True),
+        ("split", "e4m3", "*bf16", 1, True),
         ("split", "int8", "*fp32", 4, False),
         ("split", "e5m2", "*fp16", 8, True),
         ("split", "e4m3", "*bf16", 1, False),
@@ -470,15 +491,10 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     shuffles)."""
     pytest.importorskip("triton.experimental.gluon")
     codes = row_kernels.POINTER_TYPES[formats.wire_format(fmt).dtype]
-    dtypes = {"*bf16": jnp.bfloat16, "*fp32": jnp.float32, "*fp16": jnp.float16}
-    config = row_kernels.decode_config(shards, bool(transform), requantize=kernel == "requantize")
-    inv_sqrt = row_kernels._inverse_sqrt(128)
-    if kernel == "row":
-        function, types = row_kernels.taco_row_decode, [codes, "*fp32", out, "i32", "i64"]
-        constexprs = dict(G=128, INV_SQRT=inv_sqrt, **row_kernels._row_constexprs(128, config, jnp.int8, dtypes[out]))
-    elif kernel == "split":
+    config = row_kernels.decode_config(shards, requantize=kernel == "requantize")
+    if kernel == "split":
         function, types = row_kernels.taco_split_decode, [codes, "*fp32", out, "i32", "i64"]
-        constexprs = dict(G=128, SHARDS=shards, TRANSFORM=transform, INV_SQRT=inv_sqrt)
+        constexprs = dict(G=128, SHARDS=shards, TRANSFORM=transform, INV_SQRT=row_kernels._inverse_sqrt(128))
         constexprs |= row_kernels._split_constexprs(128, config)
     else:
         function = row_kernels.taco_split_requantize
@@ -489,28 +505,31 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     compiled = triton_launch.compile_kernel(
         function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
     )
-    assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
-    assert kernel == "row" or compiled.metadata.shared == 0
+    assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"] and compiled.metadata.shared == 0
 
 
-def test_decode_config_names_the_kernel_the_work_needs():
-    """One shard through the transform takes a `RowConfig`, every other decode a
-    `SplitConfig`; the other kind is refused by name. A bad split layout is refused."""
-    assert row_kernels.decode_config(1, transform=True, requantize=False) == ROWS
-    assert row_kernels.decode_config(4, transform=True, requantize=False) == SPLIT
-    assert row_kernels.decode_config(1, transform=False, requantize=False) == row_kernels.SPLIT_ONE_SHARD
-    assert row_kernels.decode_config(2, transform=True, requantize=True) == row_kernels.SPLIT_REQUANTIZE
-    with pytest.raises(ValueError, match="runs the split kernel: pass a SplitConfig"):
-        row_kernels.decode_config(2, transform=True, requantize=True, config=ROWS)
-    with pytest.raises(ValueError, match="runs the split kernel: pass a SplitConfig"):
-        row_kernels.decode_config(1, transform=False, requantize=False, config=ROWS)
-    assert row_kernels.decode_config(1, transform=True, requantize=False, config=SPLIT) == SPLIT
+def test_launch_configs_name_the_kernel_the_work_needs():
+    """Compress: the row kernel up to G = 128, the split kernel above; a `RowConfig` for
+    larger groups is refused. Decode: the split kernel's launch for the work; a
+    `RowConfig` is refused by name. Bad split layouts are refused; V keeps a group
+    within a warp."""
+    assert row_kernels.compress_config(128) == ROWS
+    assert row_kernels.compress_config(256) == row_kernels.SPLIT_COMPRESS
+    with pytest.raises(ValueError, match="at most 128 values, got 512: pass a SplitConfig"):
+        row_kernels.compress_config(512, ROWS)
+    assert row_kernels.decode_config(4, requantize=False) == SPLIT
+    assert row_kernels.decode_config(1, requantize=False) == row_kernels.SPLIT_ONE_SHARD
+    assert row_kernels.decode_config(2, requantize=True) == row_kernels.SPLIT_REQUANTIZE
+    assert row_kernels.decode_config(1, requantize=False, config=SPLIT) == SPLIT
+    with pytest.raises(ValueError, match="are the split kernels: pass a SplitConfig"):
+        row_kernels.decode_config(1, requantize=False, config=ROWS)
     with pytest.raises(ValueError, match="values_per_thread must be one of"):
-        row_kernels.SplitConfig(values_per_thread=128)
+        row_kernels.SplitConfig(values_per_thread=64)
     assert row_kernels.SplitConfig(values_per_thread=32).rows_per_program(16) == 4 * 32
+    assert SPLIT.values(512) == 16 and SPLIT.rows_per_program(512) == 4
 
 
-def test_row_decode_refuses_codes_that_are_not_8_bit():
+def test_gluon_decode_refuses_codes_that_are_not_8_bit():
     """Asked for by a Gluon config, the decode names the payload dtype it cannot read."""
     payload = jnp.zeros((1, 4, 128), jnp.float32)
     for config in (ROWS, SPLIT):
