@@ -42,8 +42,9 @@ from .launch import GLUON_KERNELS, output_struct
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 except ImportError:  # no Triton with Gluon: `supports` is False and nothing below is traced
-    gluon = gl = None
+    gluon = gl = async_copy = None
 
 SCALE_FORMAT_IDS = {"dual": 0, "single": 1, "bf16": 2, "e8m0": 3}
 POINTER_TYPES = {
@@ -63,20 +64,24 @@ class RowConfig:
     groups of at most `ROW_MAX_GROUP` values.
 
     Attributes:
-      num_warps: warps per program; a program takes 32 groups per warp, one per thread.
-        One warp was fastest on the H200 (benchmarks/RESULTS.md).
+      num_warps: warps per program; a tile is 32 groups per warp, one per thread. One
+        warp was fastest on the H200 (benchmarks/RESULTS.md).
+      tiles_per_program: tiles a program takes in turn, each copied into shared memory
+        while the one before is computed: 1, 2, 4 or 8.
     """
 
     num_warps: int = 1
+    tiles_per_program: int = 2
 
     def __post_init__(self):
-        if self.num_warps not in (1, 2, 4, 8):
-            raise ValueError(f"RowConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        for name in ("num_warps", "tiles_per_program"):
+            if getattr(self, name) not in (1, 2, 4, 8):
+                raise ValueError(f"RowConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
 
     def rows_per_program(self, group_size: int) -> int:
-        """Groups one program takes: one per thread."""
+        """Groups one program takes: one per thread in each of its tiles."""
         del group_size  # a whole group per thread, whatever its size
-        return 32 * self.num_warps
+        return 32 * self.num_warps * self.tiles_per_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,10 +281,11 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
 
 
 def _row_constexprs(group_size: int, config: RowConfig, in_dtype, out_dtype) -> dict[str, int]:
-    """The row kernels' layout constexprs: warps, log2 G, and the coalesced vectors of the
-    input and output tiles."""
+    """The row kernel's layout constexprs: warps, tiles per program, log2 G, and the
+    coalesced vectors of the input and output tiles."""
     return dict(
         NUM_WARPS=config.num_warps,
+        TILES=config.tiles_per_program,
         LOG_G=group_size.bit_length() - 1,
         **_vectors(group_size, in_dtype, out_dtype),
     )
@@ -449,24 +455,34 @@ if gluon is not None:
         cols = gl.arange(0, G, layout=gl.SliceLayout(0, layout))
         return rows[:, None] * G + cols[None, :], rows
 
-    @gluon.jit
-    def _load_tile(
-        base, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr, LANES: gl.constexpr
-    ):
-        """Rows [start, start + 32 * NUM_WARPS) of an array of G-wide rows at `base`, in
-        their dtype, in the coalesced layout of VECTOR-wide vectors. Rows past n_rows are
-        not read: their values are undefined, and as every row is computed on its own and
-        they are never stored, nothing depends on them."""
-        offsets, rows = _tile_offsets(G, NUM_WARPS, _tile_layout(NUM_WARPS, VECTOR, LANES))
-        return gl.load(base + start.to(gl.int64) * G + offsets, mask=(start + rows)[:, None] < n_rows)
+    @gluon.constexpr_function
+    def _staging_layout(G, VECTOR):
+        """Shared memory for (rows, G) tiles of the input: each row's VECTOR-wide chunks
+        XOR-swizzled by the row index, so a warp reading one chunk of 32 rows (a group per
+        thread) spreads over the banks instead of hitting one."""
+        return gl.SwizzledSharedLayout(VECTOR, 1, min(G // VECTOR, 8), [1, 0])
 
     @gluon.jit
-    def _load_groups(
-        base, start, n_rows, G: gl.constexpr, NUM_WARPS: gl.constexpr, VECTOR: gl.constexpr, LANES: gl.constexpr
+    def _stage_tile(
+        buffer,
+        base,
+        start,
+        n_rows,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VECTOR: gl.constexpr,
+        LANES: gl.constexpr,
     ):
-        """`_load_tile` as float32, a group per thread."""
-        tile = _load_tile(base, start, n_rows, G, NUM_WARPS, VECTOR, LANES)
-        return gl.convert_layout(tile, _row_layout(G, NUM_WARPS)).to(gl.float32)
+        """Start copying rows [start, start + 32 * NUM_WARPS) of an array of G-wide rows at
+        `base` into the shared `buffer` (cp.async, coalesced VECTOR-wide vectors) and
+        commit them as one group. Rows past n_rows are not read: their values are
+        undefined, and as every row is computed on its own and they are never stored,
+        nothing depends on them."""
+        offsets, rows = _tile_offsets(G, NUM_WARPS, _tile_layout(NUM_WARPS, VECTOR, LANES))
+        async_copy.async_copy_global_to_shared(
+            buffer, base + start.to(gl.int64) * G + offsets, mask=(start + rows)[:, None] < n_rows
+        )
+        async_copy.commit_group()
 
     @gluon.jit
     def _store_groups(
@@ -571,6 +587,48 @@ if gluon is not None:
         return scaled.to(codes_dtype)
 
     @gluon.jit
+    def _compress_staged(
+        buffer,
+        payload_base,
+        scales_base,
+        start,
+        n_rows,
+        G: gl.constexpr,
+        LOG_G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        OUT_VECTOR: gl.constexpr,
+        OUT_LANES: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
+        """Quantize the tile of groups from row `start` whose copy into the shared `buffer`
+        has landed (its group waited for), a group per thread, and store it coalesced."""
+        gl.thread_barrier()  # every thread's copies of the tile have landed
+        groups = buffer.load(_row_layout(G, NUM_WARPS)).to(gl.float32)
+        gl.thread_barrier()  # read before a later tile's copy reuses the buffer
+        values, factor, prescale = _normalize(groups, FMT_MAX, G)
+        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values = _hadamard(values, G, LOG_G, NUM_WARPS)
+            factor = factor * INV_SQRT
+        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
+        codes = _scaled_codes(
+            values,
+            factor,
+            prescale,
+            payload_base.dtype.element_ty,
+            scales_base,
+            rows,
+            rows < n_rows,
+            FMT_MAX,
+            INTEGER,
+            SCALES,
+        )
+        _store_groups(payload_base, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+
+    @gluon.jit
     def taco_row_compress(
         x_ptr,
         payload_ptr,
@@ -580,6 +638,7 @@ if gluon is not None:
         G: gl.constexpr,
         LOG_G: gl.constexpr,
         NUM_WARPS: gl.constexpr,
+        TILES: gl.constexpr,
         IN_VECTOR: gl.constexpr,
         IN_LANES: gl.constexpr,
         OUT_VECTOR: gl.constexpr,
@@ -590,27 +649,55 @@ if gluon is not None:
         INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
     ):
-        start = gl.program_id(0) * (32 * NUM_WARPS)
+        """TILES tiles of 32 * NUM_WARPS groups in turn, each copied into shared memory
+        (two buffers) while the one before is computed."""
+        ROWS: gl.constexpr = 32 * NUM_WARPS
         batch = gl.program_id(1).to(gl.int64)
-        groups = _load_groups(x_ptr + batch * n_rows * G, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
-        values, factor, prescale = _normalize(groups, FMT_MAX, G)
-        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
-            values = _hadamard(values, G, LOG_G, NUM_WARPS)
-            factor = factor * INV_SQRT
-        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
-        codes = _scaled_codes(
-            values,
-            factor,
-            prescale,
-            payload_ptr.dtype.element_ty,
-            scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
-            rows,
-            rows < n_rows,
+        first = gl.program_id(0) * (TILES * ROWS)
+        x_base = x_ptr + batch * n_rows * G
+        payload_base = payload_ptr + batch * payload_rows * G
+        scales_base = scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1)
+        staging = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, ROWS, G], _staging_layout(G, IN_VECTOR))
+        _stage_tile(staging.index(0), x_base, first, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
+        for tile in range(TILES - 1):
+            start = first + tile * ROWS
+            _stage_tile(staging.index((tile + 1) % 2), x_base, start + ROWS, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
+            async_copy.wait_group(1)  # the older group: this tile
+            _compress_staged(
+                staging.index(tile % 2),
+                payload_base,
+                scales_base,
+                start,
+                n_rows,
+                G,
+                LOG_G,
+                NUM_WARPS,
+                OUT_VECTOR,
+                OUT_LANES,
+                TRANSFORM,
+                INV_SQRT,
+                FMT_MAX,
+                INTEGER,
+                SCALES,
+            )
+        async_copy.wait_group(0)
+        _compress_staged(
+            staging.index((TILES - 1) % 2),
+            payload_base,
+            scales_base,
+            first + (TILES - 1) * ROWS,
+            n_rows,
+            G,
+            LOG_G,
+            NUM_WARPS,
+            OUT_VECTOR,
+            OUT_LANES,
+            TRANSFORM,
+            INV_SQRT,
             FMT_MAX,
             INTEGER,
             SCALES,
         )
-        _store_groups(payload_ptr + batch * payload_rows * G, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
 
     @gluon.constexpr_function
     def _pair_conversion(dtype):
