@@ -489,28 +489,23 @@ SPLIT_OPS = (
     "requantize_sum/taco",
     "requantize_sum/taco+",
 )
-# The row kernel's tiles per program (each copied into shared memory while the one before
-# is computed).
-ROW_LAUNCHES = tuple(row_kernels.RowConfig(tiles_per_program=t) for t in (1, 2, 4, 8))
 
 
 def _baselines(name: str, group_size: int) -> list:
     """The launches a split sweep of op `name` starts from: the Pallas kernel's default,
-    and for compress the Gluon kernel's default (`row_kernels.compress_config`) and the
-    row kernel's `ROW_LAUNCHES` where it holds the groups."""
+    and for compress the Gluon kernel's default (`row_kernels.compress_config`)."""
     preset, shards, requantize = SWEEP_OPS[name]
     transformed = PRESETS[preset][2] and not requantize
     if shards:
         return [kd.default_config(group_size, transformed, shards, requantize=requantize)]
-    rows = list(ROW_LAUNCHES) if group_size <= row_kernels.ROW_MAX_GROUP else []
-    return [kc.default_config(group_size, transformed), row_kernels.compress_config(group_size), *rows]
+    return [kc.default_config(group_size, transformed), row_kernels.compress_config(group_size)]
 
 
 def _launch_label(config) -> str:
     if isinstance(config, KernelConfig):
         return "pallas default"
     if isinstance(config, row_kernels.RowConfig):
-        return f"row w{config.num_warps} t{config.tiles_per_program}"
+        return f"row w{config.num_warps}"
     return "v{values_per_thread} r{rows_per_thread} w{num_warps}".format(**dataclasses.asdict(config))
 
 

@@ -3,14 +3,17 @@ GPU thread (the row kernel), and every decode (one shard, a sum of k shards, to 
 dtype or requantized) and the compress of larger groups with a group spread over a few
 lanes (the split kernels).
 
-The row kernel's program loads 32 * num_warps groups as coalesced vectors, and one
-layout conversion through shared memory gives every thread a whole group in its
-registers. The group statistics, the log2 G add/subtract stages of the Walsh-Hadamard
-transform and the quantization then run in registers with no warp shuffle; a second
-conversion stores the results coalesced. It holds groups of at most `ROW_MAX_GROUP`.
-With its per-group scalar math (IEEE divisions and a square root) done once per group,
-it took 19.5 instructions per value where the split compress took 20-27, and ran at
-86-88% of copy against 80-84% (benchmarks/RESULTS.md).
+The row kernel's program copies 32 * num_warps groups into shared memory (cp.async,
+coalesced 16-byte vectors, each row's vectors swizzled so the reads below spread over
+the banks), and every thread reads a whole group from there into its registers. The
+group statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
+quantization then run in registers with no warp shuffle; a layout conversion stores the
+results coalesced. It holds groups of at most `ROW_MAX_GROUP`. With its per-group
+scalar math (IEEE divisions and a square root) done once per group it takes 18.6
+instructions per value, where the split compress took 20-27, and ran at 91-92% of copy
+against 80-84%; staging through registers instead (a load, then a layout conversion)
+took 19.5 and ran at 86-88%, and taking 2-8 tiles per program with the next one's copy
+in flight ran at 77-82% (benchmarks/RESULTS.md).
 
 The split kernels keep the coalesced layout of the codes instead (`SplitConfig`: V
 consecutive values per thread, G / V lanes per group), so nothing goes through shared
@@ -64,24 +67,20 @@ class RowConfig:
     groups of at most `ROW_MAX_GROUP` values.
 
     Attributes:
-      num_warps: warps per program; a tile is 32 groups per warp, one per thread. One
-        warp was fastest on the H200 (benchmarks/RESULTS.md).
-      tiles_per_program: tiles a program takes in turn, each copied into shared memory
-        while the one before is computed: 1, 2, 4 or 8.
+      num_warps: warps per program; a program takes 32 groups per warp, one per thread.
+        One warp was fastest on the H200 (benchmarks/RESULTS.md).
     """
 
     num_warps: int = 1
-    tiles_per_program: int = 2
 
     def __post_init__(self):
-        for name in ("num_warps", "tiles_per_program"):
-            if getattr(self, name) not in (1, 2, 4, 8):
-                raise ValueError(f"RowConfig.{name} must be 1, 2, 4 or 8, got {getattr(self, name)}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"RowConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
 
     def rows_per_program(self, group_size: int) -> int:
-        """Groups one program takes: one per thread in each of its tiles."""
+        """Groups one program takes: one per thread."""
         del group_size  # a whole group per thread, whatever its size
-        return 32 * self.num_warps * self.tiles_per_program
+        return 32 * self.num_warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,11 +280,10 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
 
 
 def _row_constexprs(group_size: int, config: RowConfig, in_dtype, out_dtype) -> dict[str, int]:
-    """The row kernel's layout constexprs: warps, tiles per program, log2 G, and the
-    coalesced vectors of the input and output tiles."""
+    """The row kernel's layout constexprs: warps, log2 G, and the coalesced vectors of the
+    input and output tiles."""
     return dict(
         NUM_WARPS=config.num_warps,
-        TILES=config.tiles_per_program,
         LOG_G=group_size.bit_length() - 1,
         **_vectors(group_size, in_dtype, out_dtype),
     )
@@ -587,48 +585,6 @@ if gluon is not None:
         return scaled.to(codes_dtype)
 
     @gluon.jit
-    def _compress_staged(
-        buffer,
-        payload_base,
-        scales_base,
-        start,
-        n_rows,
-        G: gl.constexpr,
-        LOG_G: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        OUT_VECTOR: gl.constexpr,
-        OUT_LANES: gl.constexpr,
-        TRANSFORM: gl.constexpr,
-        INV_SQRT: gl.constexpr,
-        FMT_MAX: gl.constexpr,
-        INTEGER: gl.constexpr,
-        SCALES: gl.constexpr,
-    ):
-        """Quantize the tile of groups from row `start` whose copy into the shared `buffer`
-        has landed (its group waited for), a group per thread, and store it coalesced."""
-        gl.thread_barrier()  # every thread's copies of the tile have landed
-        groups = buffer.load(_row_layout(G, NUM_WARPS)).to(gl.float32)
-        gl.thread_barrier()  # read before a later tile's copy reuses the buffer
-        values, factor, prescale = _normalize(groups, FMT_MAX, G)
-        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
-            values = _hadamard(values, G, LOG_G, NUM_WARPS)
-            factor = factor * INV_SQRT
-        rows = _rows(start, 32 * NUM_WARPS, _row_layout(G, NUM_WARPS))
-        codes = _scaled_codes(
-            values,
-            factor,
-            prescale,
-            payload_base.dtype.element_ty,
-            scales_base,
-            rows,
-            rows < n_rows,
-            FMT_MAX,
-            INTEGER,
-            SCALES,
-        )
-        _store_groups(payload_base, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
-
-    @gluon.jit
     def taco_row_compress(
         x_ptr,
         payload_ptr,
@@ -638,7 +594,6 @@ if gluon is not None:
         G: gl.constexpr,
         LOG_G: gl.constexpr,
         NUM_WARPS: gl.constexpr,
-        TILES: gl.constexpr,
         IN_VECTOR: gl.constexpr,
         IN_LANES: gl.constexpr,
         OUT_VECTOR: gl.constexpr,
@@ -649,55 +604,34 @@ if gluon is not None:
         INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
     ):
-        """TILES tiles of 32 * NUM_WARPS groups in turn, each copied into shared memory
-        (two buffers) while the one before is computed."""
+        """A tile of 32 * NUM_WARPS groups copied into shared memory, then quantized a
+        group per thread and stored coalesced."""
         ROWS: gl.constexpr = 32 * NUM_WARPS
+        start = gl.program_id(0) * ROWS
         batch = gl.program_id(1).to(gl.int64)
-        first = gl.program_id(0) * (TILES * ROWS)
-        x_base = x_ptr + batch * n_rows * G
-        payload_base = payload_ptr + batch * payload_rows * G
-        scales_base = scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1)
-        staging = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [2, ROWS, G], _staging_layout(G, IN_VECTOR))
-        _stage_tile(staging.index(0), x_base, first, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
-        for tile in range(TILES - 1):
-            start = first + tile * ROWS
-            _stage_tile(staging.index((tile + 1) % 2), x_base, start + ROWS, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
-            async_copy.wait_group(1)  # the older group: this tile
-            _compress_staged(
-                staging.index(tile % 2),
-                payload_base,
-                scales_base,
-                start,
-                n_rows,
-                G,
-                LOG_G,
-                NUM_WARPS,
-                OUT_VECTOR,
-                OUT_LANES,
-                TRANSFORM,
-                INV_SQRT,
-                FMT_MAX,
-                INTEGER,
-                SCALES,
-            )
+        staging = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [ROWS, G], _staging_layout(G, IN_VECTOR))
+        _stage_tile(staging, x_ptr + batch * n_rows * G, start, n_rows, G, NUM_WARPS, IN_VECTOR, IN_LANES)
         async_copy.wait_group(0)
-        _compress_staged(
-            staging.index((TILES - 1) % 2),
-            payload_base,
-            scales_base,
-            first + (TILES - 1) * ROWS,
-            n_rows,
-            G,
-            LOG_G,
-            NUM_WARPS,
-            OUT_VECTOR,
-            OUT_LANES,
-            TRANSFORM,
-            INV_SQRT,
+        gl.thread_barrier()  # every thread's copies have landed
+        groups = staging.load(_row_layout(G, NUM_WARPS)).to(gl.float32)
+        values, factor, prescale = _normalize(groups, FMT_MAX, G)
+        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values = _hadamard(values, G, LOG_G, NUM_WARPS)
+            factor = factor * INV_SQRT
+        rows = _rows(start, ROWS, _row_layout(G, NUM_WARPS))
+        codes = _scaled_codes(
+            values,
+            factor,
+            prescale,
+            payload_ptr.dtype.element_ty,
+            scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            rows,
+            rows < n_rows,
             FMT_MAX,
             INTEGER,
             SCALES,
         )
+        _store_groups(payload_ptr + batch * payload_rows * G, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
 
     @gluon.constexpr_function
     def _pair_conversion(dtype):

@@ -55,19 +55,6 @@ def test_compress_matches_reference(fmt, scale_format, transform, group_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [1, 4, 8])
-def test_row_compress_takes_its_tiles_in_turn(tiles):
-    """Each program copies its next tile into shared memory while it computes one: every
-    tile count against the reference, with tiles past the last row (45 rows) and a
-    partial last program (1001 rows)."""
-    config = row_kernels.RowConfig(tiles_per_program=tiles)
-    for rows in (45, 1001):
-        _compress_case(
-            _groups(rows, 128, jnp.bfloat16, seed=rows), "int8", "bf16", True, interpret=False, config=config
-        )
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("group_size", [16, 128, 512])
 @pytest.mark.parametrize("config", SPLIT_LAYOUTS, ids=str)
 def test_every_split_layout_compresses(config, group_size):
