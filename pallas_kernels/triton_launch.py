@@ -46,12 +46,19 @@ def local_capability() -> int:
     return capabilities.pop()
 
 
+# The row compress stages its tile with cp.async, which Ampere (sm_80) introduced.
+MIN_CAPABILITY = 80
+
+
 @functools.cache
 def available() -> bool:
-    """Whether Gluon kernels can run here: a CUDA GPU, jaxlib's Triton custom call, and a
-    Triton with Gluon (3.6 or newer)."""
+    """Whether Gluon kernels can run here: CUDA GPUs of compute capability
+    `MIN_CAPABILITY` or newer, jaxlib's Triton custom call, and a Triton with Gluon (3.6
+    or newer)."""
     if gpu_triton is None or not launch.has_cuda():
         return False  # no CUDA GPU, or a jaxlib without the Triton custom call
+    if min(int(device.compute_capability.replace(".", "")) for device in launch.cuda_devices()) < MIN_CAPABILITY:
+        return False  # an older GPU: the Pallas kernels run
     try:
         from triton.experimental import gluon  # noqa: F401  (the import is the check)
     except ImportError:

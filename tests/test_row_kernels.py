@@ -4,6 +4,8 @@ on a GPU, and that the codec dispatches to them by default there, with no Pallas
 kernel on the default path. Off GPU their compilation for sm_90 and their batching
 under vmap are checked (where Triton with Gluon is installed)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import formats, group_codec, row_kernels, triton_launch, wire
+from taco_jax.kernels import formats, group_codec, launch, row_kernels, triton_launch, wire
 from taco_jax.kernels.launch import KernelConfig
 from tests import reference as ref
 from tests.test_kernels import (
@@ -145,6 +147,21 @@ def test_large_groups_compress_and_decode_on_the_split_kernels(group_size):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
 
 
+def test_gluon_kernels_need_an_ampere_or_newer_gpu(monkeypatch):
+    """The row compress stages its tile with cp.async (sm_80): on an older GPU the Gluon
+    kernels are not offered, so the Pallas kernels run."""
+    pytest.importorskip("triton.experimental.gluon")
+    monkeypatch.setattr(triton_launch, "gpu_triton", object())
+    try:
+        for capability, expected in (("7.5", False), ("8.0", True), ("9.0", True)):
+            device = types.SimpleNamespace(compute_capability=capability)
+            monkeypatch.setattr(launch, "cuda_devices", lambda device=device: (device,))
+            triton_launch.available.cache_clear()
+            assert triton_launch.available() is expected, capability
+    finally:
+        triton_launch.available.cache_clear()
+
+
 def test_gluon_kernels_take_8_bit_groups_up_to_512():
     """Off GPU nothing is taken (`supports` needs a CUDA GPU); the work list itself takes
     groups of 16 to 512 in the 8-bit formats, and not int4 or G = 1024."""
@@ -215,8 +232,6 @@ def test_gluon_call_rejects_scalars_out_of_place():
 def _stub_launch(monkeypatch):
     """jaxlib's Triton handles stubbed, so the kernel's custom call traces and lowers
     without a GPU (the compile is `test_compress_kernels_compile_for_sm90`'s)."""
-    import types
-
     call = type("Call", (), {"to_proto": lambda self, name, metadata: b""})
     monkeypatch.setattr(triton_launch, "_loaded", lambda *args: None)
     monkeypatch.setattr(triton_launch, "local_capability", lambda: 90)
