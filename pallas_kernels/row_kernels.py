@@ -722,6 +722,35 @@ if gluon is not None:
         return values
 
     @gluon.jit
+    def _quantize_split(
+        groups,
+        payload_ptr,
+        scales_ptr,
+        offsets,
+        rows,
+        in_range,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
+        """`group_codec.quantize_groups` of a split tile of float32 groups: the codes
+        stored at `payload_ptr` + `offsets`, the packed scales of `rows` at `scales_ptr`
+        (the pointers at the batch's first row; rows out of range are not stored)."""
+        values, factor, prescale = _normalize(groups, FMT_MAX, G)
+        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values = _split_hadamard(values, ROWS, G, VALUES)
+            factor = factor * INV_SQRT
+        codes = _scaled_codes(
+            values, factor, prescale, payload_ptr.dtype.element_ty, scales_ptr, rows, in_range, FMT_MAX, INTEGER, SCALES
+        )
+        gl.store(payload_ptr + offsets, codes, mask=in_range[:, None])
+
+    @gluon.jit
     def taco_split_compress(
         x_ptr,
         payload_ptr,
@@ -742,23 +771,22 @@ if gluon is not None:
         over a group's lanes, and nothing goes through shared memory."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         groups = gl.load(x_ptr + batch * n_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
-        values, factor, prescale = _normalize(groups, FMT_MAX, G)
-        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
-            values = _split_hadamard(values, ROWS, G, VALUES)
-            factor = factor * INV_SQRT
-        codes = _scaled_codes(
-            values,
-            factor,
-            prescale,
-            payload_ptr.dtype.element_ty,
+        _quantize_split(
+            groups,
+            payload_ptr + batch * payload_rows * G,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            offsets,
             rows,
             in_range,
+            ROWS,
+            G,
+            VALUES,
+            TRANSFORM,
+            INV_SQRT,
             FMT_MAX,
             INTEGER,
             SCALES,
         )
-        gl.store(payload_ptr + batch * payload_rows * G + offsets, codes, mask=in_range[:, None])
 
     @gluon.jit
     def taco_split_decode(
@@ -823,17 +851,19 @@ if gluon is not None:
             SHARDS,
             G,
         )
-        values, factor, prescale = _normalize(summed, FMT_MAX, G)
-        codes = _scaled_codes(
-            values,
-            factor,
-            prescale,
-            out_ptr.dtype.element_ty,
+        _quantize_split(  # no transform: the sum is already in the transformed domain
+            summed,
+            out_ptr + batch * payload_rows * G,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            offsets,
             rows,
             in_range,
+            ROWS,
+            G,
+            VALUES,
+            False,
+            1.0,
             FMT_MAX,
             INTEGER,
             SCALES,
         )
-        gl.store(out_ptr + batch * payload_rows * G + offsets, codes, mask=in_range[:, None])
