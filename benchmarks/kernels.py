@@ -361,13 +361,10 @@ def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str,
     return gluon + [("pallas", pallas_default)]
 
 
-def _decode_kernels(
-    fmt: str, shards: int, transform: bool, requantize: bool, pallas_default: KernelConfig
-) -> list[tuple[str, object]]:
+def _decode_kernels(fmt: str, shards: int, requantize: bool, pallas_default: KernelConfig) -> list[tuple[str, object]]:
     """(name, decode function) of the kernels a decode is timed with: the split kernel's
     launch the work runs on by default where `row_kernels.supports` holds ("gluon":
     `row_kernels.decode_config`'s default) and the Pallas kernel's default launch."""
-    del transform  # the split kernels' launch does not depend on it
     pallas = [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
     if not row_kernels.supports(GROUP, jnp.bfloat16, fmt, shards):
         return pallas
@@ -450,7 +447,7 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
             extra = dict(requantize_to=(fmt, scale_format)) if requantize else dict(out_dtype=jnp.bfloat16)
             default = kd.default_config(GROUP, transform and not requantize, shards, requantize=requantize)
             for impl, fn in (
-                *_decode_kernels(fmt, shards, transform, requantize, default),
+                *_decode_kernels(fmt, shards, requantize, default),
                 ("jnp", kd.decompress_reference),
             ):
                 run = jax.jit(lambda ps, ms, fn=fn: [fn(p, m, transform=transform, **extra) for p, m in zip(ps, ms)])
@@ -515,10 +512,11 @@ def sweep_split(key, tokens: int, channels: int, ops: list[str], group_size: int
     after the baselines `_baselines` names."""
     rows_n = tokens * channels // group_size
     xs = [jax.random.normal(jax.random.fold_in(key, i), (rows_n, group_size), jnp.bfloat16) for i in range(4)]
-    launches = dict.fromkeys(dataclasses.replace(c, values_per_thread=c.values(group_size)) for c in SPLIT_LAUNCHES)
+    launches = [dataclasses.replace(c, values_per_thread=c.values(group_size)) for c in SPLIT_LAUNCHES]
     results = []
     for name in ops:
-        for config in (*dict.fromkeys(_baselines(name, group_size)), *launches):
+        # Each launch once: raising V merges launches, and a default may be one of them.
+        for config in dict.fromkeys([*_baselines(name, group_size), *launches]):
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             gpu_ms = device_ms(fn, inputs)
             label = _launch_label(config)
