@@ -96,7 +96,7 @@ def triton_ffi_target() -> str | None:
     which XLA may capture into its command buffers, as jax-triton lowers to), or None on a
     jaxlib that registers only the legacy `triton_kernel_call`."""
     registrations = getattr(getattr(gpu_triton(), "_cuda_triton", None), "registrations", dict)
-    names = registrations()
+    names: dict = registrations()
     return "triton_kernel_call_ffi" if "triton_kernel_call_ffi" in names else None
 
 
