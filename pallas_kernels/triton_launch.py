@@ -148,13 +148,13 @@ def gluon_call(
     call = gpu_triton.TritonKernelCall(loaded, grid[0], grid[1], 1, params)
     backend_config = zlib.compress(call.to_proto(kernel.fn.__name__, b""))
     mesh = jax.typeof(inputs[0]).sharding.mesh
-    # The Triton custom call takes its (compressed proto) backend config as bytes, where
-    # jax's annotation says str.
+    out_types = [_on_mesh(out_type, mesh) for out_type in out_types]
+    if (target := jax_compat.triton_ffi_target()) is not None:
+        return list(jax.ffi.ffi_call(target, out_types)(*inputs, opaque=backend_config))
+    # The legacy Triton custom call takes its (compressed proto) backend config as bytes,
+    # where jax's annotation says str.
     return jax.ffi.ffi_call(  # type: ignore[call-overload]
-        "triton_kernel_call",
-        [_on_mesh(out_type, mesh) for out_type in out_types],
-        custom_call_api_version=2,
-        legacy_backend_config=backend_config,
+        "triton_kernel_call", out_types, custom_call_api_version=2, legacy_backend_config=backend_config
     )(*inputs)
 
 
