@@ -2,7 +2,10 @@
 
 Triton compiles the kernel to PTX for the local GPUs' compute capability; jaxlib's Triton
 custom call (`jax_compat.gpu_triton`, the one jax-triton and the Pallas Triton backend
-drive) loads and launches it inside the XLA program, on XLA's stream. jax-triton's `triton_call`
+drive) loads and launches it inside the XLA program, on XLA's stream. Where jaxlib registers
+the typed-FFI form of that call (`triton_kernel_call_ffi`, what jax-triton lowers to), the
+launch goes through it: XLA captures it into its command buffers (CUDA graphs), whereas
+the legacy `triton_kernel_call` splits them at every launch. jax-triton's `triton_call`
 cannot take these kernels: it builds every kernel from Triton IR without layouts,
 whereas a Gluon kernel states its layouts and is built straight to Triton GPU IR.
 
