@@ -8,7 +8,7 @@ with NCCL_P2P_DISABLE=1 for the slow-link proxy).
 
 Usage:
   python -m benchmarks.step [--mesh 1,1,1] [--model PRESET | --families gpt2,qwen2 --d-model 2048] [--layers 16]
-      [--seq 2048] [--batch 4] [--modes off,taco,taco+,default] [--remat none] [--reference torch] [--steps 10]
+      [--seq 2048] [--batch 4] [--modes off,taco,taco+,default] [--remat none] [--scan-layers] [--reference torch] [--steps 10]
       [--profile] [--out benchmarks/results/step.json]
 
 Overlap rows: `--modes "off,off+overlap,taco+,taco+ +overlap,default"` (with or without
@@ -58,6 +58,7 @@ def measure(
     sequence_parallel: bool,
     profile: bool = False,
     remat: str = "none",
+    scan_layers: bool = False,
 ) -> dict:
     # "default": the trainer's defaults (preset and taco_policy, which probes the link);
     # a preset name: that preset with every tensor message compressed; "pipe:PRESET" or
@@ -84,6 +85,7 @@ def measure(
         steps=1000,
         warmup_steps=1,
         remat=remat,
+        scan_layers=scan_layers,
         out=tempfile.mkdtemp(prefix="step_"),
         **preset,
     )
@@ -125,6 +127,7 @@ def measure(
         "taco": cfg.compression.tensor.preset,
         "taco_policy": cfg.taco_policy,
         "remat": remat,
+        "scan_layers": scan_layers,
         "mesh": list(mesh_shape),
         "step_ms": 1e3 * step_s,
         "tokens_per_s": batch * seq / step_s,
@@ -234,6 +237,7 @@ def main() -> None:
         "suffix (e.g. off+overlap, 'taco+ +overlap') adds tp_overlap=on",
     )
     parser.add_argument("--remat", default="none", help="activation checkpointing (models.transformer.REMAT_POLICIES)")
+    parser.add_argument("--scan-layers", action="store_true", help="run the layers as one scan (default: unrolled)")
     parser.add_argument("--reference", choices=("torch",), help="also time the PyTorch reference step")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the card, for MFU")
     parser.add_argument("--steps", type=int, default=10)
@@ -270,6 +274,7 @@ def main() -> None:
                     args.sequence_parallel,
                     args.profile,
                     args.remat,
+                    args.scan_layers,
                 )
             )
         flops = model_flops_per_token(config, args.seq)
@@ -289,6 +294,7 @@ def main() -> None:
         "batch": args.batch,
         "mesh": list(mesh_shape),
         "remat": args.remat,
+        "scan_layers": args.scan_layers,
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
         "jax": jax.__version__,

@@ -50,6 +50,12 @@ class Parallelism:
       remat: activation checkpointing of each layer: "none" (keep what autodiff
         needs), "dots" (keep the matmul outputs, recompute the rest) or "block"
         (keep only each layer's input, recompute the layer in the backward pass).
+      scan_layers: run the stacked layers as one `lax.scan` loop instead of unrolled.
+        Unrolled (the default) compiles each layer separately, so compile time grows
+        with depth, but the step is faster: a scan stacks what each layer keeps for the
+        backward pass into zero-filled (layers, ...) buffers and copies each layer's
+        slice back out, 12-14% of a one-H200 step of a 16-layer model
+        (`benchmarks/RESULTS.md`).
     """
 
     taco: tj.TacoConfig = tj.TacoConfig.preset("off")
@@ -59,6 +65,7 @@ class Parallelism:
     calibration: tj.calibration.Calibration = tj.calibration.Calibration()
     remat: str = "none"
     overlap: bool | frozenset[str] = False
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overlap", layers.check_overlap(self.overlap))
@@ -198,7 +205,8 @@ def embed(config: ModelConfig, params: dict, tokens, par: Parallelism):
 
 
 def run_layers(config: ModelConfig, layers: dict, x, par: Parallelism):
-    """Apply the stacked `layers` (leading axis = layers) in order with `lax.scan`."""
+    """Apply the stacked `layers` (leading axis = layers) in order: a `lax.scan`, fully
+    unrolled unless `par.scan_layers`."""
     positions = jnp.arange(x.shape[1] * (lax.axis_size(TENSOR_AXIS) if par.sequence_parallel else 1))
 
     def step(carry, layer):
@@ -207,7 +215,7 @@ def run_layers(config: ModelConfig, layers: dict, x, par: Parallelism):
     policy = REMAT_POLICIES[par.remat]
     if policy is not None:
         step = jax.checkpoint(step, policy=policy)
-    return lax.scan(step, x, layers)[0]
+    return lax.scan(step, x, layers, unroll=not par.scan_layers)[0]
 
 
 def final_norm(config: ModelConfig, params: dict, x):

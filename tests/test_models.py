@@ -143,6 +143,44 @@ def test_tp4_loss_and_grads_match_tp1(name):
             assert 0 < worst < 0.15, f"{label}: worst gradient error {worst}"
 
 
+def test_layers_run_unrolled_unless_scanned():
+    """By default the layers run unrolled (no loop left in the program); `scan_layers`
+    runs them as one scan (a loop forward, one backward). Both give the same loss and
+    gradients."""
+    from jax.sharding import PartitionSpec
+
+    from taco_jax.models.api import shard_loss_and_grads
+    from taco_jax.models.params import partition_specs, shard_params
+
+    config = models.preset("qwen2-tiny")
+    mesh = _mesh()
+    params = shard_params(models.init_params(config, jax.random.key(0)), config, mesh)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 17)))
+    specs = partition_specs(config)
+    runs = {}
+    for scan_layers in (False, True):
+        par = Parallelism(scan_layers=scan_layers)
+        fn = jax.jit(
+            jax.shard_map(
+                lambda p, t, par=par: shard_loss_and_grads(config, p, t, par),
+                mesh=mesh,
+                in_specs=(specs, PartitionSpec()),
+                out_specs=(PartitionSpec(), specs),
+                check_vma=False,
+            )
+        )
+        loops = fn.lower(params, tokens).as_text().count("stablehlo.while")
+        runs[scan_layers] = (loops, *fn(params, tokens))
+    (unrolled_loops, loss, grads), (scanned_loops, scanned_loss, scanned_grads) = runs[False], runs[True]
+    assert (unrolled_loops, scanned_loops) == (0, 2)
+    np.testing.assert_allclose(float(loss), float(scanned_loss), rtol=1e-6)
+    for (path, g), expected in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(scanned_grads)):
+        expected = np.asarray(expected)
+        np.testing.assert_allclose(
+            np.asarray(g), expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max(), err_msg=str(path)
+        )
+
+
 def test_compressed_sites_are_named_and_accounted():
     config = models.preset("gpt2-tiny")
     params = models.init_params(config, jax.random.key(0))

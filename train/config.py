@@ -25,8 +25,9 @@ PRESET_FILES = resources.files("taco_jax.configs")
 CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
 # What `--resume` lets differ from the checkpoint's configuration: how long and how
 # often, not what is trained. Turning the data-parallel compression on or off is also
-# allowed (its residuals start at zero, or are dropped), as is recalibrating;
-# decay_steps only where it names the schedule's own horizon (the trainer checks it).
+# allowed (its residuals start at zero, or are dropped), as is recalibrating or how the
+# layers run (collective matmuls, a scanned loop: the same arithmetic); decay_steps
+# only where it names the schedule's own horizon (the trainer checks it).
 RESUMABLE_KEYS = (
     "steps",
     "decay_steps",
@@ -42,6 +43,7 @@ RESUMABLE_KEYS = (
     "taco_data",
     "taco_data_backward",
     "tp_overlap",
+    "scan_layers",
     "out",
 )
 
@@ -185,6 +187,8 @@ class TrainConfig:
       remat: activation checkpointing per layer: "none", "dots" (keep matmul outputs,
         recompute the rest) or "block" (keep each layer's input only); trades
         recomputation for activation memory (benchmarks/step.py measures both).
+      scan_layers: run the layers as one `lax.scan` loop (compile time independent of
+        depth) instead of unrolled (faster step: `models.Parallelism.scan_layers`).
       data: "shakespeare" (byte-level, shipped), a .npy/.bin token file, or a text file
         to tokenize with `tokenizer`.
       tokenizer: local HuggingFace tokenizer folder (tokenizer.json), for a text `data`.
@@ -239,6 +243,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     compute_dtype: str = "float32"
     remat: str = "none"
+    scan_layers: bool = False
     data: str = "shakespeare"
     tokenizer: str = ""
     data_dtype: str = "uint16"

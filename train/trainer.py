@@ -246,6 +246,7 @@ def _parallelism(cfg: TrainConfig, calibration: Calibration) -> Parallelism:
         calibration=calibration,
         remat=cfg.remat,
         overlap=overlap_sites(cfg.tp_overlap),
+        scan_layers=cfg.scan_layers,
     )
 
 
