@@ -91,15 +91,6 @@ def gpu_triton():
     return module if hasattr(module, "TritonKernelCall") else None
 
 
-def triton_ffi_target() -> str | None:
-    """The typed-FFI registration of jaxlib's Triton custom call ("triton_kernel_call_ffi",
-    which XLA may capture into its command buffers, as jax-triton lowers to), or None on a
-    jaxlib that registers only the legacy `triton_kernel_call`."""
-    registrations = getattr(getattr(gpu_triton(), "_cuda_triton", None), "registrations", dict)
-    names: dict = registrations()
-    return "triton_kernel_call_ffi" if "triton_kernel_call_ffi" in names else None
-
-
 def gluon_source(kernel, signature: dict, constexprs: dict, attrs: dict):
     """Triton's compile source for a Gluon kernel (`triton.experimental.gluon._runtime.
     GluonASTSource`, private to Triton; checked on triton 3.6).

@@ -2,10 +2,7 @@
 
 Triton compiles the kernel to PTX for the local GPUs' compute capability; jaxlib's Triton
 custom call (`jax_compat.gpu_triton`, the one jax-triton and the Pallas Triton backend
-drive) loads and launches it inside the XLA program, on XLA's stream. Where jaxlib registers
-the typed-FFI form of that call (`triton_kernel_call_ffi`, what jax-triton lowers to), the
-launch goes through it: XLA captures it into its command buffers (CUDA graphs), whereas
-the legacy `triton_kernel_call` splits them at every launch. jax-triton's `triton_call`
+drive) loads and launches it inside the XLA program, on XLA's stream. jax-triton's `triton_call`
 cannot take these kernels: it builds every kernel from Triton IR without layouts,
 whereas a Gluon kernel states its layouts and is built straight to Triton GPU IR.
 
@@ -151,13 +148,13 @@ def gluon_call(
     call = gpu_triton.TritonKernelCall(loaded, grid[0], grid[1], 1, params)
     backend_config = zlib.compress(call.to_proto(kernel.fn.__name__, b""))
     mesh = jax.typeof(inputs[0]).sharding.mesh
-    out_types = [_on_mesh(out_type, mesh) for out_type in out_types]
-    if (target := jax_compat.triton_ffi_target()) is not None:
-        return list(jax.ffi.ffi_call(target, out_types)(*inputs, opaque=backend_config))
-    # The legacy Triton custom call takes its (compressed proto) backend config as bytes,
-    # where jax's annotation says str.
+    # The Triton custom call takes its (compressed proto) backend config as bytes, where
+    # jax's annotation says str.
     return jax.ffi.ffi_call(  # type: ignore[call-overload]
-        "triton_kernel_call", out_types, custom_call_api_version=2, legacy_backend_config=backend_config
+        "triton_kernel_call",
+        [_on_mesh(out_type, mesh) for out_type in out_types],
+        custom_call_api_version=2,
+        legacy_backend_config=backend_config,
     )(*inputs)
 
 
