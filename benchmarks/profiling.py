@@ -107,13 +107,14 @@ def summarize(events: list[tuple[str, int, int]], calls: int, top: int = 12) -> 
     }
 
 
-def gpu_timeline(call, calls: int = 5) -> dict | None:
+def gpu_timeline(call, calls: int = 5, top: int = 12) -> dict | None:
     """Profile `calls` queued calls of `call()`.
 
     Args:
       call: runs one call of an (already compiled) function and returns its output,
         e.g. `lambda: fn(x)` or a training step that carries its state.
       calls: calls to trace (one sync at the end).
+      top: how many of the longest kernels to list.
 
     Returns:
       `summarize` of the first GPU's kernels, or None off GPU.
@@ -127,4 +128,4 @@ def gpu_timeline(call, calls: int = 5) -> dict | None:
             for _ in range(calls):
                 out = call()
             jax.block_until_ready(out)
-        return summarize(_device_events(Path(trace_dir)), calls)
+        return summarize(_device_events(Path(trace_dir)), calls, top)

@@ -9,7 +9,7 @@ with NCCL_P2P_DISABLE=1 for the slow-link proxy).
 Usage:
   python -m benchmarks.step [--mesh 1,1,1] [--model PRESET | --families gpt2,qwen2 --d-model 2048] [--layers 16]
       [--seq 2048] [--batch 4] [--modes off,taco,taco+,default] [--remat none] [--scan-layers] [--reference torch] [--steps 10]
-      [--profile] [--out benchmarks/results/step.json]
+      [--profile [--profile-kernels 12]] [--out benchmarks/results/step.json]
 
 Overlap rows: `--modes "off,off+overlap,taco+,taco+ +overlap,default"` (with or without
 `--sequence-parallel`) on two GPUs gives `benchmarks/results/step_tp2_overlap_*.json`.
@@ -56,7 +56,7 @@ def measure(
     seq: int,
     steps: int,
     sequence_parallel: bool,
-    profile: bool = False,
+    profile_kernels: int = 0,
     remat: str = "none",
     scan_layers: bool = False,
 ) -> dict:
@@ -137,14 +137,14 @@ def measure(
     }
     if cfg.taco_policy.endswith(".json"):
         row["policy_decisions"] = json.loads(Path(cfg.taco_policy).read_text())["decisions"]
-    if profile:
+    if profile_kernels:  # 0: no profile; else a timeline listing this many kernels
         state = [params, opt_state, feedback]
 
         def one_step():
             *state[:], out = train_step(*state, batches[0], jnp.bool_(False))
             return out
 
-        row["profile"] = profiling.gpu_timeline(one_step, calls=3)
+        row["profile"] = profiling.gpu_timeline(one_step, calls=3, top=profile_kernels)
     return row
 
 
@@ -243,6 +243,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--profile", action="store_true", help="add a GPU timeline summary (benchmarks/profiling.py)")
+    parser.add_argument("--profile-kernels", type=int, default=12, help="the longest kernels the summary lists")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step.json"))
     args = parser.parse_args()
     mesh_shape = tuple(int(d) for d in args.mesh.split(","))
@@ -272,7 +273,7 @@ def main() -> None:
                     args.seq,
                     args.steps,
                     args.sequence_parallel,
-                    args.profile,
+                    args.profile_kernels if args.profile else 0,
                     args.remat,
                     args.scan_layers,
                 )
