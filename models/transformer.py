@@ -54,7 +54,7 @@ class Parallelism:
         Unrolled (the default) compiles each layer separately, so compile time grows
         with depth, but the step is faster: a scan stacks what each layer keeps for the
         backward pass into zero-filled (layers, ...) buffers and copies each layer's
-        slice back out, 12-13% of a one-H200 step of a 16-layer model
+        slice back out, about 12% of a one-H200 step of a 16-layer model
         (`benchmarks/RESULTS.md`).
     """
 
