@@ -20,15 +20,16 @@ from pathlib import Path
 
 import numpy as np
 
+from taco_jax.hlo import dtype_bytes
+
 INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) (copy|copy-start|dynamic-update-slice|broadcast|fusion)\(")
 SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
 
 
 def _nbytes(result_type: str) -> int:
     """Bytes of an HLO result type (a shape or a tuple of shapes)."""
     return sum(
-        int(np.prod([int(d) for d in dims.split(",") if d])) * ITEMSIZE.get(dtype, 4)
+        int(np.prod([int(d) for d in dims.split(",") if d])) * dtype_bytes(dtype)
         for dtype, dims in SHAPE.findall(result_type)
     )
 
