@@ -13,7 +13,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import jax
@@ -22,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import models
+from taco_jax import models, strict_json
 
 
 def temp_bytes(config, mesh, tokens_shape, par: models.Parallelism) -> int:
@@ -66,7 +65,7 @@ def main() -> None:
         "jax": jax.__version__,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"{meta['model']}, batch {args.batch} x seq {args.seq}, TP={args.tensor} with sequence parallelism, bf16")
     print("| variant | temp memory per device (MiB) |")
     print("|---|---|")

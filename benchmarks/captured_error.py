@@ -18,7 +18,6 @@ Usage (GPU):  python -m benchmarks.captured_error --simulate [--models gpt2-mini
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 import taco_jax as tj
 from benchmarks import corpora
-from taco_jax import calibration
+from taco_jax import calibration, strict_json
 from taco_jax.train import trainer
 from taco_jax.train.config import TrainConfig
 
@@ -160,7 +159,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     text = table(results)
     name = f"captured_error_{args.tag}" if args.tag else "captured_error"
-    (args.out / f"{name}.json").write_text(json.dumps(results))
+    (args.out / f"{name}.json").write_text(strict_json.dumps(results))
     (args.out / f"{name}.md").write_text(
         f"Corpus {args.corpus}. Relative RMSE / median per-channel relative error, "
         "median over sites (one round trip)\n\n" + text + "\n"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import platform
 import sys
 import time
@@ -29,6 +28,7 @@ import numpy as np
 
 import taco_jax as tj
 from benchmarks import tp_tensors
+from taco_jax import strict_json
 
 FMTS = ("e4m3", "e5m2", "int8")
 SCALES = ("dual", "single", "bf16", "e8m0")
@@ -151,7 +151,7 @@ def main() -> None:
         "jax": jax.__version__,
         "seconds": round(time.time() - start, 1),
     }
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out} (two-shot all-reduce over TP={args.ranks} partial sums)")
     print(tables(rows))
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -42,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import codec
+from taco_jax import codec, strict_json
 from taco_jax.collectives import chunk_bounds
 from taco_jax.probe import median_ms
 
@@ -232,7 +231,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     print(
         "| op | MiB/rank | preset | route | library ms | bytes + codec ms | vs parts | speed-up vs bf16 | rel. error |"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 import jax
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks.kernels import _as_shards, device_ms, time_ms, torch_copy_tb_per_s
+from taco_jax import strict_json
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import row_kernels
@@ -143,11 +143,11 @@ def main() -> None:
             first_line = next(iter(str(error).strip().splitlines()), "")
             row["error"] = f"{type(error).__name__}: {first_line[:400]}"
         results.append(row)
-        print(json.dumps(row), flush=True)
+        print(strict_json.dumps(row), flush=True)
     meta = dict(shape=SHAPE, group=GROUP, shards=SHARDS, bytes=nbytes, copy_tb_per_s=copy, jax=jax.__version__)
     meta["device"] = jax.devices()[0].device_kind
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_backends.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    (args.out / "decode_backends.json").write_text(strict_json.dumps(dict(meta=meta, results=results), indent=1))
     print("| variant | GPU ms | GPU TB/s | % of copy | max abs error |")
     print("|---|---|---|---|---|")
     for r in results:

@@ -17,7 +17,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from benchmarks.generation_shapes import add_shape_arguments
 from benchmarks.generation_shapes import prompts as shape_prompts
 from benchmarks.profiling import gpu_timeline
 from benchmarks.step import custom_model
-from taco_jax import models
+from taco_jax import models, strict_json
 
 
 def _timed(fn, repeats: int) -> float:
@@ -86,10 +85,10 @@ def main() -> None:
         for mode in args.modes.split(","):
             row = measure(config, mesh, mode, prompts, args.new_tokens, args.repeats, args.profile)
             rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            print(strict_json.dumps(row), file=sys.stderr, flush=True)
     device = f"{jax.devices()[0].device_kind} x {jax.device_count()}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": device, "mesh": args.mesh, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"device": device, "mesh": args.mesh, "rows": rows}, indent=1))
     print(f"| family | mode | prefill ms | prefill tok/s | decode ms/token |  ({device}, mesh {args.mesh})")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -19,7 +19,6 @@ Usage (a trainer run; held-out text from its validation split):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import numpy as np
 
 import taco_jax as tj
 from benchmarks.quality import VARIANTS
-from taco_jax import models
+from taco_jax import models, strict_json
 
 PRESETS = ("off", "fp8", "taco", "taco+", "int4+H")
 
@@ -97,12 +96,12 @@ def main() -> None:
                 "first_split": first,
             }
         )
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        print(strict_json.dumps(rows[-1]), file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items()}
     device = f"{jax.devices()[0].device_kind} x {jax.device_count()}"
     meta = {"run": str(args.run), "model": cfg.model, "step": step, "device": device, "settings": settings}
-    args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({**meta, "rows": rows}, indent=1))
     print(
         f"| preset | perplexity | change vs off | greedy agreement | tokens to first split |  ({cfg.model}, step {step})"
     )

@@ -24,7 +24,6 @@ CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.gra
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from benchmarks import corpora
 from benchmarks.quality import VARIANTS
+from taco_jax import strict_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("fp8", "taco", "taco+", "int4+H")
@@ -178,7 +178,7 @@ def main() -> None:
         results[step] = measure_step(args, off_cfg, model_config, mesh, params, batch_of, corpus.train)
         # Written after every checkpoint, so a run cut short keeps what it measured.
         args.out.write_text(
-            json.dumps({"settings": settings, "device": jax.devices()[0].device_kind, "steps": results})
+            strict_json.dumps({"settings": settings, "device": jax.devices()[0].device_kind, "steps": results})
         )
         print(f"step {step} measured", file=sys.stderr, flush=True)
     print(_table(results))

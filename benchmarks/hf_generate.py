@@ -21,7 +21,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import transformers
 
 from benchmarks.generation_shapes import add_shape_arguments
 from benchmarks.generation_shapes import prompts as shape_prompts
+from taco_jax import strict_json
 
 WAYS = ("dynamic", "static+compile")
 
@@ -136,10 +136,10 @@ def main() -> None:
             except Exception as error:  # a way the installed versions do not run: record why, go on
                 row = {"family": family, "way": way, "error": f"{type(error).__name__}: {str(error)[:500]}"}
             rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            print(strict_json.dumps(row), file=sys.stderr, flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"| family | way | prefill ms | prefill tok/s | decode ms/token |  ({device})")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 from jax._src.pallas.triton import lowering
 
 from benchmarks.kernels import GROUP, PRESETS, SHARDS, SWEEP_OPS
+from taco_jax import strict_json
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import formats
@@ -152,7 +152,7 @@ def main() -> None:
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"jax": jax.__version__, "shards": SHARDS, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"jax": jax.__version__, "shards": SHARDS, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

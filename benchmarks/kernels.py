@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import profiling
+from taco_jax import strict_json
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import group_codec, row_kernels
@@ -585,7 +585,9 @@ def main() -> None:
             "kernels_split_sweep.json" if args.group_size == GROUP else f"kernels_split_sweep_g{args.group_size}.json"
         )
         (args.out / name).write_text(
-            json.dumps({"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": split})
+            strict_json.dumps(
+                {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": split}
+            )
         )
         print(f"| op | launch | GPU ms | % of copy ({copy_bw:.2f} TB/s) |\n|---|---|---|---|")
         for r in split:
@@ -598,7 +600,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
         (args.out / "kernels_sweep.json").write_text(
-            json.dumps(
+            strict_json.dumps(
                 {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "sweep": sweep},
                 indent=1,
             )
@@ -633,7 +635,7 @@ def main() -> None:
         "requantize_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS, requantize=True)),
     }
     (args.out / "kernels.json").write_text(
-        json.dumps(
+        strict_json.dumps(
             {
                 "meta": meta,
                 "correctness": correctness,

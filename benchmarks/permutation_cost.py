@@ -21,7 +21,6 @@ Usage (GPU):  python -m benchmarks.permutation_cost [--out benchmarks/results/pe
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import jax
@@ -30,6 +29,7 @@ import numpy as np
 
 import taco_jax as tj
 from benchmarks.kernels import time_ms
+from taco_jax import strict_json
 
 SHAPES = [(8192, 4096), (16384, 8192)]
 
@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [measure(t, c, preset) for t, c in SHAPES for preset in ("taco", "taco+")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
     print(
         f"{'shape':>12} {'preset':6} {'matmul':>8} {'compress':>9} {'+gather':>8} {'decomp':>8} {'+gather':>8} "
         f"{'codec +%':>9} {'vs GEMM %':>9}"

@@ -14,12 +14,11 @@ Usage:  python -m benchmarks.permutation_error [--out benchmarks/results/permuta
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import taco_jax as tj
 from benchmarks import tp_tensors
-from taco_jax import calibration
+from taco_jax import calibration, strict_json
 
 SPECS = {
     "fp8 (E4M3)": tj.QuantSpec("e4m3", 128, False, "single"),
@@ -43,7 +42,7 @@ def main() -> None:
                     {"tensor": kind, "strategy": strategy, "mode": mode, **calibration.codec_error(x, spec, perm)}
                 )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+    args.out.write_text(strict_json.dumps(rows, indent=1))
     print("| tensor | mode | identity | cluster | interleave |")
     print("|---|---|---|---|---|")
     for kind in tp_tensors.KINDS:

@@ -71,6 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import corpora
+from taco_jax import strict_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -361,7 +362,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=5, metavar=("CORPUS", "MODEL", "VARIANT", "SEED", "LR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(train_one(args, *args.one[:3], int(args.one[3]), float(args.one[4]))))
+        print(strict_json.dumps(train_one(args, *args.one[:3], int(args.one[3]), float(args.one[4]))))
         return
     names, models, variants = args.corpora.split(","), args.models.split(","), args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -421,7 +422,7 @@ def _run_all(args: argparse.Namespace, todo: list[tuple], results: list[dict], p
                 print(error, file=sys.stderr, flush=True)
                 continue
             results.append(result)
-            path.write_text(json.dumps({"settings": settings, "runs": results}))
+            path.write_text(strict_json.dumps({"settings": settings, "runs": results}))
             print(
                 f"  {result['corpus']} {result['model']} {result['variant']:15s} seed {result['seed']} "
                 f"lr {result['lr']:g}: train {result['train_loss']:.4f} val {result['val_loss']:.4f} "
@@ -429,7 +430,7 @@ def _run_all(args: argparse.Namespace, todo: list[tuple], results: list[dict], p
                 file=sys.stderr,
                 flush=True,
             )
-    path.write_text(json.dumps({"settings": settings, "runs": results}))
+    path.write_text(strict_json.dumps({"settings": settings, "runs": results}))
 
 
 def sweep_learning_rate(results: list[dict], corpus: str, model: str, args: argparse.Namespace, earlier: dict) -> dict:

@@ -29,6 +29,8 @@ import json
 import sys
 from pathlib import Path
 
+from taco_jax import strict_json
+
 MIB = 2**20
 
 
@@ -185,7 +187,7 @@ def main() -> None:
     validation = validate(LINKS)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scaling_model.json").write_text(
-        json.dumps(
+        strict_json.dumps(
             {
                 "achieved_tflops": flops / 1e12,
                 "links": [dataclasses.asdict(link) for link in LINKS],

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
 from benchmarks import profiling
-from taco_jax import models
+from taco_jax import models, strict_json
 from taco_jax.train import trainer
 from taco_jax.train.config import TrainConfig
 
@@ -305,7 +305,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.write_text(strict_json.dumps({"meta": meta, "rows": rows}, indent=1))
     print("| family | mode | step ms | tokens/s | MFU | vs first |\n|---|---|---|---|---|---|")
     for r in rows:
         base = next(b for b in rows if b["family"] == r["family"])["step_ms"]

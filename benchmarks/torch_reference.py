@@ -17,7 +17,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -25,6 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from taco_jax import strict_json
 
 
 class Block(nn.Module):
@@ -158,7 +159,7 @@ def main() -> None:
         model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
     else:
         model = qwen2(args.vocab, args.seq, args.d_model, args.layers, args.heads, args.kv_heads, args.d_ff)
-    print(json.dumps(measure(model, args.vocab, args.batch, args.seq, args.steps)))
+    print(strict_json.dumps(measure(model, args.vocab, args.batch, args.seq, args.steps)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ logical axis names that map to the (data, pipe, tensor) mesh in one place
 """
 
 from .api import logits, loss_and_grads, shard_loss_and_grads
-from .config import PRESETS, GPT2Config, ModelConfig, Qwen2Config, check_tensor_parallel, preset
+from .config import PRESETS, GPT2Config, ModelConfig, Qwen2Config, check_tensor_parallel, check_token_ids, preset
 from .generate import generate, prompt_logits
 from .hf import load_hf
 from .params import LOGICAL_RULES, abstract_params, init_params, layout, partition_specs, shard_params
@@ -22,6 +22,7 @@ __all__ = [
     "abstract_params",
     "generate",
     "check_tensor_parallel",
+    "check_token_ids",
     "init_params",
     "layout",
     "load_hf",

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 import taco_jax as tj
 from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 
-from .config import ModelConfig, check_tensor_parallel
+from .config import ModelConfig, check_tensor_parallel, check_token_ids
 from .params import partition_specs, shard_params
 from .transformer import Parallelism, cross_entropy, local_logits
 
@@ -60,9 +60,11 @@ def logits(
       float32 (B, S, vocab_size), sharded over the vocabulary on `mesh`.
 
     Raises:
-      ValueError: the tensor axis does not divide the heads, kv heads, MLP width or
-        vocabulary (or the sequence, with sequence parallelism).
+      ValueError: token ids outside [0, vocab_size); the tensor axis does not divide
+        the heads, kv heads, MLP width or vocabulary (or the sequence, with sequence
+        parallelism).
     """
+    check_token_ids(tokens, config)
     mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)
     batch = P(tj.mesh.data_axis(mesh, tokens.shape[0]))
     fn = jax.shard_map(
@@ -124,7 +126,11 @@ def loss_and_grads(
 
     Returns:
       (loss, grads), grads sharded like the parameters.
+
+    Raises:
+      ValueError: as `logits`.
     """
+    check_token_ids(tokens, config)
     mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)
     specs = partition_specs(config)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import numpy as np
+
 VOCAB_MULTIPLE = 128  # padded vocabulary divides by any power-of-two tensor degree <= 128
 
 
@@ -125,3 +128,27 @@ def check_tensor_parallel(config: ModelConfig, tensor: int) -> None:
             raise ValueError(f"{name}={value} is not divisible by the tensor axis size {tensor}")
     if padded_vocab(config) % tensor:
         raise ValueError(f"padded vocabulary {padded_vocab(config)} is not divisible by the tensor axis size {tensor}")
+
+
+def check_token_ids(tokens, config: ModelConfig, what: str = "tokens") -> None:
+    """Raise ValueError unless `tokens` are integer ids in [0, vocab_size).
+
+    Concrete arrays are checked in full; under tracing (inside jit) only the dtype, as
+    the values are not known: an id out of range would read a padded or clamped
+    embedding row without an error.
+
+    Args:
+      tokens: token ids, any shape.
+      config: the model configuration.
+      what: how the message names them.
+    """
+    dtype = np.dtype(getattr(tokens, "dtype", None) or np.asarray(tokens).dtype)
+    if not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"{what} must be integer token ids, got dtype {dtype}")
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+        raise ValueError(
+            f"{what} hold ids from {int(ids.min())} to {int(ids.max())}, outside the vocabulary [0, {config.vocab_size})"
+        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -92,10 +93,18 @@ class _Sampling:
     top_p: float
 
 
-def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
+def row_keys(key: jax.Array, rows: int) -> jax.Array:
+    """The sampling keys (rows,) of this rank's rows, inside the shard_map: each row's is
+    `key` folded with the row's index in the whole batch (its prompt's index), so that a
+    prompt's draws depend on the seed, the step and its index, never on the mesh."""
+    first = lax.axis_index(DATA_AXIS) * rows
+    return jax.vmap(lambda row: jax.random.fold_in(key, row))(first + jnp.arange(rows))
+
+
+def sample(logits: jax.Array, keys: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Next tokens (B,) from float32 logits (B, V): argmax at temperature 0, else a draw
     from the softmax of logits / temperature restricted to the top_k tokens (0: all) and
-    to the smallest set whose probability reaches top_p."""
+    to the smallest set whose probability reaches top_p, row b drawn with keys[b]."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
@@ -109,7 +118,7 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
         kept = jnp.cumsum(probs, axis=-1) - probs < top_p
         threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
 def _run_layers(config, params, x, positions, par, attend):
@@ -145,7 +154,7 @@ def _prefill_logits(config, par, cache_length, params, tokens, lengths):
 def _prefill(config, par, sampling, cache_length, params, tokens, lengths, key):
     """`_prefill_logits`, then each prompt's first new token."""
     cache, logits = _prefill_logits(config, par, cache_length, params, tokens, lengths)
-    return cache, sample(logits, key, **dataclasses.asdict(sampling))
+    return cache, sample(logits, row_keys(key, logits.shape[0]), **dataclasses.asdict(sampling))
 
 
 def _decode(config, par, sampling, params, tokens, positions, cache, key):
@@ -162,7 +171,7 @@ def _decode(config, par, sampling, params, tokens, positions, cache, key):
     x = _embed(config, params, tokens[:, None], par, positions[:, None])
     hidden, cache = _run_layers(config, params, x, positions[:, None], par, attend)
     logits = _full_logits(config, params, final_norm(config, params, hidden), par)
-    return cache, sample(logits, key, **dataclasses.asdict(sampling))
+    return cache, sample(logits, row_keys(key, logits.shape[0]), **dataclasses.asdict(sampling))
 
 
 def _decode_chunk(config, par, sampling, steps, params, tokens, positions, cache, key, first_step):
@@ -191,7 +200,7 @@ def _check(config: ModelConfig, prompts, max_new_tokens: int, temperature: float
             raise ValueError(f"prompt {index} is empty or not a flat list of token ids")
         if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= config.vocab_size:
             raise ValueError(f"prompt {index} has token ids outside [0, {config.vocab_size})")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > config.max_positions:
@@ -199,8 +208,31 @@ def _check(config: ModelConfig, prompts, max_new_tokens: int, temperature: float
             f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
             f"max_positions {config.max_positions} (the cache length)"
         )
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    _check_sampling(temperature, top_k, top_p)
+
+
+def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_seed_and_dtype(seed: int, dtype) -> None:
+    if not _is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"dtype must be a floating-point dtype (the compute dtype), got {dtype!r}")
 
 
 class _Batch:
@@ -268,6 +300,7 @@ def prompt_logits(
       ValueError: as `generate`.
     """
     _check(config, prompts, 1, 0.0, 0, 1.0)
+    _check_seed_and_dtype(0, dtype)
     batch = _Batch(config, _mesh_or_default(mesh), prompts, 1)
     par = Parallelism(taco or tj.TacoConfig.preset("off"), compute_dtype=jnp.dtype(dtype))
     prefill = batch.compiled(_prefill_logits, config, par, batch.cache_length)
@@ -304,7 +337,9 @@ def generate(
       temperature: 0 is greedy; above, the softmax temperature of sampling.
       top_k: sample among the k most likely tokens (0: all).
       top_p: sample among the most likely tokens whose probability reaches top_p.
-      seed: seed of the sampling key.
+      seed: seed of the sampling key, in [0, 2**32). Prompt i's draw at new token t
+        uses the key folded with t and then i, so the samples depend on the prompts,
+        the seed and the sampling settings, never on the mesh or the batch padding.
       eos_id: stop a sequence after this token (included).
       decode_taco: compression of the decode steps' collectives (None: uncompressed,
         as their few rows per layer are latency-bound).
@@ -316,10 +351,13 @@ def generate(
 
     Raises:
       ValueError: empty prompts, token ids outside the vocabulary, a prompt plus
-        max_new_tokens longer than the model's positions, bad sampling arguments, a
-        pipelined mesh, or a tensor axis that does not divide the (kv) heads.
+        max_new_tokens longer than the model's positions, bad sampling arguments (a
+        temperature that is not finite, a top_k that is not an integer), a seed outside
+        [0, 2**32), a dtype that is not floating-point, a pipelined mesh, or a tensor
+        axis that does not divide the (kv) heads.
     """
     _check(config, prompts, max_new_tokens, temperature, top_k, top_p)
+    _check_seed_and_dtype(seed, dtype)
     off, compute = tj.TacoConfig.preset("off"), jnp.dtype(dtype)
     sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import taco_jax as tj
-from taco_jax import models
+from taco_jax import models, strict_json
 from taco_jax.hlo import dtype_bytes
 from taco_jax.train import trainer
 from taco_jax.train.checkpoint import Checkpointer
@@ -506,7 +506,7 @@ def test_bad_cli_values_are_one_error_line(args, key, capsys):
 
 
 def test_json_outputs_write_non_finite_numbers_as_null():
-    text = trainer.strict_json({"loss": float("nan"), "rows": [1.0, float("inf")], "ok": True})
+    text = strict_json.dumps({"loss": float("nan"), "rows": [1.0, float("inf")], "ok": True})
     assert json.loads(text) == {"loss": None, "rows": [1.0, None], "ok": True}
 
 

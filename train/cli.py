@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 EPILOG = """
 Any config field can also be set as key=value (after the flags), e.g.
@@ -28,10 +29,17 @@ Multi-host: start one process per host with the same flags plus --coordinator HO
 """
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one `error:` line (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import RESUMABLE_KEYS, flat_keys
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m taco_jax.train",
         description="Train a GPT-2 / Qwen2 model with 3-D parallelism (data x pipe x tensor) and "
         "TACO-compressed tensor-parallel communication. Without arguments: a tiny byte-level GPT "
@@ -45,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model preset, e.g. gpt2-tiny, gpt2-small, qwen2-0.5b")
     parser.add_argument("--mesh", help="DATA,PIPE,TENSOR degrees; their product must equal the device count")
     parser.add_argument("--taco", help="compression preset: off | fp8 | taco | taco+")
-    parser.add_argument("--steps", type=int, help="train up to this optimizer step")
-    parser.add_argument("--seed", type=int, help="seed of the parameter init and the data order")
+    parser.add_argument("--steps", help="train up to this optimizer step")
+    parser.add_argument("--seed", help="seed of the parameter init and the data order, in [0, 2**32)")
     parser.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, summary.json, loss.png")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     parser.add_argument(
@@ -112,17 +120,19 @@ def main(argv: list[str] | None = None) -> int:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
         _simulated_cpu_devices(cfg.mesh)
-    from .trainer import TrainingError, calibrate_only, strict_json, train
+    from taco_jax import strict_json
+
+    from .trainer import EXPECTED_FAILURES, calibrate_only, train
 
     try:
         if args.calibrate_only:
             summary = calibrate_only(cfg, resume=args.resume)
         else:
             summary = train(cfg, resume=args.resume, progress=not args.no_progress)
-    except (ValueError, TrainingError) as error:
+    except EXPECTED_FAILURES as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(strict_json(summary, indent=1))
+    print(strict_json.dumps(summary, indent=1))
     if "wire_fraction_by_axis" in summary:
         print(wire_fraction_line(summary["wire_fraction_by_axis"]), file=sys.stderr)
     return 0

@@ -8,18 +8,22 @@ and the mesh a named `MeshShape`. `COMPRESSION_KEYS` maps the flat keys onto the
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import yaml
 
 from taco_jax.models.layers import OVERLAP_SITES
 from taco_jax.models.transformer import REMAT_POLICIES
 from taco_jax.spec import PRESETS, QuantSpec
 
+# Seeds are 32-bit: jax.random.key folds larger ones onto these (2**32 is seed 0).
+SEED_LIMIT = 2**32
 # The preset YAML files (the repository's configs/, installed as package data).
 PRESET_FILES = resources.files("taco_jax.configs")
 CALIBRATION_STRATEGIES = ("auto", "identity", "cluster", "interleave")
@@ -324,26 +328,109 @@ class TrainConfig:
             problems.append(str(error))
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        return problems + self._optimizer_problems() + self._data_problems()
+
+    def _optimizer_problems(self) -> list[str]:
+        """What is wrong with the optimizer's keys (a NaN learning rate, say, would train
+        NaN parameters)."""
+        problems = [
+            _out_of_range("lr", self.lr, above=0.0),
+            _out_of_range("grad_clip", self.grad_clip, above=0.0),
+            _out_of_range("weight_decay", self.weight_decay, at_least=0.0),
+            _out_of_range("min_lr_ratio", self.min_lr_ratio, at_least=0.0, at_most=1.0),
+            _out_of_range("calibration_min_gain", self.calibration_min_gain, at_least=0.0, at_most=1.0),
+        ]
+        problems = [problem for problem in problems if problem]
+        problems += [
+            f"{name} must be in [0, 1), got {getattr(self, name)}"
+            for name in ("beta1", "beta2")
+            if not 0 <= getattr(self, name) < 1
+        ]
+        if not 0 <= self.seed < SEED_LIMIT:
+            problems.append(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.data_seed != -1 and not 0 <= self.data_seed < SEED_LIMIT:
+            problems.append(f"data_seed must be -1 (the seed) or in [0, 2**32), got {self.data_seed}")
+        return problems
+
+    def _data_problems(self) -> list[str]:
+        """What is wrong with the data and run-directory keys."""
+        problems = []
+        try:
+            integer = np.issubdtype(np.dtype(self.data_dtype), np.integer)
+        except TypeError:
+            integer = False
+        if not integer:
+            problems.append(f"data_dtype must be an integer dtype such as uint16 or uint32, got {self.data_dtype!r}")
+        if not self.out.strip():
+            problems.append("out must be a non-empty path (the run directory)")
+        if any(step < 0 for step in self.debug_nan_steps):
+            problems.append(f"debug_nan_steps must be steps >= 0, got {list(self.debug_nan_steps)}")
         return problems
 
 
-def _coerce(name: str, text, kind):
-    """Convert a YAML/CLI value to the key's type."""
+def _out_of_range(
+    name: str, value: float, *, above: float | None = None, at_least: float | None = None, at_most: float = math.inf
+) -> str:
+    """A phrase saying that key `name` is not a finite number in the range, or ""."""
+    low_ok = (above is None or value > above) and (at_least is None or value >= at_least)
+    if math.isfinite(value) and low_ok and value <= at_most:
+        return ""
+    low = f"> {above:g}" if above is not None else f">= {at_least:g}"
+    high = f" and <= {at_most:g}" if math.isfinite(at_most) else ""
+    return f"{name} must be a finite number {low}{high}, got {value}"
+
+
+def _coerce(name: str, value: Any, kind) -> Any:
+    """Convert a YAML/CLI value to the key's type, refusing what would change it (a float
+    truncated to an int, a boolean read as a number, a mapping read as a path).
+
+    Raises:
+      ValueError: naming the key, the type it takes and the value.
+    """
     if kind is MeshShape or typing.get_origin(kind) is tuple:
-        items = text if isinstance(text, (list, tuple)) else [t for t in str(text).replace(" ", "").split(",") if t]
-        return tuple(int(v) for v in items)  # TrainConfig checks and names a mesh
+        if isinstance(value, str):
+            items: list = [t for t in value.replace(" ", "").split(",") if t]
+        else:
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+        return tuple(_integer(name, item) for item in items)  # TrainConfig checks and names a mesh
     if kind is bool:
-        if isinstance(text, bool):
-            return text
-        if str(text).lower() in ("1", "true", "yes", "on"):
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
             return True
-        if str(text).lower() in ("0", "false", "no", "off"):
+        if str(value).lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{name}: expected a boolean, got {text!r}")
-    try:
-        return kind(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected {kind.__name__}, got {text!r}") from None
+        raise ValueError(f"{name}: expected a boolean, got {value!r}")
+    if kind is int:
+        return _integer(name, value)
+    if kind is float:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return kind(value)
+    raise ValueError(f"{name}: expected a string, got {value!r}")
+
+
+def _integer(name: str, value: Any) -> int:
+    """`value` as an int if it is one (an integral float such as 3.0 included).
+
+    Raises:
+      ValueError: a boolean, a fraction, or text that is no integer (naming `name`).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"{name}: expected an integer, got {value!r}")
 
 
 def _key_types() -> dict:
@@ -403,7 +490,12 @@ def load_yaml(path: str | Path) -> dict:
     source: Path | Traversable = file if file.exists() or file.suffix else PRESET_FILES / f"{path}.yaml"
     if not source.is_file():
         raise ValueError(f"config file {path} does not exist (presets: {preset_names()})")
-    values = yaml.safe_load(source.read_text()) or {}
+    try:
+        values = yaml.safe_load(source.read_text()) or {}
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"config file {path} cannot be read: {error}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"config file {path} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of field: value")
     return values

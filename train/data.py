@@ -89,6 +89,10 @@ def load(source: str, *, val_fraction: float, tokenizer: str = "", dtype: str = 
         raise ValueError(f"{path}: expected .npy or .bin tokens, or a text file with tokenizer=FOLDER")
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{path}: expected a 1-D integer token array, got {tokens.dtype} {tokens.shape}")
+    if tokens.size == 0:
+        raise ValueError(f"{path}: holds no tokens")
+    if tokens.min() < 0:
+        raise ValueError(f"{path}: token ids must be >= 0, found {int(tokens.min())}")
     return _split(tokens, val_fraction, int(tokens.max()) + 1, str(path))
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 
 import taco_jax as tj
+from taco_jax import strict_json
 from taco_jax.models.layers import OVERLAP_SITES
 from taco_jax.policy import LinkProfile
 from taco_jax.probe import Message, probe_link
@@ -128,7 +129,7 @@ def choose_overlap(
     chosen = min(times, key=times.__getitem__)
     log(f"tp_overlap=auto: -> {chosen}")
     if out is not None:
-        (out / OVERLAP_FILE).write_text(json.dumps({"seconds": times, "chosen": chosen}, indent=1))
+        (out / OVERLAP_FILE).write_text(strict_json.dumps({"seconds": times, "chosen": chosen}, indent=1))
     return cfg.with_keys(tp_overlap=chosen)
 
 
@@ -170,5 +171,5 @@ def choose(
     path = str(Path(cfg.out) / PROFILE_FILE)
     _measured[path] = profile
     if out is not None:
-        Path(path).write_text(json.dumps({"profile": profile.to_json(), "decisions": decisions}, indent=1))
+        Path(path).write_text(strict_json.dumps({"profile": profile.to_json(), "decisions": decisions}, indent=1))
     return dataclasses.replace(cfg, taco_policy=path)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import models
+from taco_jax import models, strict_json
 from taco_jax.calibration import Calibration
 from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from taco_jax.models.api import sequence_parallel_grads
@@ -29,8 +29,8 @@ from taco_jax.models.transformer import Parallelism
 from taco_jax.probe import Message
 
 from . import data as data_lib
-from . import link_policy
-from .checkpoint import Checkpointer
+from . import link_policy, run_dir
+from .checkpoint import Checkpointer, CheckpointError
 from .config import RESUMABLE_KEYS, TrainConfig, changed_keys, overlap_sites, to_dict
 from .pipeline import bubble_fraction, pipeline_loss
 
@@ -39,7 +39,12 @@ class TrainingError(RuntimeError):
     """Training cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
-def _check_setup(cfg: TrainConfig, model_config: models.ModelConfig, vocab: int) -> None:
+# What the command lines report as one `error:` line: bad input (ValueError), a run that
+# cannot continue, a checkpoint not written, and files that cannot be read or written.
+EXPECTED_FAILURES = (ValueError, TrainingError, CheckpointError, OSError)
+
+
+def _check_setup(cfg: TrainConfig, model_config: models.ModelConfig, corpus: data_lib.TokenData) -> None:
     data, pipe, tensor = cfg.mesh
     models.check_tensor_parallel(model_config, tensor)
     if model_config.n_layers % pipe:
@@ -48,10 +53,17 @@ def _check_setup(cfg: TrainConfig, model_config: models.ModelConfig, vocab: int)
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_positions {model_config.max_positions}")
     if cfg.sequence_parallel and cfg.seq_len % tensor:
         raise ValueError(f"seq_len {cfg.seq_len} is not divisible by tensor={tensor} (sequence parallelism)")
-    if vocab > model_config.vocab_size:
+    if corpus.vocab_size > model_config.vocab_size:
         raise ValueError(
-            f"the data has {vocab} token ids but model {cfg.model} has vocab_size {model_config.vocab_size}"
+            f"the data has token ids up to {corpus.vocab_size - 1} but model {cfg.model} has vocab_size "
+            f"{model_config.vocab_size}"
         )
+    for split, tokens in (("training", corpus.train), ("validation", corpus.val)):
+        if len(tokens) < cfg.seq_len + 2:
+            raise ValueError(
+                f"the {split} split of {corpus.name} has {len(tokens)} tokens; a batch needs at least "
+                f"seq_len + 2 = {cfg.seq_len + 2} (use more data, another val_fraction or a shorter seq_len)"
+            )
     if cfg.sample_tokens < 0 or SAMPLE_PROMPT_TOKENS + cfg.sample_tokens > model_config.max_positions:
         raise ValueError(
             f"sample_tokens {cfg.sample_tokens} must be >= 0 and, after a {SAMPLE_PROMPT_TOKENS}-token prompt, "
@@ -338,10 +350,13 @@ def make_step_functions(
         grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_params = optax.apply_updates(params, updates)
+        # A finite gradient can still make a parameter non-finite (an update that
+        # overflows): the step is skipped then too.
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
         return (
-            keep(optax.apply_updates(params, updates), params),
+            keep(new_params, params),
             keep(new_opt_state, opt_state),
             keep(new_feedback, feedback),
             {"loss": loss, "grad_norm": grad_norm, "ok": ok},
@@ -354,6 +369,11 @@ def make_step_functions(
     eval_fn = _shard_map(cfg, mesh, local_eval, (specs, P(DATA_AXIS)), P())
     jitted = jax.jit(train_step, donate_argnums=(0, 1, 2), out_shardings=(*state_shardings, None))
     return jitted, jax.jit(eval_fn)
+
+
+def _all_finite(tree) -> jax.Array:
+    """Whether every value of every array in `tree` is finite (a scalar bool)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
 def _global_batch(tokens: np.ndarray, mesh) -> jax.Array:
@@ -411,7 +431,7 @@ def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Pa
         collector, taco_config(cfg), strategies=strategies, min_gain=cfg.calibration_min_gain
     )
     if out is not None:
-        (out / "calibration.json").write_text(strict_json({"calibration": calibration.to_json(), "report": report}))
+        strict_json.write(out / "calibration.json", {"calibration": calibration.to_json(), "report": report})
     chosen = ", ".join(
         f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans
     )
@@ -448,9 +468,10 @@ class _StopFlag:
 
 
 class MetricsLog:
-    """metrics.jsonl in the run directory (process 0 only); on resume, lines past the
-    restored step are dropped so the log matches the restored state, and so is a line
-    a crash cut short."""
+    """metrics.jsonl in the run directory (process 0 only), one row per step: on resume,
+    lines past the restored step are dropped so the log matches the restored state, and
+    so is a line a crash cut short; of a step logged twice, the later row is kept. The
+    file is rewritten atomically."""
 
     def __init__(self, path: Path, resume_step: int, enabled: bool):
         self.path, self.enabled = path, enabled
@@ -460,13 +481,15 @@ class MetricsLog:
         rows = [_parsed_row(line) for line in lines]
         if None in rows:
             print(f"{path}: {rows.count(None)} unreadable line(s) dropped (a write cut short)", file=sys.stderr)
-        kept = [line for line, row in zip(lines, rows) if row is not None and row["step"] <= resume_step]
-        path.write_text("".join(line + "\n" for line in kept))
+        by_step = {
+            row["step"]: line for line, row in zip(lines, rows) if row is not None and row["step"] <= resume_step
+        }
+        strict_json.replace_text(path, "".join(by_step[step] + "\n" for step in sorted(by_step)))
 
     def write(self, row: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(strict_json(row) + "\n")
+                f.write(strict_json.dumps(row) + "\n")
 
     def rows(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
@@ -479,21 +502,6 @@ def _parsed_row(line: str) -> dict | None:
     except json.JSONDecodeError:
         return None
     return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
-
-
-def strict_json(value, **kwargs) -> str:
-    """`json.dumps` with NaN and infinities written as null (strict JSON has neither)."""
-
-    def finite(item):
-        if isinstance(item, float) and not np.isfinite(item):
-            return None
-        if isinstance(item, dict):
-            return {key: finite(v) for key, v in item.items()}
-        if isinstance(item, (list, tuple)):
-            return [finite(v) for v in item]
-        return item
-
-    return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> None:
@@ -536,6 +544,13 @@ class _Run:
     bad_total: int = 0
     calibration: Calibration = Calibration()
     calibrated: bool = False
+    lock: run_dir.RunLock | None = None
+
+    def close(self) -> None:
+        """Close the checkpoint manager and release the run directory."""
+        self.checkpoints.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def resumed_config(cfg: TrainConfig, meta: dict, step: int) -> TrainConfig:
@@ -581,10 +596,22 @@ def start_run(cfg: TrainConfig, resume: bool) -> _Run:
     mesh = device_mesh(cfg)
     model_config = models.preset(cfg.model)
     corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
-    _check_setup(cfg, model_config, corpus.vocab_size)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_setup(cfg, model_config, corpus)
+    out, lock = run_dir.prepare(cfg.out, lock=jax.process_index() == 0)
     checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
+    try:
+        run = _initial_run(cfg, mesh, model_config, corpus, out, checkpoints, resume)
+    except BaseException:
+        checkpoints.close()
+        if lock is not None:
+            lock.release()
+        raise
+    run.lock = lock
+    return run
+
+
+def _initial_run(cfg, mesh, model_config, corpus, out, checkpoints, resume: bool) -> _Run:
+    """The run fresh, or restored from `checkpoints` with `resume`."""
     steps = checkpoints.steps()
     if not resume:
         if steps:
@@ -633,8 +660,25 @@ def _restored_run(cfg, mesh, model_config, corpus, out, checkpoints, steps: list
                 f"resuming from step {step}: the newer checkpoint(s) cannot be restored ({'; '.join(failures)})",
                 file=sys.stderr,
             )
+            _set_aside_newer(checkpoints, step)
         return run
     raise ValueError("; ".join(failures))
+
+
+def _set_aside_newer(checkpoints: Checkpointer, step: int) -> None:
+    """Move the checkpoints newer than `step` (which did not restore) aside, so that the
+    resumed run saves those steps anew (orbax declines a step that exists). The main
+    process moves them; the others wait for it and read the folder again."""
+    if jax.process_index() == 0:
+        for newer in checkpoints.steps():
+            if newer > step:
+                moved = checkpoints.set_aside(newer)
+                print(f"set aside the unrestorable checkpoint at step {newer}: {moved}", file=sys.stderr)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("taco_jax set aside unrestorable checkpoints")
+        checkpoints.manager.reload()
 
 
 class _Unrestorable(Exception):
@@ -770,12 +814,14 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
             f"--calibrate-only needs a taco preset (got {cfg.compression.tensor.preset!r}) and calibration_steps >= 1"
         )
     run = start_run(cfg, resume)
-    batch_of = batch_maker(cfg, run.mesh)
-    batches = (batch_of(run.corpus.train, run.step + i, cfg.batch_size) for i in range(cfg.calibration_steps))
-    collector = observe_batches(cfg, run.model_config, run.mesh, run.params, batches)
-    run.checkpoints.close()
-    main_process = jax.process_index() == 0
-    calibration = calibrate_run(cfg, collector, run.out if main_process else None)
+    try:
+        batch_of = batch_maker(cfg, run.mesh)
+        batches = (batch_of(run.corpus.train, run.step + i, cfg.batch_size) for i in range(cfg.calibration_steps))
+        collector = observe_batches(cfg, run.model_config, run.mesh, run.params, batches)
+        main_process = jax.process_index() == 0
+        calibration = calibrate_run(cfg, collector, run.out if main_process else None)
+    finally:
+        run.close()
     return {
         "model": cfg.model,
         "step": run.step,
@@ -827,6 +873,15 @@ def setup_train_loop(cfg: TrainConfig, *, resume: bool = False) -> TrainLoop:
       ValueError: as `train`.
     """
     run = start_run(cfg, resume)
+    try:
+        return _loop_of(run, cfg, resume)
+    except BaseException:
+        run.close()
+        raise
+
+
+def _loop_of(run: _Run, cfg: TrainConfig, resume: bool) -> TrainLoop:
+    """`setup_train_loop`'s work once the run has started."""
     main_process = jax.process_index() == 0
     batch_of = batch_maker(run.cfg, run.mesh)
     first_batch = batch_of(run.corpus.train, 0, run.cfg.batch_size)
@@ -837,7 +892,7 @@ def setup_train_loop(cfg: TrainConfig, *, resume: bool = False) -> TrainLoop:
         run.cfg, run.model_config, run.mesh, run.params, first_batch, run.out if main_process else None
     )
     if main_process and not resume:
-        (run.out / "config.json").write_text(json.dumps(to_dict(run.cfg), indent=1))
+        strict_json.write(run.out / "config.json", to_dict(run.cfg), indent=1)
     shardings = jax.tree.map(lambda x: x.sharding, (run.params, run.opt_state, run.feedback))
     resolved = run.cfg
     observe = (
@@ -1041,6 +1096,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
       TrainingError: `max_bad_steps` consecutive non-finite steps.
     """
     loop = setup_train_loop(cfg, resume=resume)
+    try:
+        return _train_and_summarize(loop, progress)
+    finally:
+        loop.run.close()
+
+
+def _train_and_summarize(loop: TrainLoop, progress: bool) -> dict:
+    """`train`'s work once its loop is set up."""
     run = loop.run
     stop = _StopFlag()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -1060,10 +1123,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
             bar.close()
     if stop.signal_name and (run.checkpoints.latest_step() or 0) < run.step:
         save_checkpoint(loop)
-    run.checkpoints.close()
     summary = _summary(loop, stop.signal_name, time.time() - started)
     if loop.main_process:
-        (run.out / "summary.json").write_text(strict_json(summary, indent=1))
+        strict_json.write(run.out / "summary.json", summary, indent=1)
         rows = loop.log.rows()
         if rows:
             title = f"{run.cfg.model}, mesh {tuple(run.cfg.mesh)}, taco={run.cfg.compression.tensor.preset}"
