@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 from numpy.typing import DTypeLike
 from safetensors import SafetensorError, safe_open
 
 from .config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
+from .params import is_layout_leaf, layout
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -40,33 +42,77 @@ def _read_folder(folder: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _config_from_hf(hf: dict) -> ModelConfig:
+# GPT-2 here is GELU's tanh approximation, as HF's default "gelu_new"; Qwen2 is SiLU.
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+QWEN2_ACTIVATIONS = ("silu",)
+
+
+def _config_from_hf(hf: object) -> ModelConfig:
+    """The model configuration of an HF config.json's contents.
+
+    Raises:
+      ValueError: not a mapping, an unsupported architecture or activation, or a key
+        missing or of the wrong type (naming it).
+    """
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
     kind = hf.get("model_type")
     if kind == "gpt2":
-        d = hf["n_embd"]
+        _check_activation(hf, "activation_function", "gelu_new", GPT2_ACTIVATIONS)
+        d = _integer(hf, "n_embd")
         return GPT2Config(
-            hf["vocab_size"],
-            hf["n_positions"],
+            _integer(hf, "vocab_size"),
+            _integer(hf, "n_positions"),
             d,
-            hf["n_layer"],
-            hf["n_head"],
-            hf.get("n_inner") or 4 * d,
-            hf.get("layer_norm_epsilon", 1e-5),
+            _integer(hf, "n_layer"),
+            _integer(hf, "n_head"),
+            _integer(hf, "n_inner", None) or 4 * d,
+            _number(hf, "layer_norm_epsilon", 1e-5),
         )
     if kind == "qwen2":
+        _check_activation(hf, "hidden_act", "silu", QWEN2_ACTIVATIONS)
+        theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         return Qwen2Config(
-            hf["vocab_size"],
-            hf.get("max_position_embeddings", 32768),
-            hf["hidden_size"],
-            hf["num_hidden_layers"],
-            hf["num_attention_heads"],
-            hf["num_key_value_heads"],
-            hf["intermediate_size"],
-            hf.get("rms_norm_eps", 1e-6),
-            float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            _integer(hf, "vocab_size"),
+            _integer(hf, "max_position_embeddings", 32768),
+            _integer(hf, "hidden_size"),
+            _integer(hf, "num_hidden_layers"),
+            _integer(hf, "num_attention_heads"),
+            _integer(hf, "num_key_value_heads"),
+            _integer(hf, "intermediate_size"),
+            _number(hf, "rms_norm_eps", 1e-6),
+            _number({"rope_theta": theta}, "rope_theta"),
             bool(hf.get("tie_word_embeddings", False)),
         )
     raise ValueError(f"unsupported model_type {kind!r} in config.json; expected 'gpt2' or 'qwen2'")
+
+
+_REQUIRED = object()
+
+
+def _integer(hf: dict, key: str, default=_REQUIRED):
+    """config.json's positive integer `key` (or `default` where it is absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json has no {key}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _number(hf: dict, key: str, default: float | None = None) -> float:
+    """config.json's positive finite number `key` (or `default` where it is absent)."""
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _check_activation(hf: dict, key: str, default: str, supported: tuple[str, ...]) -> None:
+    if hf.get(key, default) not in supported:
+        raise ValueError(f"config.json: {key} {hf.get(key)!r} is not supported; this model computes {supported[0]!r}")
 
 
 class _Tensors:
@@ -164,12 +210,18 @@ def load_hf(path: str | Path, dtype: DTypeLike | None = np.float32) -> tuple[Mod
       tensor-parallel degree (place them with `models.shard_params`).
 
     Raises:
-      ValueError: missing files, an unsupported architecture, or missing tensors (named).
+      ValueError: missing files, an unsupported architecture or activation, a
+        config.json with keys missing or wrong, or tensors missing or of shapes the
+        config does not imply (named).
     """
     folder = Path(path)
     if not (folder / "config.json").exists():
         raise ValueError(f"{folder}: no config.json")
-    config = _config_from_hf(json.loads((folder / "config.json").read_text()))
+    try:
+        hf_config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{folder / 'config.json'} cannot be read: {error}") from None
+    config = _config_from_hf(hf_config)
     if isinstance(config, GPT2Config):
         tensors = _Tensors(_read_folder(folder), ("transformer.",), dtype)
         params = _gpt2_params(tensors, config)
@@ -180,4 +232,22 @@ def load_hf(path: str | Path, dtype: DTypeLike | None = np.float32) -> tuple[Mod
         raise ValueError(
             f"{folder}: {config.family} checkpoint is missing tensors: {sorted(set(tensors.missing))[:10]}"
         )
+    _check_shapes(folder, params, config)
     return config, params
+
+
+def _check_shapes(folder: Path, params: dict, config: ModelConfig) -> None:
+    """Raise ValueError naming every parameter whose shape is not what config.json
+    implies (say, a position table shorter than n_positions)."""
+    expected = jax.tree.map(lambda leaf: leaf[0], layout(config), is_leaf=is_layout_leaf)
+    wrong = [
+        f"{jax.tree_util.keystr(path)} is {tuple(value.shape)}, config.json implies {tuple(shape)}"
+        for (path, value), shape in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0],
+            jax.tree.leaves(expected, is_leaf=lambda leaf: isinstance(leaf, tuple)),
+            strict=True,
+        )
+        if tuple(value.shape) != tuple(shape)
+    ]
+    if wrong:
+        raise ValueError(f"{folder}: tensors do not match config.json: {'; '.join(wrong[:5])}")

@@ -93,8 +93,15 @@ def _decompress_kernel(
     single = shards == 1 and transform and requantize_to is None
     hadamard = load_hadamard(hadamard_ref, config) if transform and requantize_to is None else None
 
-    def dequantized(shard, rows):
-        return _scaled(_codes(payload_ref, shard, rows, message_fmt), multiplier_ref[shard, rows])
+    def scaled_sum(rows):
+        """The shards' sum scaled down by 2**shift (`group_codec.sum_shift`), and shift."""
+        multipliers = tuple(multiplier_ref[shard, rows] for shard in range(shards))
+        shift = group_codec.sum_shift(multipliers)
+        scaled = [
+            _scaled(_codes(payload_ref, shard, rows, message_fmt), formats.times_pow2(multiplier, -shift))
+            for shard, multiplier in enumerate(multipliers)
+        ]
+        return functools.reduce(lambda a, b: tuple(map(jnp.add, a, b)), scaled), shift[:, None]
 
     def decode_block(rows):
         if single:
@@ -105,14 +112,12 @@ def _decompress_kernel(
                 out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
             )
             return
-        summed = dequantized(0, rows)
-        for shard in range(1, shards):
-            summed = tuple(map(jnp.add, summed, dequantized(shard, rows)))
+        summed, shift = scaled_sum(rows)
         if requantize_to is not None:
             fmt, scale_format = requantize_to
             normalized, factor, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
-            payload, entries = group_codec.quantize_scaled(
-                normalized, factor, prescale, fmt, scale_format, in_kernel=True
+            payload, entries = group_codec.quantize_scaled(  # the pre-scale of the unscaled sum
+                normalized, factor, formats.times_pow2(prescale, -shift), fmt, scale_format, in_kernel=True
             )
             store_pieces(out_refs[0], rows, payload)
             for ref, entry in zip(out_refs[1:], entries):
@@ -124,7 +129,8 @@ def _decompress_kernel(
             summed = tuple(
                 piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.transform_method)
             )
-        store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in summed))
+        decoded = tuple(formats.times_pow2(piece, shift) for piece in summed)
+        store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded))
 
     row_loop(payload_ref.shape[1], block, decode_block)
 
@@ -359,12 +365,17 @@ def decompress_reference(
         return formats.saturating_cast(
             hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None], out_dtype
         )
-    summed = jnp.sum(payload.astype(jnp.float32) * multiplier[..., None], axis=0)
+    shift = group_codec.sum_shift(tuple(multiplier))[..., None]  # (N, 1)
+    summed = jnp.sum(payload.astype(jnp.float32) * formats.times_pow2(multiplier[..., None], -shift), axis=0)
     if requantize_to is not None:
         fmt, scale_format = requantize_to
-        return group_codec.quantize_groups(
-            summed, fmt=fmt, group_size=summed.shape[-1], scale_format=scale_format, transform=False
+        groups = summed[:, None, :]  # one group a row, as `group_codec.quantize_groups` lays them out
+        (normalized,), factor, prescale = group_codec.normalize_groups((groups,), formats.wire_format(fmt).max_value)
+        (codes,), entries = group_codec.quantize_scaled(
+            (normalized,), factor, formats.times_pow2(prescale, -shift[:, None]), fmt, scale_format
         )
+        codes = jax.lax.optimization_barrier(codes).reshape(summed.shape)
+        return codes, group_codec.pack_scale_entries(entries, scale_format)
     if transform:
         summed = hadamard_transform(summed)
-    return formats.saturating_cast(summed, out_dtype)
+    return formats.saturating_cast(formats.times_pow2(summed, shift), out_dtype)

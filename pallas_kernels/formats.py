@@ -130,9 +130,12 @@ def cast_to_wire(values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False) 
 def saturating_cast(values: jnp.ndarray, dtype) -> jnp.ndarray:
     """float32 `values` cast to a float `dtype`, values beyond its largest finite value
     clamped to it (a decode's codec error may carry a value near float16's 65504 past it:
-    the plain cast would make it Inf). NaN stays NaN; usable inside kernels."""
+    the plain cast would make it Inf; for float32 output, the decode's own arithmetic
+    overflowed to Inf near float32's largest). NaN stays NaN; usable inside kernels.
+    A decode never sees Inf from its input (a group holding Inf decodes to NaN), so
+    every Inf here is an overflow."""
     dtype = jnp.dtype(dtype)
-    if dtype == values.dtype or not jnp.issubdtype(dtype, jnp.floating):
+    if not jnp.issubdtype(dtype, jnp.floating):
         return values.astype(dtype)
     limit = np.float32(jnp.finfo(dtype).max)
     return jnp.where(jnp.abs(values) > limit, jnp.where(values > 0, limit, -limit), values).astype(dtype)

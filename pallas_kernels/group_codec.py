@@ -112,6 +112,21 @@ def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt
     return jnp.where(jnp.isfinite(absmax) & jnp.isfinite(mean_square), prescale, np.float32(np.nan))
 
 
+def sum_shift(multipliers: Pieces) -> jax.Array:
+    """int32 e >= 0 per group (the shape of one multiplier): the binade of the largest of
+    its shards' decode multipliers, or 0 below 1.
+
+    Decoding a sum of shards as sum(codes * multiplier * 2**-e), transformed, then times
+    2**e keeps every intermediate in float32's range: the products are then at most the
+    codes' magnitude, where multipliers near float32's largest (groups near it, and the
+    transform spreads them further) overflowed to Inf and Inf - Inf made NaN. Powers of
+    two scale exactly, so groups whose multipliers are below 1 (e = 0) and the rest,
+    away from float32's limits, decode bit for bit as they would unscaled.
+    """
+    largest = functools.reduce(jnp.maximum, multipliers)
+    return jnp.maximum(formats.binade_exponent(largest), 0)
+
+
 def quantize_scaled(
     values: Pieces, factor: jax.Array, prescale: jax.Array, fmt: str, scale_format: str, in_kernel: bool = False
 ) -> tuple[Pieces, tuple]:

@@ -425,6 +425,7 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
 
 if gluon is not None:
     PRESCALE_MIN = gl.constexpr(float(group_codec.PRESCALE_MIN))
+    FLOAT32_MAX = gl.constexpr(float(np.finfo(np.float32).max))
     PRESCALE_MAX = gl.constexpr(float(group_codec.PRESCALE_MAX))
     SCALE_MIN = gl.constexpr(float(group_codec.SCALE_MIN))
     ROUNDING_BIAS = gl.constexpr(float(formats.ROUNDING_BIAS))
@@ -644,9 +645,11 @@ if gluon is not None:
     def _saturating_cast(values, dtype: gl.constexpr):
         """`formats.saturating_cast`: float32 to `dtype`, values past its largest finite
         clamped to it, NaN kept: one conversion instruction per pair of values (a compare
-        and two selects per value otherwise)."""
+        and two selects per value otherwise). For float32, a decode that overflowed (a
+        value near its largest plus codec error) is clamped back."""
         if dtype == gl.float32:
-            return values
+            overflowed = gl.abs(values) == float("inf")  # False for NaN, which stays NaN
+            return gl.where(overflowed, gl.where(values > 0, FLOAT32_MAX, -FLOAT32_MAX), values)
         return gl.inline_asm_elementwise(
             _pair_conversion(dtype), "=r,r,r", [values], dtype=dtype.value, is_pure=True, pack=2
         )
@@ -686,15 +689,20 @@ if gluon is not None:
     def _split_sum(
         payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS: gl.constexpr, G: gl.constexpr
     ):
-        """The float32 sum over the shards of codes times their groups' multipliers, on
-        the tile `_split_tile` gives (rows out of range are not read; their values are
-        undefined and never stored); the pointers are at the batch's first shard."""
+        """The float32 sum over the shards of codes times their groups' multipliers scaled
+        by 2**-shift, and shift per row (`group_codec.sum_shift`), on the tile
+        `_split_tile` gives (rows out of range are not read; their values are undefined
+        and never stored); the pointers are at the batch's first shard."""
+        largest = gl.load(multiplier_ptr + rows, mask=in_range)
+        for shard in gl.static_range(1, SHARDS):
+            largest = gl.maximum(largest, gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range))
+        shift = gl.maximum(((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
         summed = gl.zeros_like(offsets, dtype=gl.float32)
         for shard in gl.static_range(SHARDS):
             codes = gl.load(payload_ptr + shard * in_rows * G + offsets, mask=in_range[:, None])
-            multiplier = gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range)
+            multiplier = _times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
             summed = summed + codes.to(gl.float32) * multiplier[:, None]
-        return summed
+        return summed, shift
 
     @gluon.jit
     def _split_hadamard(values, ROWS: gl.constexpr, G: gl.constexpr, VALUES: gl.constexpr):
@@ -814,9 +822,11 @@ if gluon is not None:
             multiplier = gl.load(multiplier_ptr + rows, mask=in_range)
             values = _split_hadamard(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
         else:
-            values = _split_sum(payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS, G)
+            values, shift = _split_sum(payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS, G)
             if TRANSFORM:
                 values = _split_hadamard(values, ROWS, G, VALUES) * INV_SQRT
+            half = shift >> 1
+            values = values * _pow2(half)[:, None] * _pow2(shift - half)[:, None]
         out = _saturating_cast(values, out_ptr.dtype.element_ty)
         gl.store(out_ptr + batch * n_rows * G + offsets, out, mask=in_range[:, None])
 
@@ -840,7 +850,7 @@ if gluon is not None:
     ):
         """The sum of k dequantized shards quantized again (in the transformed domain)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
-        summed = _split_sum(
+        summed, shift = _split_sum(
             payload_ptr + batch * SHARDS * in_rows * G,
             multiplier_ptr + batch * SHARDS * n_rows,
             offsets,
@@ -851,19 +861,20 @@ if gluon is not None:
             SHARDS,
             G,
         )
-        _quantize_split(  # no transform: the sum is already in the transformed domain
-            summed,
-            out_ptr + batch * payload_rows * G,
+        # No transform (the sum is already in the transformed domain); the pre-scale is
+        # the unscaled sum's.
+        values, factor, prescale = _normalize(summed, FMT_MAX, G)
+        out_ptr = out_ptr + batch * payload_rows * G
+        codes = _scaled_codes(
+            values,
+            factor,
+            _times_pow2(prescale, -shift),
+            out_ptr.dtype.element_ty,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
-            offsets,
             rows,
             in_range,
-            ROWS,
-            G,
-            VALUES,
-            False,
-            1.0,
             FMT_MAX,
             INTEGER,
             SCALES,
         )
+        gl.store(out_ptr + offsets, codes, mask=in_range[:, None])

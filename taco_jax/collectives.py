@@ -221,9 +221,15 @@ def planned_spec(
 
 
 def compressible(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> bool:
-    """Whether `config` compresses `x`: a non-empty float array of at least `min_bytes`
-    (an empty one has nothing to send, so it takes the plain collective)."""
-    return x.size > 0 and jnp.issubdtype(x.dtype, jnp.floating) and config.compresses(x.size * x.dtype.itemsize)
+    """Whether `config` compresses `x`: a non-empty float array with at least one axis
+    of at least `min_bytes` (an empty one has nothing to send and a scalar no channels
+    to group, so they take the plain collective)."""
+    return (
+        x.ndim > 0
+        and x.size > 0
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and config.compresses(x.size * x.dtype.itemsize)
+    )
 
 
 def plan_message(
@@ -327,10 +333,11 @@ def _concatenated(pieces: list[jax.Array], axis: int) -> jax.Array:
 
 
 def check_axis(axis: int, ndim: int, what: str) -> int:
-    """`axis` normalized for an array of rank `ndim`; ValueError naming `what` if out of range."""
-    if not -ndim <= axis < max(ndim, 1):
+    """`axis` normalized for an array of rank `ndim`; ValueError naming `what` if out of
+    range (always for a scalar, which has no axis)."""
+    if not -ndim <= axis < ndim:
         raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")
-    return axis % max(ndim, 1)
+    return axis % ndim
 
 
 # ----------------------------------------------------------------------------- ledger

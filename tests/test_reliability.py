@@ -323,11 +323,14 @@ def test_vmapped_collectives_on_the_gpu_match_the_jnp_path(op):
 @pytest.mark.gpu
 def test_simulated_mesh_trains_with_compression_on_the_gpu(tmp_path):
     """`TrainConfig.from_keys(simulate_mesh=True, taco="taco+")` (benchmarks.quality --simulate)
-    trains on one GPU, within codec error of the uncompressed run."""
+    trains on one GPU, within codec error of the uncompressed run, on a corpus the test
+    writes (no optional corpus package needed)."""
     from taco_jax.train import trainer
     from taco_jax.train.config import TrainConfig
     from tests.test_train import SMALL
 
+    corpus = tmp_path / "corpus.npy"
+    np.save(corpus, (np.arange(20_000) * 7 + np.random.default_rng(0).integers(0, 3, 20_000)) % 256)
     losses = {}
     for taco in ("off", "taco+"):
         cfg = TrainConfig.from_keys(
@@ -340,6 +343,7 @@ def test_simulated_mesh_trains_with_compression_on_the_gpu(tmp_path):
                 "simulate_mesh": True,
                 "taco_min_bytes": 0,
                 "calibration_steps": 1,
+                "data": str(corpus),
             }
         )
         trainer.train(cfg, progress=False)

@@ -17,12 +17,10 @@ import orbax.checkpoint as ocp
 
 from taco_jax import strict_json
 
+from .errors import CheckpointError
+
 # Where unrestorable steps are moved, beside the checkpoints folder.
 SET_ASIDE_FOLDER = "unrestorable_checkpoints"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint was not written, or what was written cannot be read back."""
 
 
 class Checkpointer:
@@ -33,12 +31,15 @@ class Checkpointer:
     removed when the next run opens the folder.
     """
 
-    def __init__(self, directory: str | Path, keep: int):
+    def __init__(self, directory: str | Path, keep: int, *, writer: bool = True):
+        """Open (with `writer`, create) the checkpoints folder `directory`, keeping the
+        newest `keep` steps. Only the writer removes what a crash left: a reader beside
+        a running trainer must not delete its save in progress."""
         self.directory = Path(directory).resolve()
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True),
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=writer, cleanup_tmp_directories=writer, read_only=not writer
         )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

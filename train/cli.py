@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         _simulated_cpu_devices(cfg.mesh)
     from taco_jax import strict_json
 
-    from .trainer import EXPECTED_FAILURES, calibrate_only, train
+    from .errors import EXPECTED_FAILURES
+    from .trainer import calibrate_only, train
 
     try:
         if args.calibrate_only:

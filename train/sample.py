@@ -8,9 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+from .errors import EXPECTED_FAILURES
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .cli import OneLineParser
+
+    parser = OneLineParser(
         prog="python -m taco_jax.generate",
         description="Generate text with a model trained by `python -m taco_jax.train` (its newest checkpoint, "
         "model and tokenizer) or an HF checkpoint folder, on a (data, 1, tensor) mesh, prefill messages "
@@ -36,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.prompt_file:
-        prompts += [line for line in Path(args.prompt_file).read_text().splitlines() if line.strip()]
+        try:
+            text = Path(args.prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"--prompt-file {args.prompt_file} cannot be read ({error})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompt-file")
     return prompts
@@ -59,13 +67,26 @@ def _model(args: argparse.Namespace):
     return config, params, codec, f"{args.run} ({cfg.model}, step {step})"
 
 
+def _mesh(text: str) -> list[int]:
+    """--mesh as its three degrees.
+
+    Raises:
+      ValueError: not three positive integers (naming the flag).
+    """
+    try:
+        degrees = [int(d) for d in text.split(",")]
+    except ValueError:
+        degrees = []
+    if len(degrees) != 3 or min(degrees) < 1:
+        raise ValueError(f"--mesh must be three positive integers DATA,1,TENSOR, got {text!r}")
+    return degrees
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        degrees = [int(d) for d in args.mesh.split(",")]
-        if len(degrees) != 3:
-            raise ValueError(f"--mesh must be DATA,1,TENSOR, got {args.mesh!r}")
+        degrees = _mesh(args.mesh)
         from .cli import _simulated_cpu_devices
 
         _simulated_cpu_devices(tuple(degrees))
@@ -95,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             eos_id=args.eos_id,
         )
         seconds = time.perf_counter() - start
-    except ValueError as error:
+    except EXPECTED_FAILURES as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for prompt, tokens in zip(prompts, new, strict=True):

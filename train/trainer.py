@@ -30,18 +30,10 @@ from taco_jax.probe import Message
 
 from . import data as data_lib
 from . import link_policy, run_dir
-from .checkpoint import Checkpointer, CheckpointError
+from .checkpoint import Checkpointer
 from .config import RESUMABLE_KEYS, TrainConfig, changed_keys, overlap_sites, to_dict
+from .errors import TrainingError
 from .pipeline import bubble_fraction, pipeline_loss
-
-
-class TrainingError(RuntimeError):
-    """Training cannot continue (e.g. too many consecutive non-finite steps)."""
-
-
-# What the command lines report as one `error:` line: bad input (ValueError), a run that
-# cannot continue, a checkpoint not written, and files that cannot be read or written.
-EXPECTED_FAILURES = (ValueError, TrainingError, CheckpointError, OSError)
 
 
 def _check_setup(cfg: TrainConfig, model_config: models.ModelConfig, corpus: data_lib.TokenData) -> None:
@@ -722,46 +714,75 @@ def _checkpoint_state(params: dict, opt_state, feedback: dict) -> dict:
 
 
 def restore_params(run_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, models.ModelConfig, dict, int]:
-    """The parameters of a run's checkpoint, on one device.
+    """The parameters of a run's checkpoint, on one device: the newest that restores
+    (an unreadable newer one is skipped with a line saying so, as a resume does).
 
     Args:
       run_dir: the trainer run directory.
-      step: the checkpoint's step (None: the newest).
+      step: the checkpoint's step (None: the newest that restores).
 
     Returns:
       (the run's config, its model config, the parameters, the checkpoint's step).
 
     Raises:
-      ValueError: no config.json, no restorable checkpoint in `run_dir`, or none at `step`.
+      ValueError: no readable config.json, no restorable checkpoint in `run_dir`, or
+        none at `step`.
     """
-    folder = Path(run_dir)
-    try:
-        cfg = TrainConfig.from_keys(**json.loads((folder / "config.json").read_text()))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{folder} is not a trainer run directory (config.json: {error})") from None
+    cfg = _run_config(Path(run_dir))
     model_config = models.preset(cfg.model)
     mesh = tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    checkpoints = Checkpointer(folder / "checkpoints", cfg.keep_checkpoints)
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        raise ValueError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}")
+    checkpoints = Checkpointer(Path(run_dir) / "checkpoints", cfg.keep_checkpoints, writer=False)
     try:
         steps = checkpoints.steps()
         if not steps:
             raise ValueError(f"no checkpoint in {checkpoints.directory}")
         if step is not None and step not in steps:
             raise ValueError(f"no checkpoint at step {step} in {checkpoints.directory} (it has {sorted(steps)})")
-        steps = [steps[0] if step is None else step]
-        tx, _ = make_optimizer(cfg, model_config)
-        params = models.abstract_params(model_config, mesh)
-        opt_state = jax.tree.map(
-            lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-            jax.eval_shape(tx.init, params),
-            optimizer_shardings(tx, params, mesh),
-        )
-        meta = checkpoints.meta(steps[0])
-        feedback = _feedback_layout(cfg, model_config, params, mesh) if meta.get("error_feedback") else {}
-        state, _ = checkpoints.restore(steps[0], _checkpoint_state(params, opt_state, feedback))
+        failures = []
+        for candidate in steps if step is None else [step]:
+            try:
+                params = _restored_params(cfg, model_config, mesh, checkpoints, candidate)
+            except ValueError as error:
+                failures.append(str(error))
+                continue
+            if failures:
+                print(f"using step {candidate}: the newer checkpoint(s) cannot be restored", file=sys.stderr)
+            return cfg, model_config, params, candidate
+        raise ValueError("; ".join(failures))
     finally:
         checkpoints.close()
-    return cfg, model_config, state["params"], steps[0]
+
+
+def _run_config(folder: Path) -> TrainConfig:
+    """The configuration a run directory's config.json holds.
+
+    Raises:
+      ValueError: it is missing, unreadable or not a run configuration.
+    """
+    try:
+        keys = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{folder} is not a trainer run directory (config.json: {error})") from None
+    if not isinstance(keys, dict):
+        raise ValueError(f"{folder / 'config.json'} must hold a mapping of configuration keys")
+    return TrainConfig.from_keys(**keys)
+
+
+def _restored_params(cfg: TrainConfig, model_config, mesh, checkpoints: Checkpointer, step: int) -> dict:
+    """The parameters of checkpoint `step`, restored onto `mesh`."""
+    tx, _ = make_optimizer(cfg, model_config)
+    params = models.abstract_params(model_config, mesh)
+    opt_state = jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        jax.eval_shape(tx.init, params),
+        optimizer_shardings(tx, params, mesh),
+    )
+    meta = checkpoints.meta(step)
+    feedback = _feedback_layout(cfg, model_config, params, mesh) if meta.get("error_feedback") else {}
+    state, _ = checkpoints.restore(step, _checkpoint_state(params, opt_state, feedback))
+    return state["params"]
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -1,0 +1,174 @@
+"""The codec and the compressed collectives at the edges of the input range: every finite
+value of each input dtype, up to its largest, stays finite and within codec error
+(float64 numpy as the reference), through a decode, a sum of shards and every collective;
+and scalars take the plain collective, as `lax` does (8 CPU devices)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import taco_jax as tj
+
+PRESETS = ("fp8", "taco", "taco+")
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+KERNELS = ("jnp", "interpret")
+SHAPE = (4, 256)
+RANKS = 4
+RING = tuple((i, (i + 1) % RANKS) for i in range(RANKS))
+# Relative error of a group (its norm) that every 8-bit preset stays within.
+GROUP_BOUND = 0.1
+
+
+def _values(dtype, binade: int, seed: int, shape=SHAPE, headroom: float = 1.0) -> np.ndarray:
+    """float64 values of magnitude up to 2**binade (capped at the dtype's largest finite
+    value / headroom), spread over four binades, random signs."""
+    rng = np.random.default_rng(seed)
+    largest = float(jnp.finfo(dtype).max) / headroom
+    magnitude = np.minimum(2.0**binade * rng.uniform(1 / 16, 1, shape), largest)
+    return np.asarray(magnitude * rng.choice([-1.0, 1.0], shape), dtype).astype(np.float64)
+
+
+def _group_errors(got: np.ndarray, want: np.ndarray, group_size: int = 128) -> np.ndarray:
+    got, want = got.reshape(-1, group_size), want.reshape(-1, group_size)
+    return np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+
+
+def _binades(dtype):
+    """Every binade of the dtype's normal range, up to one past its largest (capped)."""
+    info = jnp.finfo(dtype)
+    return st.integers(int(np.log2(float(info.tiny))) + 24, int(np.log2(float(info.max))) + 1)
+
+
+@functools.cache
+def _round_trip(preset: str, kernels: str):
+    spec = tj.TacoConfig.preset(preset).forward
+    return jax.jit(lambda x: tj.decompress(tj.compress(x, spec, kernel_mode=kernels), kernel_mode=kernels))
+
+
+@functools.cache
+def _sum_of_shards(preset: str, kernels: str):
+    spec = tj.TacoConfig.preset(preset).forward
+    return jax.jit(lambda x: tj.decompress_sum(tj.compress(x, spec, kernel_mode=kernels), kernel_mode=kernels))
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("preset", PRESETS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_every_finite_value_decodes_finite_and_close(preset, kernels, data, seed):
+    """A decode never overflows: values near the dtype's largest decode within codec
+    error (the decode saturates at the largest finite value), at every magnitude."""
+    dtype = data.draw(st.sampled_from(DTYPES))
+    x = _values(dtype, data.draw(_binades(dtype)), seed)
+    got = np.asarray(_round_trip(preset, kernels)(jnp.asarray(x, dtype)), np.float64)
+    assert np.isfinite(got).all()
+    errors = _group_errors(got, x)
+    assert (errors < GROUP_BOUND).all() and errors.max() > 0
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("preset", PRESETS)
+@settings(max_examples=10, deadline=None)
+@given(shards=st.sampled_from([2, 4]), binade=st.integers(-100, 128), seed=st.integers(0, 2**16))
+def test_float32_sums_of_shards_stay_finite_and_close(preset, kernels, shards, binade, seed):
+    """A sum of k float32 shards whose exact sum is finite decodes finite and within codec
+    error, also where the transformed shards alone would pass float32's largest value
+    (the decode scales the sum down by a power of two first)."""
+    x = _values(jnp.float32, binade, seed, (shards, *SHAPE), headroom=2 * shards)
+    got = np.asarray(_sum_of_shards(preset, kernels)(jnp.asarray(x, jnp.float32)), np.float64)
+    want = x.sum(axis=0)
+    assert np.isfinite(got).all()
+    assert (_group_errors(got, want) < GROUP_BOUND * shards).all()
+
+
+def _collective(op: str, config: tj.TacoConfig):
+    """(compressed, lax) per-rank functions of `op` on the tensor axis."""
+    return {
+        "all_reduce_two_shot": (
+            lambda v: tj.all_reduce(v, "tensor", config, algorithm="two_shot"),
+            lambda v: lax.psum(v, "tensor"),
+        ),
+        "all_reduce_one_shot": (
+            lambda v: tj.all_reduce(v, "tensor", config, algorithm="one_shot"),
+            lambda v: lax.psum(v, "tensor"),
+        ),
+        "reduce_scatter": (
+            lambda v: tj.reduce_scatter(v, "tensor", config),
+            lambda v: lax.psum_scatter(v, "tensor", tiled=True),
+        ),
+        "all_gather": (lambda v: tj.all_gather(v, "tensor", config), lambda v: lax.all_gather(v, "tensor", tiled=True)),
+        "all_gather_stacked": (
+            lambda v: tj.all_gather(v, "tensor", config, tiled=False),
+            lambda v: lax.all_gather(v, "tensor", tiled=False),
+        ),
+        "ppermute": (lambda v: tj.ppermute(v, "tensor", config, perm=RING), lambda v: lax.ppermute(v, "tensor", RING)),
+    }[op]
+
+
+@functools.cache
+def _on_mesh(op: str, preset: str, scalar: bool):
+    """jit(shard_map) of `op` over 4 devices: (compressed, lax), each taking the ranks'
+    inputs stacked on axis 0 and returning the ranks' results stacked on axis 0."""
+    mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
+    config = tj.TacoConfig.preset(preset, min_bytes=0, kernel_mode="jnp")
+    run = lambda fn: jax.jit(
+        jax.shard_map(
+            lambda v: fn(v[0][0] if scalar else v[0])[None],
+            mesh=mesh,
+            in_specs=P("tensor"),
+            out_specs=P("tensor"),
+            check_vma=False,
+        )
+    )
+    return tuple(run(fn) for fn in _collective(op, config))
+
+
+SCALAR_OPS = ("all_reduce_two_shot", "all_reduce_one_shot", "all_gather_stacked", "ppermute")
+OPS = (*SCALAR_OPS, "reduce_scatter", "all_gather")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("op", SCALAR_OPS)
+def test_scalars_take_the_plain_collective(op, preset):
+    """A scalar has no channels to group: every compressed collective that lax defines
+    for scalars sends it plain and gives lax's result (a tiled gather or scatter of a
+    scalar is an error in both)."""
+    compressed, plain = _on_mesh(op, preset, scalar=True)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((RANKS, 1)), jnp.float32)
+    with tj.record_wire() as ledger:
+        got = np.asarray(compressed.trace(x).lower().compile()(x))
+    assert ledger.records and not any(record.compressed for record in ledger.records)
+    np.testing.assert_allclose(got, np.asarray(plain(x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+def test_tiled_scalars_are_refused_as_lax_refuses_them(op):
+    mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
+    compressed, plain = _collective(op, tj.TacoConfig.preset("taco+", min_bytes=0))
+    trace = lambda fn: jax.jit(
+        jax.shard_map(lambda v: fn(v[0][0])[None], mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"))
+    ).trace(jnp.zeros((RANKS, 1), jnp.float32))
+    with pytest.raises((ValueError, IndexError)):  # lax's psum_scatter raises IndexError
+        trace(plain)
+    with pytest.raises(ValueError, match="out of range for an array of rank 0"):
+        trace(compressed)
+
+
+@pytest.mark.parametrize("preset", ["taco", "taco+"])
+@pytest.mark.parametrize("op", OPS)
+def test_float32_near_its_largest_value_through_every_collective(op, preset):
+    """Each rank's values up to float32's largest / (2 x ranks), so that every exact sum
+    is finite: the compressed collective is finite and within codec error of lax's."""
+    compressed, plain = _on_mesh(op, preset, scalar=False)
+    x = _values(jnp.float32, 128, seed=7, shape=(RANKS, 8, 256), headroom=2 * RANKS).astype(np.float32)
+    got, want = np.asarray(compressed(x), np.float64), np.asarray(plain(x), np.float64)
+    assert np.isfinite(want).all() and np.isfinite(got).all()
+    errors = _group_errors(got, want)
+    assert (errors < 2 * GROUP_BOUND).all() and errors.max() > 0
