@@ -243,6 +243,22 @@ def test_clear_errors(hf_folders, tmp_path):
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
         models.load_hf(other)
     folder, _ = hf_folders["gpt2"]
+    configured = tmp_path / "configured"
+    configured.mkdir()
+    (configured / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    hf = json.loads((folder / "config.json").read_text())
+    for changed, message in [
+        ({"n_positions": 128}, r"\['positions'\] is \(64, 64\), config.json implies \(128, 64\)"),
+        ({"activation_function": "relu"}, "activation_function 'relu' is not supported"),
+        ({"n_head": None}, "config.json has no n_head"),
+        ({"n_layer": 2.5}, "n_layer must be a positive integer"),
+    ]:
+        (configured / "config.json").write_text(json.dumps({**hf, **changed}))
+        with pytest.raises(ValueError, match=message):
+            models.load_hf(configured)
+    (configured / "config.json").write_text(json.dumps([hf]))
+    with pytest.raises(ValueError, match="config.json must hold a JSON object, got list"):
+        models.load_hf(configured)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((folder / "config.json").read_text())
@@ -406,6 +422,21 @@ def test_compressed_prefill_and_sampling(hf_folders):
     assert all(len(s) == 8 or s[-1] == greedy[0][2] for s in stopped)
 
 
+def test_samples_do_not_depend_on_the_mesh():
+    """Each prompt's draws are keyed by the seed, the step and the prompt's index: the
+    same call samples the same tokens on one device and on data x tensor meshes (every
+    data rank drew the same numbers before, so four copies of a prompt at data=4 gave one
+    sample), and copies of a prompt get samples of their own."""
+    config = models.preset("gpt2-tiny")
+    params = models.init_params(config, jax.random.key(0))
+    prompts = [[1, 2, 3]] * 4 + [[5, 6, 7, 8, 9]]
+    kwargs = dict(max_new_tokens=6, temperature=1.0, top_k=50, seed=3)
+    single = models.generate(config, params, prompts, mesh=_mesh(), **kwargs)
+    assert len({tuple(s) for s in single[:4]}) == 4
+    for mesh in (_mesh(data=4), _mesh(data=2, tensor=2)):
+        assert models.generate(config, params, prompts, mesh=mesh, **kwargs) == single
+
+
 def test_decode_steps_read_the_weights_where_they_lie():
     """The compiled decode loop's live intermediates stay well below one layer's weights:
     each GEMM reads its layer's buffer in place (a scan over the stacked weights copies
@@ -438,6 +469,11 @@ def test_generation_refuses_bad_input():
         (dict(prompts=[[1] * config.max_positions]), "exceeds the model's max_positions"),
         (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
         (dict(prompts=[[1]], top_p=0.0), "top_p"),
+        (dict(prompts=[[1]], temperature=float("nan")), "temperature must be a finite number"),
+        (dict(prompts=[[1]], top_k=2.7), "top_k must be an integer"),
+        (dict(prompts=[[1]], seed=2**40), r"seed must be an integer in \[0, 2\*\*32\)"),
+        (dict(prompts=[[1]], dtype=jnp.int32), "dtype must be a floating-point dtype"),
+        (dict(prompts=[[1, -1]]), "outside"),
         (dict(prompts=[[1]], mesh=_mesh(pipe=2)), "pipe"),
         (dict(prompts=[[1]], mesh=_mesh(tensor=8)), "not divisible by the tensor axis"),
     ]

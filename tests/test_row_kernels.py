@@ -400,6 +400,29 @@ def test_float16_decode_saturates_instead_of_overflowing(shards):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_float32_decode_near_its_largest_value_matches_the_reference(shards):
+    """Groups scaled (by a power of two) so that the exact sum of the shards nears a
+    quarter of float32's largest value, where the transformed shards alone overflowed:
+    the Gluon decode and requantize are finite and equal the jnp reference."""
+    payload, multiplier = _shards("int8", "bf16", True, shards, 45, 128)
+    unscaled = np.abs(np.asarray(kd.decompress_reference(payload, multiplier, transform=True))).max()
+    multiplier = multiplier * 2.0 ** np.floor(np.log2(np.finfo(np.float32).max / 4 / unscaled))
+    config = row_kernels.decode_config(shards, requantize=False)
+    got = kd.decompress_groups(payload, multiplier, transform=True, out_dtype=jnp.float32, config=config)
+    want = kd.decompress_reference(payload, multiplier, transform=True, out_dtype=jnp.float32)
+    assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(want)).max() > 1e37
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    codes, scales = kd.decompress_groups(payload, multiplier, transform=True, requantize_to=("int8", "bf16"))
+    want_codes, want_scales = kd.decompress_reference(
+        payload, multiplier, transform=True, requantize_to=("int8", "bf16")
+    )
+    assert np.isfinite(np.asarray(scales, np.float32)).all()
+    same_scale = _assert_scales_close(scales, want_scales, "bf16")
+    _assert_payload_close(codes, want_codes, "int8", 0.01, same_scale)
+
+
+@pytest.mark.gpu
 def test_message_decode_and_requantize_match_the_pallas_kernel():
     """Two batches of 4 messages of 45 groups, decoded; one batch requantized into a
     message (payload rows, then the scale rows)."""

@@ -23,9 +23,11 @@ from taco_jax.hlo import dtype_bytes
 from taco_jax.train import trainer
 from taco_jax.train.checkpoint import Checkpointer
 from taco_jax.train.config import TrainConfig, apply_overrides, parse_key_values
-from taco_jax.train.data import batch, load
+from taco_jax.train.data import TokenData, batch, load
 
 ROOT = Path(__file__).resolve().parent.parent
+# A corpus of byte tokens long enough for any split (for setup checks).
+BYTES = TokenData(np.zeros(1000, np.int32), np.zeros(1000, np.int32), 256, "bytes")
 SMALL = dict(model="gpt2-tiny", taco="off", steps=3, batch_size=8, seq_len=32, eval_every=1000, warmup_steps=1)
 
 
@@ -194,12 +196,12 @@ def test_errors_name_the_problem(tmp_path):
         apply_overrides(TrainConfig(), {"learning_rate": "1"})
     with pytest.raises(ValueError, match="batch_size 9 is not divisible"):
         TrainConfig.from_keys(batch_size=9)
-    with pytest.raises(ValueError, match="expected int"):
+    with pytest.raises(ValueError, match="steps: expected an integer"):
         apply_overrides(TrainConfig(), parse_key_values(["steps=many"]))
     with pytest.raises(ValueError, match="3 layers do not split into pipe=2"):
-        trainer._check_setup(TrainConfig.from_keys(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), 256)
+        trainer._check_setup(TrainConfig.from_keys(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), BYTES)
     with pytest.raises(ValueError, match="sample_tokens 4000 must be >= 0 and, after a 32-token prompt, within"):
-        trainer._check_setup(TrainConfig.from_keys(sample_tokens=4000), models.preset("gpt2-tiny"), 256)
+        trainer._check_setup(TrainConfig.from_keys(sample_tokens=4000), models.preset("gpt2-tiny"), BYTES)
     cfg = _cfg(tmp_path, "corrupt", steps=2, checkpoint_every=2)
     trainer.train(cfg, progress=False)
     for path in (Path(cfg.out) / "checkpoints" / "2").rglob("*"):
@@ -637,7 +639,7 @@ def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, cap
     from taco_jax.train import data as data_lib
     from taco_jax.train import sample
 
-    cfg = _cfg(tmp_path, "sampled", steps=3, checkpoint_every=3, sample_tokens=4)
+    cfg = _cfg(tmp_path, "sampled", steps=3, checkpoint_every=1, sample_tokens=4)
     trainer.train(cfg, progress=False)
     restored_cfg, model_config, params, step = trainer.restore_params(cfg.out)
     assert step == 3 and restored_cfg.model == cfg.model
@@ -661,6 +663,17 @@ def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, cap
     assert sample.main(["--run", cfg.out]) == 2 and "error: give at least one --prompt" in capsys.readouterr().err
     assert sample.main(["--run", str(tmp_path), "--prompt", "x"]) == 2
     assert "not a trainer run directory" in capsys.readouterr().err
+    missing = ["--run", cfg.out, "--prompt-file", str(tmp_path / "none.txt")]
+    assert sample.main(missing) == 2 and "error: --prompt-file" in capsys.readouterr().err
+    # The newest checkpoint unreadable: the one before it, as a resume falls back.
+    _corrupt(Path(cfg.out) / "checkpoints" / "3", "state")
+    assert sample.main(args) == 0
+    assert "using step 2: the newer checkpoint(s) cannot be restored" in capsys.readouterr().err
+    for step in (1, 2):
+        _corrupt(Path(cfg.out) / "checkpoints" / str(step), "state")
+    assert sample.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: checkpoint at step 3") and "step 1" in err
 
 
 def test_the_default_demo_says_it_sends_fewer_bytes_than_bf16(tmp_path, capsys):
