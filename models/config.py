@@ -130,7 +130,7 @@ def check_tensor_parallel(config: ModelConfig, tensor: int) -> None:
         raise ValueError(f"padded vocabulary {padded_vocab(config)} is not divisible by the tensor axis size {tensor}")
 
 
-def check_token_ids(tokens, config: ModelConfig, what: str = "tokens") -> None:
+def check_token_ids(tokens: jax.typing.ArrayLike, config: ModelConfig, what: str = "tokens") -> None:
     """Raise ValueError unless `tokens` are integer ids in [0, vocab_size).
 
     Concrete arrays are checked in full; under tracing (inside jit) only the dtype, as
