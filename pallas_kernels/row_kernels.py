@@ -823,10 +823,15 @@ if gluon is not None:
             values = _split_hadamard(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
         else:
             values, shift = _split_sum(payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS, G)
-            if TRANSFORM:
-                values = _split_hadamard(values, ROWS, G, VALUES) * INV_SQRT
+            # One multiply an element undoes the shift (and normalizes the transform):
+            # 2**shift / sqrt(G) is a finite float32 for every finite multiplier.
             half = shift >> 1
-            values = values * _pow2(half)[:, None] * _pow2(shift - half)[:, None]
+            if TRANSFORM:
+                values = _split_hadamard(values, ROWS, G, VALUES)
+                undo = _pow2(half) * INV_SQRT * _pow2(shift - half)
+            else:
+                undo = _pow2(half) * _pow2(shift - half)
+            values = values * undo[:, None]
         out = _saturating_cast(values, out_ptr.dtype.element_ty)
         gl.store(out_ptr + batch * n_rows * G + offsets, out, mask=in_range[:, None])
 
