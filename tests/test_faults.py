@@ -1,7 +1,7 @@
 """No lost work: the real trainer (tiny GPT, CPU) under faults. A corrupt newest
 checkpoint, a crash mid-save, a second trainer on the same run directory, a save that is
-not written, a step that makes a parameter non-finite, and SIGKILL at random points of
-20 runs, after which a resume ends bit-exact with an uninterrupted run."""
+not written, an update that makes the parameters non-finite, and SIGKILL at random
+points of 20 runs, after which a resume ends bit-exact with an uninterrupted run."""
 
 import json
 import os
@@ -19,11 +19,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-import taco_jax as tj
-from taco_jax import models
 from taco_jax.train import cli, run_dir, trainer
 from taco_jax.train.checkpoint import SET_ASIDE_FOLDER, Checkpointer
-from taco_jax.train.config import TrainConfig
 from taco_jax.train.errors import CheckpointError
 from tests.test_train import ROOT, SMALL, _cfg, _cli_args, _rows
 
@@ -114,22 +111,21 @@ def test_a_second_trainer_on_a_run_directory_is_one_line_before_compiling(tmp_pa
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
 
 
-def test_a_step_that_makes_a_parameter_non_finite_is_skipped():
-    """Finite loss and gradients, but an update that overflows a parameter: the step is
-    skipped (parameters and optimizer state kept) as a non-finite gradient is."""
-    cfg = TrainConfig.from_keys(**{**SMALL, "mesh": (1, 1, 1)})
-    config = models.preset(cfg.model)
-    mesh = tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    tx = optax.chain(optax.scale(1e30), optax.scale(1e30))  # finite gradients, Inf updates
-    params, opt_state = trainer.init_state(config, 0, mesh, tx)
-    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, {}))
-    train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
-    tokens = trainer.batch_maker(cfg, mesh)(np.arange(10_000) % 256, 0, cfg.batch_size)
-    before = jax.tree.map(np.asarray, params)
-    new_params, _, _, metrics = train_step(params, opt_state, {}, tokens, jnp.bool_(False))
-    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
-    assert not bool(metrics["ok"])
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new_params), before)
+def test_parameters_made_non_finite_are_never_saved(tmp_path, monkeypatch):
+    """Finite loss and gradients, but an update that overflows the parameters (here an
+    optimizer scaled to Inf): the run stops with an error naming the step before its
+    checkpoint, so the newest checkpoint stays the last finite state."""
+    infinite = optax.chain(optax.scale(1e30), optax.scale(1e30))  # finite gradients, Inf updates
+    make_optimizer = trainer.make_optimizer
+    monkeypatch.setattr(trainer, "make_optimizer", lambda cfg, config: (infinite, make_optimizer(cfg, config)[1]))
+    cfg = _cfg(tmp_path, "overflow", steps=3, checkpoint_every=1)
+    with pytest.raises(trainer.TrainingError, match="at step 1 are not finite although every step's loss"):
+        trainer.train(cfg, progress=False)
+    rows = _strict_rows(Path(cfg.out))
+    assert rows[0]["finite"] and np.isfinite(rows[0]["grad_norm"])
+    checkpoints = Checkpointer(Path(cfg.out) / "checkpoints", 3)
+    assert checkpoints.steps() == []
+    checkpoints.close()
 
 
 # The fault-injection run: enough steps, each with a checkpoint, that random kills land

@@ -342,13 +342,14 @@ def make_step_functions(
         grads = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grads)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
         # A finite gradient can still make a parameter non-finite (an update that
-        # overflows): the step is skipped then too.
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(new_params)
+        # overflows); `save_checkpoint` refuses such a state. Selecting on it here would
+        # make every write wait for a reduction over the new parameters: 8.5% of a 0.91B
+        # step on an H200 (a flag beside the step, 1.5%).
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
         return (
-            keep(new_params, params),
+            keep(optax.apply_updates(params, updates), params),
             keep(new_opt_state, opt_state),
             keep(new_feedback, feedback),
             {"loss": loss, "grad_norm": grad_norm, "ok": ok},
@@ -363,9 +364,11 @@ def make_step_functions(
     return jitted, jax.jit(eval_fn)
 
 
+@jax.jit
 def _all_finite(tree) -> jax.Array:
-    """Whether every value of every array in `tree` is finite (a scalar bool)."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+    """Whether every value of every float array in `tree` is finite (a scalar bool)."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
 
 def _global_batch(tokens: np.ndarray, mesh) -> jax.Array:
@@ -1035,8 +1038,20 @@ def sample_text(loop: TrainLoop) -> str:
 
 
 def save_checkpoint(loop: TrainLoop) -> None:
-    """Checkpoint the run's state at its current step, with what a resume checks."""
+    """Checkpoint the run's state at its current step, with what a resume checks.
+
+    Raises:
+      TrainingError: a parameter or optimizer moment is not finite (an update overflowed
+        where loss and gradient were finite); nothing is saved, so the newest checkpoint
+        stays the last good state.
+    """
     run = loop.run
+    if not _scalar(_all_finite((run.params, run.opt_state))):
+        raise TrainingError(
+            f"the parameters or optimizer state at step {run.step} are not finite although every step's loss and "
+            f"gradient were (an update overflowed: is lr={run.cfg.lr:g} too high?); not saving them, the newest "
+            f"checkpoint is step {run.checkpoints.latest_step()}"
+        )
     meta = {
         "step": run.step,
         "data_position": run.step,
