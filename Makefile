@@ -10,9 +10,11 @@ NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
 # The tests that reach every JAX (and Triton) internal taco_jax uses, and the layers and
-# trainer whose dependencies move with jax: the newest-jax leg.
+# trainer whose dependencies move with jax, and the edge, input and fault tests: the
+# newest-jax leg.
 NEWEST_TESTS := tests/test_reliability.py tests/test_conventions.py tests/test_collectives.py \
-	tests/test_row_kernels.py tests/test_flax.py tests/test_wire.py tests/test_policy.py
+	tests/test_row_kernels.py tests/test_flax.py tests/test_wire.py tests/test_policy.py \
+	tests/test_codec_edges.py tests/test_inputs.py tests/test_faults.py tests/test_sampling.py
 # 8 simulated CPU devices, set before jax is imported.
 CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
