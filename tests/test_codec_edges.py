@@ -172,3 +172,23 @@ def test_float32_near_its_largest_value_through_every_collective(op, preset):
     assert np.isfinite(want).all() and np.isfinite(got).all()
     errors = _group_errors(got, want)
     assert (errors < 2 * GROUP_BOUND).all() and errors.max() > 0
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("op", ["all_reduce_two_shot", "all_reduce_one_shot", "ppermute"])
+def test_scalar_gradients_equal_lax_under_both_conventions(op, check_vma):
+    """The plain path a scalar takes keeps the compressed op's gradient rule: the
+    gradient (taken outside the shard_map) equals lax's, with JAX's varying-axes checks
+    on and off. (A stacked gather of scalars sends a vector back, which compresses.)"""
+    mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
+    compressed, plain = _collective(op, tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode="jnp"))
+
+    def gradient(fn):
+        body = jax.shard_map(
+            lambda v: fn(v[0])[None], mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=check_vma
+        )
+        weights = jnp.arange(1.0, 1.0 + RANKS)
+        return jax.jit(jax.grad(lambda v: jnp.sum(body(v).reshape(RANKS, -1) * weights[:, None])))
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(RANKS), jnp.float32)
+    np.testing.assert_allclose(np.asarray(gradient(compressed)(x)), np.asarray(gradient(plain)(x)), rtol=1e-6)
