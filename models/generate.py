@@ -224,9 +224,12 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _check_seed_and_dtype(seed: int, dtype) -> None:
+def _check_seed(seed: int) -> None:
     if not _is_int(seed) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+
+
+def _check_dtype(dtype) -> None:
     try:
         floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
     except TypeError:
@@ -300,7 +303,7 @@ def prompt_logits(
       ValueError: as `generate`.
     """
     _check(config, prompts, 1, 0.0, 0, 1.0)
-    _check_seed_and_dtype(0, dtype)
+    _check_dtype(dtype)
     batch = _Batch(config, _mesh_or_default(mesh), prompts, 1)
     par = Parallelism(taco or tj.TacoConfig.preset("off"), compute_dtype=jnp.dtype(dtype))
     prefill = batch.compiled(_prefill_logits, config, par, batch.cache_length)
@@ -357,7 +360,8 @@ def generate(
         axis that does not divide the (kv) heads.
     """
     _check(config, prompts, max_new_tokens, temperature, top_k, top_p)
-    _check_seed_and_dtype(seed, dtype)
+    _check_seed(seed)
+    _check_dtype(dtype)
     off, compute = tj.TacoConfig.preset("off"), jnp.dtype(dtype)
     sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)

@@ -69,13 +69,11 @@ def test_a_corrupt_newest_checkpoint_and_a_crash_mid_save_lose_no_step(tmp_path,
     assert trainer.restore_params(out)[3] == 3
 
 
-def test_a_declined_or_unreadable_save_is_an_error():
+def test_a_declined_or_unreadable_save_is_an_error(tmp_path):
     """orbax's save of a step that exists returns False: the checkpointer raises, and a
     checkpoint that does not hold what was saved fails its read-back."""
     state = {"params": {"w": jnp.ones((4, 8))}, "opt_state": (jnp.zeros((), jnp.int32),)}
-    folder = Path(os.environ.get("PYTEST_TMP", "/tmp")) / f"declined-{os.getpid()}"
-    shutil.rmtree(folder, ignore_errors=True)
-    checkpoints = Checkpointer(folder, 3)
+    checkpoints = Checkpointer(tmp_path / "checkpoints", 3)
     try:
         checkpoints.save(1, state, {"step": 1})
         with pytest.raises(CheckpointError, match="checkpoint at step 1 was not written"):
@@ -85,7 +83,6 @@ def test_a_declined_or_unreadable_save_is_an_error():
             checkpoints.verify(1, other)
     finally:
         checkpoints.close()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_second_trainer_on_a_run_directory_is_one_line_before_compiling(tmp_path, capsys, monkeypatch):

@@ -80,7 +80,7 @@ class Checkpointer:
             stored = self.manager.item_metadata(step)["state"]
         except Exception as error:  # orbax raises many types; all mean "not readable"
             raise CheckpointError(
-                f"checkpoint at step {step} in {self.directory} cannot be read back: {type(error).__name__}: {error}"
+                f"checkpoint at step {step} in {self.directory} cannot be read back: {_first_line(error)}"
             ) from error
         if meta["step"] != step or _array_signature(stored) != _array_signature(state):
             raise CheckpointError(
