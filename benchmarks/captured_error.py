@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 import taco_jax as tj
 from benchmarks import corpora
 from taco_jax import calibration, strict_json
-from taco_jax.train import trainer
+from taco_jax.train import data as data_lib
+from taco_jax.train import run_state, trainer
 from taco_jax.train.config import TrainConfig
 
 SPECS = {
@@ -85,8 +86,8 @@ def capture(args: argparse.Namespace, model: str) -> tj.calibration.Collector:
     if not (run_dir / "summary.json").exists():
         trainer.train(trained, progress=False)
     observing = trained.with_keys(taco="taco", calibration_steps=args.batches)
-    run = trainer.start_run(observing, resume=True)
-    batch_of = trainer.batch_maker(observing, run.mesh)
+    run = run_state.start_run(observing, resume=True)
+    batch_of = data_lib.batch_maker(observing, run.mesh)
     batches = [batch_of(run.corpus.val, 10**6 + i, observing.batch_size) for i in range(args.batches)]
     collector = trainer.observe_batches(observing, run.model_config, run.mesh, run.params, batches)
     run.checkpoints.close()

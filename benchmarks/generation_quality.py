@@ -69,10 +69,10 @@ def main() -> None:
     if args.presets[0] != "off" or not set(args.presets) <= set(VARIANTS):
         parser.error(f"--presets must start with off and come from {list(VARIANTS)}")
 
+    from taco_jax.train import compression, run_state
     from taco_jax.train import data as data_lib
-    from taco_jax.train import trainer
 
-    cfg, config, params, step = trainer.restore_params(args.run)
+    cfg, config, params, step = run_state.restore_params(args.run)
     corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
     data, pipe, tensor = (int(d) for d in args.mesh.split(","))
     mesh = tj.make_mesh(data, pipe, tensor, devices=jax.devices()[: data * pipe * tensor])
@@ -82,7 +82,7 @@ def main() -> None:
     for preset in args.presets:
         # The run's tensor compression under the variant's keys, every message compressed
         # (no calibration: identity permutations, the transform where the preset has it).
-        taco = trainer.taco_config(cfg.with_keys(**VARIANTS[preset], taco_min_bytes=0))
+        taco = compression.taco_config(cfg.with_keys(**VARIANTS[preset], taco_min_bytes=0))
         ppl = perplexity(config, params, windows, mesh, taco)
         continued = models.generate(config, params, prompts, mesh=mesh, taco=taco, max_new_tokens=args.new_tokens)
         reference = reference or {"ppl": ppl, "continued": continued}

@@ -67,14 +67,14 @@ def gradient_at(cfg, model_config, mesh, params, calibration_batches):
     """batch -> the run's full gradient (a pytree of float64 numpy arrays) with `cfg`'s
     compression, calibrated on `calibration_batches` where the preset calibrates."""
     from taco_jax.calibration import Calibration
-    from taco_jax.train import trainer
+    from taco_jax.train import calibrate, compression, trainer
 
     calibration = Calibration()
-    if trainer.taco_config(cfg).mode == "taco" and cfg.calibration_steps > 0:
+    if compression.taco_config(cfg).mode == "taco" and cfg.calibration_steps > 0:
         collector = trainer.observe_batches(cfg, model_config, mesh, params, calibration_batches)
-        calibration = trainer.calibrate_run(cfg, collector, None)
+        calibration = calibrate.calibrate_run(cfg, collector, None)
     grads = jax.jit(trainer.make_grads_fn(cfg, model_config, mesh, calibration))
-    feedback = trainer.init_error_feedback(cfg, model_config, params, mesh)
+    feedback = compression.init_error_feedback(cfg, model_config, params, mesh)
     return lambda tokens: jax.tree.map(lambda g: np.asarray(g, np.float64), grads(params, tokens, feedback)[1])
 
 
@@ -157,14 +157,14 @@ def main() -> None:
 
     from taco_jax import models
     from taco_jax.train import data as data_lib
-    from taco_jax.train import trainer
+    from taco_jax.train import run_state, trainer
     from taco_jax.train.config import TrainConfig
 
     off_cfg = TrainConfig.from_keys(**_off_run(args))
     print(f"training off to step {args.steps} ({off_cfg.out})", file=sys.stderr, flush=True)
     trainer.train(off_cfg, resume=any(Path(off_cfg.out, "checkpoints").glob("*")), progress=True)
-    mesh = trainer.device_mesh(off_cfg)
-    batch_of = trainer.batch_maker(off_cfg, mesh)
+    mesh = run_state.device_mesh(off_cfg)
+    batch_of = data_lib.batch_maker(off_cfg, mesh)
     corpus = data_lib.load(off_cfg.data, val_fraction=off_cfg.val_fraction, tokenizer=off_cfg.tokenizer)
     model_config = models.preset(off_cfg.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +172,7 @@ def main() -> None:
     results = {}
     for step in args.checkpoints:
         if step:
-            params = models.shard_params(trainer.restore_params(off_cfg.out, step=step)[2], model_config, mesh)
+            params = models.shard_params(run_state.restore_params(off_cfg.out, step=step)[2], model_config, mesh)
         else:  # the run's initialization (the trainer keeps no step-0 checkpoint)
             params = models.init_params(model_config, jax.random.key(off_cfg.seed), mesh)
         results[step] = measure_step(args, off_cfg, model_config, mesh, params, batch_of, corpus.train)

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 import taco_jax as tj
 from benchmarks import profiling
 from taco_jax import models, strict_json
-from taco_jax.train import trainer
+from taco_jax.train import compression, optimizer, trainer
 from taco_jax.train.config import TrainConfig
 
 
@@ -90,9 +90,9 @@ def measure(
         **preset,
     )
     mesh = tj.make_mesh(*mesh_shape)
-    tx, _ = trainer.make_optimizer(cfg, config)
-    params, opt_state = trainer.init_state(config, 0, mesh, tx)
-    feedback = trainer.init_error_feedback(cfg, config, params, mesh)
+    tx, _ = optimizer.make_optimizer(cfg, config)
+    params, opt_state = optimizer.init_state(config, 0, mesh, tx)
+    feedback = compression.init_error_feedback(cfg, config, params, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state, feedback))
     rng = np.random.default_rng(0)
     batches = [
@@ -101,7 +101,7 @@ def measure(
         )
         for _ in range(2)
     ]
-    cfg = trainer.resolve_taco_policy(cfg, config, mesh, params, batches[0], Path(cfg.out))
+    cfg = trainer.resolve_link_choices(cfg, config, mesh, (params, batches[0], feedback), Path(cfg.out))
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, shardings)
     start = time.perf_counter()
     memory = train_step.lower(params, opt_state, feedback, batches[0], jnp.bool_(False)).compile().memory_analysis()

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import taco_jax as tj
+from taco_jax import accounting
 from taco_jax.mesh import TENSOR_AXIS
 
 from . import layers
@@ -215,7 +216,8 @@ def run_layers(config: ModelConfig, layers: dict, x, par: Parallelism):
     policy = REMAT_POLICIES[par.remat]
     if policy is not None:
         step = jax.checkpoint(step, policy=policy)
-    return lax.scan(step, x, layers, unroll=not par.scan_layers)[0]
+    with accounting.repeated(jax.tree.leaves(layers)[0].shape[0]):
+        return lax.scan(step, x, layers, unroll=not par.scan_layers)[0]
 
 
 def final_norm(config: ModelConfig, params: dict, x):

@@ -28,6 +28,9 @@ class WireRecord:
       uncompressed_sent_bytes: the same for the plain collective in the input dtype.
       axis: the mesh axis the collective runs over ("tensor", "pipe", "data", ...).
       bf16_sent_bytes: the same for the plain collective with 2-byte (bfloat16) elements.
+      repeats: times the traced call runs per call of the traced function: the trip
+        counts of the loops around it (`repeated`), as a loop body is traced once. The
+        byte counts above are per run; the ledger's sums multiply them by `repeats`.
     """
 
     site: str
@@ -41,6 +44,7 @@ class WireRecord:
     uncompressed_sent_bytes: int
     axis: str
     bf16_sent_bytes: int
+    repeats: int = 1
 
 
 @dataclasses.dataclass
@@ -51,23 +55,31 @@ class WireLedger:
 
     def total(self, direction: str | None = None) -> int:
         """Bytes sent per rank over all records (optionally one direction)."""
-        return sum(r.sent_bytes for r in self.records if direction in (None, r.direction))
+        return sum(r.repeats * r.sent_bytes for r in self.records if direction in (None, r.direction))
 
     def uncompressed_total(self, direction: str | None = None) -> int:
         """What `total` would be with every collective uncompressed."""
-        return sum(r.uncompressed_sent_bytes for r in self.records if direction in (None, r.direction))
+        return sum(r.repeats * r.uncompressed_sent_bytes for r in self.records if direction in (None, r.direction))
 
     def by_site(self) -> dict[str, int]:
         """Bytes sent per rank, summed per call site."""
         sums: dict[str, int] = defaultdict(int)
         for r in self.records:
-            sums[r.site] += r.sent_bytes
+            sums[r.site] += r.repeats * r.sent_bytes
         return dict(sums)
+
+    def by_axis(self, axes: tuple[str, ...], *, bf16: bool = False) -> dict[str, int]:
+        """Bytes sent per rank on each of `axes` (as plain bfloat16 with `bf16`)."""
+        return {
+            axis: sum(r.repeats * (r.bf16_sent_bytes if bf16 else r.sent_bytes) for r in self.records if r.axis == axis)
+            for axis in axes
+        }
 
 
 # The ledgers of the enclosing `record_wire` blocks; whether `paused` is in effect.
 _LEDGERS: TraceScope[tuple[WireLedger, ...]] = TraceScope("wire ledgers", ())
 _PAUSED = TraceScope("wire recording paused", False)
+_REPEATS = TraceScope("wire record repeats", 1)
 
 
 @contextlib.contextmanager
@@ -95,9 +107,19 @@ def paused() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def repeated(times: int) -> Iterator[None]:
+    """Count every collective traced inside the block `times` times more: the body of a
+    loop (`lax.scan`) is traced once and runs once per trip. Nested blocks multiply."""
+    with _REPEATS.set(_REPEATS.get() * times):
+        yield
+
+
 def record(entry: WireRecord) -> None:
-    """Add a record to every active ledger (none while `paused`)."""
+    """Add a record, with the enclosing `repeated` trip counts, to every active ledger
+    (none while `paused`)."""
     if _PAUSED.get():
         return
+    entry = dataclasses.replace(entry, repeats=entry.repeats * _REPEATS.get())
     for ledger in _LEDGERS.get():
         ledger.records.append(entry)

@@ -1,14 +1,22 @@
 """Test configuration: 8 simulated CPU devices (set before jax is imported) and markers.
 
 On a GPU, several pytest workers (`-n 4`) share it: each allocates what it needs instead
-of JAX's default 75% of the memory up front."""
+of JAX's default 75% of the memory up front.
+
+Compiles dominate the suite's time, and many tests (the trainer's runs, its CLI
+subprocesses, restarts after a kill) compile the same programs again: JAX's persistent
+compilation cache, shared by the workers and their subprocesses through the environment,
+compiles each once. Its entries are keyed by the program and the jax/XLA versions."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / "build" / "jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 

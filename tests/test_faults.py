@@ -19,9 +19,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from taco_jax.train import cli, run_dir, trainer
+from taco_jax.train import cli, run_dir, run_state, trainer
 from taco_jax.train.checkpoint import SET_ASIDE_FOLDER, Checkpointer
-from taco_jax.train.errors import CheckpointError
+from taco_jax.train.errors import CheckpointError, TrainingError
 from tests.test_train import ROOT, SMALL, _cfg, _cli_args, _rows
 
 
@@ -66,7 +66,7 @@ def test_a_corrupt_newest_checkpoint_and_a_crash_mid_save_lose_no_step(tmp_path,
     assert checkpoints.steps() == [3, 2, 1] and checkpoints.meta(3)["step"] == 3
     checkpoints.close()
     assert [row["step"] for row in _strict_rows(out)] == [1, 2, 3]
-    assert trainer.restore_params(out)[3] == 3
+    assert run_state.restore_params(out)[3] == 3
 
 
 def test_a_declined_or_unreadable_save_is_an_error(tmp_path):
@@ -113,10 +113,10 @@ def test_parameters_made_non_finite_are_never_saved(tmp_path, monkeypatch):
     optimizer scaled to Inf): the run stops with an error naming the step before its
     checkpoint, so the newest checkpoint stays the last finite state."""
     infinite = optax.chain(optax.scale(1e30), optax.scale(1e30))  # finite gradients, Inf updates
-    make_optimizer = trainer.make_optimizer
-    monkeypatch.setattr(trainer, "make_optimizer", lambda cfg, config: (infinite, make_optimizer(cfg, config)[1]))
+    make_optimizer = run_state.make_optimizer
+    monkeypatch.setattr(run_state, "make_optimizer", lambda cfg, config: (infinite, make_optimizer(cfg, config)[1]))
     cfg = _cfg(tmp_path, "overflow", steps=3, checkpoint_every=1)
-    with pytest.raises(trainer.TrainingError, match="at step 1 are not finite although every step's loss"):
+    with pytest.raises(TrainingError, match="at step 1 are not finite although every step's loss"):
         trainer.train(cfg, progress=False)
     rows = _strict_rows(Path(cfg.out))
     assert rows[0]["finite"] and np.isfinite(rows[0]["grad_norm"])

@@ -18,8 +18,9 @@ import taco_jax as tj
 from taco_jax.collectives import chunk_bounds
 from taco_jax.policy import LinkProfile, Route, Timing, route_for
 from taco_jax.probe import Message, probe_link
+from taco_jax.train import compression, link_policy, optimizer, run_state, trainer
 from taco_jax.train import config as config_lib
-from taco_jax.train import link_policy, trainer
+from taco_jax.train import data as data_lib
 from taco_jax.train.config import TrainConfig
 
 OPS = {
@@ -166,13 +167,13 @@ def test_trainer_resolves_taco_policy(tmp_path):
     cfg = TrainConfig.from_keys(mesh=(1, 1, 2), out=str(tmp_path))
     resolved = link_policy.choose(cfg, "taco", None, lambda: [], tmp_path, log=lambda line: None)
     assert resolved.taco_policy == "always"  # on CPU there is no link to measure
-    assert trainer.taco_config(resolved).link is None
+    assert compression.taco_config(resolved).link is None
     path = tmp_path / "link_profile.json"
     path.write_text(json.dumps({"profile": _profile(FAST_LINK).to_json()}))
     reused = dataclasses.replace(cfg, taco_policy=str(path))
-    assert trainer.taco_config(reused).link == _profile(FAST_LINK)
+    assert compression.taco_config(reused).link == _profile(FAST_LINK)
     with pytest.raises(ValueError, match="cannot be read"):
-        trainer.taco_config(dataclasses.replace(cfg, taco_policy=str(tmp_path / "missing.json")))
+        compression.taco_config(dataclasses.replace(cfg, taco_policy=str(tmp_path / "missing.json")))
 
 
 def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
@@ -222,11 +223,12 @@ def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
     # The trainer's own timer, on the CPU mesh (the decision itself is the machine's).
     monkeypatch.setattr(link_policy, "_why_not_time_overlap", lambda cfg: None)
     model_config = tj.models.preset(cfg.model)
-    mesh = trainer.device_mesh(cfg)
-    tx, _ = trainer.make_optimizer(cfg, model_config)
-    params, _ = trainer.init_state(model_config, 0, mesh, tx)
-    tokens = trainer.batch_maker(cfg, mesh)(np.arange(4096) % 64, 0, cfg.batch_size)
-    resolved = trainer.resolve_tp_overlap(cfg, model_config, mesh, params, tokens, tmp_path)
+    mesh = run_state.device_mesh(cfg)
+    tx, _ = optimizer.make_optimizer(cfg, model_config)
+    params, _ = optimizer.init_state(model_config, 0, mesh, tx)
+    feedback = compression.init_error_feedback(cfg, model_config, params, mesh)
+    tokens = data_lib.batch_maker(cfg, mesh)(np.arange(4096) % 64, 0, cfg.batch_size)
+    resolved = trainer.resolve_link_choices(cfg, model_config, mesh, (params, tokens, feedback), tmp_path)
     probe = json.loads((tmp_path / "overlap_probe.json").read_text())
     assert resolved.tp_overlap == probe["chosen"] and all(t > 0 for t in probe["seconds"].values())
 

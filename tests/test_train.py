@@ -20,10 +20,12 @@ import pytest
 import taco_jax as tj
 from taco_jax import models, strict_json
 from taco_jax.hlo import dtype_bytes
-from taco_jax.train import trainer
+from taco_jax.train import calibrate, compression, metrics, optimizer, run_state, signals, trainer
+from taco_jax.train import data as data_lib
 from taco_jax.train.checkpoint import Checkpointer
 from taco_jax.train.config import TrainConfig, apply_overrides, parse_key_values
 from taco_jax.train.data import TokenData, batch, load
+from taco_jax.train.errors import TrainingError
 
 ROOT = Path(__file__).resolve().parent.parent
 # A corpus of byte tokens long enough for any split (for setup checks).
@@ -112,7 +114,7 @@ def test_resume_continues_bit_exactly(tmp_path):
     assert summary["steps"] == 6 and summary["calibrated_sites"] == 6
     assert not (Path(first.out) / "calibration.json").exists()  # restored, not recalibrated
     assert _losses(first.out) == _losses(straight.out)
-    restored = trainer.Checkpointer(Path(first.out) / "checkpoints", 3)
+    restored = Checkpointer(Path(first.out) / "checkpoints", 3)
     assert restored.meta(6)["calibration"] == decided
     restored.close()
     again = trainer.train(
@@ -185,7 +187,7 @@ def test_nan_steps_are_skipped_then_stop(tmp_path):
         np.asarray(states[3]["params"]["final"]["norm_scale"]), np.asarray(states[0]["params"]["final"]["norm_scale"])
     )
     checkpoints.close()
-    with pytest.raises(trainer.TrainingError, match="3 consecutive non-finite steps"):
+    with pytest.raises(TrainingError, match="3 consecutive non-finite steps"):
         trainer.train(_cfg(tmp_path, "nan_stop", steps=6, debug_nan_steps=(1, 2, 3), max_bad_steps=3), progress=False)
 
 
@@ -199,9 +201,9 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="steps: expected an integer"):
         apply_overrides(TrainConfig(), parse_key_values(["steps=many"]))
     with pytest.raises(ValueError, match="3 layers do not split into pipe=2"):
-        trainer._check_setup(TrainConfig.from_keys(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), BYTES)
+        run_state.check_setup(TrainConfig.from_keys(mesh=(1, 2, 4)), models.GPT2Config(n_layers=3), BYTES)
     with pytest.raises(ValueError, match="sample_tokens 4000 must be >= 0 and, after a 32-token prompt, within"):
-        trainer._check_setup(TrainConfig.from_keys(sample_tokens=4000), models.preset("gpt2-tiny"), BYTES)
+        run_state.check_setup(TrainConfig.from_keys(sample_tokens=4000), models.preset("gpt2-tiny"), BYTES)
     cfg = _cfg(tmp_path, "corrupt", steps=2, checkpoint_every=2)
     trainer.train(cfg, progress=False)
     for path in (Path(cfg.out) / "checkpoints" / "2").rglob("*"):
@@ -339,16 +341,16 @@ def test_simulated_shard_map_splits_and_merges_by_spec():
 
 
 def test_standalone_calibration_feeds_other_runs(tmp_path):
-    calibrate = _cfg(tmp_path, "calibrate", taco="taco+", calibration_steps=2)
-    summary = trainer.calibrate_only(calibrate)
+    observing = _cfg(tmp_path, "calibrate", taco="taco+", calibration_steps=2)
+    summary = trainer.calibrate_only(observing)
     assert summary["calibrated_sites"] == 6 and summary["step"] == 0
-    assert not (Path(calibrate.out) / "metrics.jsonl").exists()  # nothing was trained
-    decided = trainer.load_calibration(summary["file"])
+    assert not (Path(observing.out) / "metrics.jsonl").exists()  # nothing was trained
+    decided = calibrate.load_calibration(summary["file"])
     run = _cfg(tmp_path, "uses_it", taco="taco+", steps=2, calibration_file=summary["file"])
     assert trainer.train(run, progress=False)["calibrated_sites"] == 6
     assert not (Path(run.out) / "calibration.json").exists()  # loaded, not observed
-    checkpoint = trainer.Checkpointer(Path(run.out) / "checkpoints", 3)
-    assert trainer.Calibration.from_json(checkpoint.meta(2)["calibration"]) == decided
+    checkpoint = Checkpointer(Path(run.out) / "checkpoints", 3)
+    assert tj.calibration.Calibration.from_json(checkpoint.meta(2)["calibration"]) == decided
     checkpoint.close()
     with pytest.raises(ValueError, match="needs a taco preset"):
         trainer.calibrate_only(_cfg(tmp_path, "fp8", taco="fp8"))
@@ -408,15 +410,15 @@ def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
     its replica groups, against wire_bytes_by_axis (one layer per stage, one
     accumulation step, so no instruction runs in a loop of several trips)."""
     cfg = _cfg(tmp_path, "hlo", mesh=(2, 2, 2), microbatches=2, **ALL_AXES_COMPRESSED)
-    config, mesh = models.preset(cfg.model), trainer.device_mesh(cfg)
+    config, mesh = models.preset(cfg.model), run_state.device_mesh(cfg)
     assert config.n_layers == cfg.mesh[1]
-    tx, _ = trainer.make_optimizer(cfg, config)
-    params, opt_state = trainer.init_state(config, 0, mesh, tx)
-    feedback = trainer.init_error_feedback(cfg, config, params, mesh)
+    tx, _ = optimizer.make_optimizer(cfg, config)
+    params, opt_state = optimizer.init_state(config, 0, mesh, tx)
+    feedback = compression.init_error_feedback(cfg, config, params, mesh)
     state = (params, opt_state, feedback)
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, jax.tree.map(lambda x: x.sharding, state))
-    tokens = trainer.batch_maker(cfg, mesh)(load("shakespeare", val_fraction=0.05).train, 0, cfg.batch_size)
-    wire, _ = trainer.wire_bytes_per_step(cfg, config, train_step, state, tokens)
+    tokens = data_lib.batch_maker(cfg, mesh)(load("shakespeare", val_fraction=0.05).train, 0, cfg.batch_size)
+    wire, _ = metrics.wire_bytes_per_step(train_step, state, tokens)
     hlo = train_step.lower(*state, tokens, jnp.bool_(False)).compile().as_text()
     compiled = {"tensor": 0, "pipe": 0, "data": 0}
     for collective in tj.collectives_in_hlo(hlo):
@@ -455,7 +457,7 @@ def test_resume_to_more_steps_keeps_the_learning_rate_schedule(tmp_path, capsys)
     trainer.train(dataclasses.replace(run, steps=6), resume=True, progress=False)
     assert "keeps the schedule the run started with" in capsys.readouterr().err
     lrs = [row["lr"] for row in _rows(run.out)]
-    _, rederived = trainer.make_optimizer(dataclasses.replace(run, steps=6), models.preset(run.model))
+    _, rederived = optimizer.make_optimizer(dataclasses.replace(run, steps=6), models.preset(run.model))
     assert lrs[3:] == pytest.approx([run.lr * run.min_lr_ratio] * 3)
     assert float(rederived(3)) > 2 * lrs[3]
 
@@ -517,7 +519,7 @@ def test_every_process_stops_at_the_step_any_of_them_is_signalled(monkeypatch):
     the flags), so none waits in a collective for a host that stopped."""
     from jax.experimental import multihost_utils
 
-    flag = trainer._StopFlag()
+    flag = signals.StopFlag()
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     seen = []
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: seen.append(int(x)) or np.array([0, 1]))
@@ -525,7 +527,7 @@ def test_every_process_stops_at_the_step_any_of_them_is_signalled(monkeypatch):
     flag(signal.SIGTERM, None)
     assert flag.agree() == "a signal to another process"  # decided once, the same everywhere
     monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.array([0, 0]))
-    quiet = trainer._StopFlag()
+    quiet = signals.StopFlag()
     assert quiet.agree() is None
 
 
@@ -587,7 +589,7 @@ def test_compression_groups_come_from_the_flat_keys_and_go_back_to_them():
     flat = to_dict(cfg)
     assert flat["mesh"] == [2, 2, 2] and flat["taco_pipe_forward"] == "int8:64:H:bf16" and "compression" not in flat
     assert TrainConfig.from_keys(**flat) == cfg and cfg.with_keys(taco="off").compression.pipe == cfg.compression.pipe
-    pipe = trainer.taco_config(cfg, "pipe")
+    pipe = compression.taco_config(cfg, "pipe")
     assert (
         pipe.forward == tj.QuantSpec.parse("int8:64:H:bf16") and pipe.backward == tj.TacoConfig.preset("taco+").backward
     )
@@ -641,7 +643,7 @@ def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, cap
 
     cfg = _cfg(tmp_path, "sampled", steps=3, checkpoint_every=1, sample_tokens=4)
     trainer.train(cfg, progress=False)
-    restored_cfg, model_config, params, step = trainer.restore_params(cfg.out)
+    restored_cfg, model_config, params, step = run_state.restore_params(cfg.out)
     assert step == 3 and restored_cfg.model == cfg.model
     prompt = [int(t) for t in data_lib.load("shakespeare", val_fraction=cfg.val_fraction).val[:32]]
     continued = tj.models.generate(model_config, params, [prompt], mesh=tj.make_mesh(*cfg.mesh), max_new_tokens=4)[0]

@@ -8,8 +8,17 @@ import dataclasses
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from taco_jax.mesh import DATA_AXIS
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,3 +153,26 @@ def text_codec(data: str, tokenizer: str = "") -> TextCodec:
             "bytes", lambda text: list(text.encode()), lambda ids: bytes(ids).decode("utf-8", errors="replace")
         )
     raise ValueError(f"the run's data {data!r} has no tokenizer to turn text into its token ids: pass --tokenizer")
+
+
+# (tokens, data position, batch size) -> the global batch at that position.
+BatchMaker = Callable[[np.ndarray, int, int], jax.Array]
+
+
+def batch_maker(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> BatchMaker:
+    """The run's batches as global arrays sharded over "data" on `mesh`: every process
+    computes the same batch (a function of the data seed and the position) and places
+    its part.
+
+    Args:
+      cfg: the run's configuration (its seed, data_seed and seq_len).
+      mesh: the device mesh.
+    """
+    data_seed = cfg.seed if cfg.data_seed < 0 else cfg.data_seed
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+
+    def global_batch(tokens: np.ndarray, position: int, size: int) -> jax.Array:
+        rows = batch(tokens, seed=data_seed, position=position, batch_size=size, seq_len=cfg.seq_len)
+        return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+    return global_batch

@@ -23,13 +23,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import taco_jax as tj
 from taco_jax import strict_json
+from taco_jax.mesh import TENSOR_AXIS
 from taco_jax.models.layers import OVERLAP_SITES
 from taco_jax.policy import LinkProfile
 from taco_jax.probe import Message, probe_link
@@ -38,6 +41,8 @@ from .config import TrainConfig
 
 PROFILE_FILE = "link_profile.json"
 OVERLAP_FILE = "overlap_probe.json"
+# Timed calls per setting of the tp_overlap=auto probe (after one to compile).
+OVERLAP_PROBE_STEPS = 3
 # Profiles measured by this process, by the path they are (or, off process 0, would be)
 # written to: every process routes by the same profile without reading a shared file.
 _measured: dict[str, LinkProfile] = {}
@@ -173,3 +178,33 @@ def choose(
     if out is not None:
         Path(path).write_text(strict_json.dumps({"profile": profile.to_json(), "decisions": decisions}, indent=1))
     return dataclasses.replace(cfg, taco_policy=path)
+
+
+def tp_messages(grads: Callable, args: tuple) -> list[Message]:
+    """The compressed tensor-parallel message shapes `grads(*args)` sends (traced, not
+    run): what the link probe times."""
+    with tj.record_wire() as ledger:
+        jax.jit(grads).lower(*args)
+    return [
+        Message(r.op.removesuffix("_one_shot").removesuffix("_two_shot"), r.shape, r.dtype)
+        for r in ledger.records
+        if r.compressed and r.axis == TENSOR_AXIS
+    ]
+
+
+def step_seconds(grads: Callable, args: tuple) -> float:
+    """Median seconds of `grads(*args)` over `OVERLAP_PROBE_STEPS` calls after one that
+    compiles; the slowest process's, so every process decides alike."""
+    jitted = jax.jit(grads)
+    jax.block_until_ready(jitted(*args))
+    times = []
+    for _ in range(OVERLAP_PROBE_STEPS):
+        start = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        times.append(time.perf_counter() - start)
+    seconds = float(np.median(times))
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+
+    return float(np.max(multihost_utils.process_allgather(np.float64(seconds))))

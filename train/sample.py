@@ -60,7 +60,7 @@ def _model(args: argparse.Namespace):
         config, params = models.load_hf(args.hf)
         codec = data_lib.text_codec("", args.tokenizer or args.hf)
         return config, params, codec, f"{args.hf} ({config.family})"
-    from .trainer import restore_params
+    from .run_state import restore_params
 
     cfg, config, params, step = restore_params(args.run)
     codec = data_lib.text_codec(cfg.data, args.tokenizer or cfg.tokenizer)

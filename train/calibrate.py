@@ -1,0 +1,55 @@
+"""The run's calibration: decided from what the observed steps sent, written to
+OUT/calibration.json, and loaded from such a file (`calibration_file=`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+import taco_jax as tj
+from taco_jax import strict_json
+from taco_jax.calibration import Calibration
+
+from .compression import taco_config
+from .config import TrainConfig
+
+
+def calibration_summary(calibration: Calibration) -> dict:
+    return {
+        "calibrated_sites": len(calibration.plans),
+        "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),
+    }
+
+
+def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Path | None, bar=None) -> Calibration:
+    """Decide the run's calibration from what `collector` observed; write the per-site
+    report (every candidate's codec error) to `out`/calibration.json."""
+    jax.effects_barrier()  # every host callback of the observed steps has run
+    strategies = tj.calibration.STRATEGIES if cfg.calibration_strategy == "auto" else (cfg.calibration_strategy,)
+    calibration, report = tj.calibration.calibrate(
+        collector, taco_config(cfg), strategies=strategies, min_gain=cfg.calibration_min_gain
+    )
+    if out is not None:
+        strict_json.write(out / "calibration.json", {"calibration": calibration.to_json(), "report": report})
+    chosen = ", ".join(
+        f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans
+    )
+    message = f"calibrated {len(calibration.plans)} site directions ({chosen})"
+    (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(message)
+    return calibration
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """A `Calibration` from a calibration.json (of a run or `--calibrate-only`).
+
+    Raises:
+      ValueError: missing or malformed file.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"calibration_file {path} cannot be read: {error}") from None
+    return Calibration.from_json(data.get("calibration", data) if isinstance(data, dict) else data)

@@ -1,0 +1,155 @@
+"""What a run reports: the wire bytes one step sends per mesh axis, metrics.jsonl (one row
+per step), the samples at each evaluation, the run's summary and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import taco_jax as tj
+from taco_jax import models, strict_json
+from taco_jax.mesh import TENSOR_AXIS
+
+from . import data as data_lib
+from .calibrate import calibration_summary
+from .compression import taco_config
+from .pipeline import bubble_fraction
+from .run_state import SAMPLE_PROMPT_TOKENS, RunState
+
+
+def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: jax.Array) -> tuple[dict, dict]:
+    """Bytes each rank sends per optimizer step on every mesh axis, as sent and as plain
+    bfloat16: ({"tensor": .., "pipe": .., "data": ..}, the same as bf16), from the
+    collectives traced in one step, each counted as often as the loops around it run
+    (the layers' scan, the accumulation steps). (Scalars, e.g. the loss's mean over
+    data, and forward messages recomputed under `remat` are not counted.)
+
+    Args:
+      train_step: from `trainer.make_step_functions`.
+      state: (params, opt_state, feedback) as train_step takes them.
+      tokens: a global batch.
+    """
+    with tj.record_wire() as ledger:
+        train_step.lower(*state, tokens, jnp.bool_(False))
+    return ledger.by_axis(tj.MESH_AXES), ledger.by_axis(tj.MESH_AXES, bf16=True)
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory (process 0 only), one row per step: on resume,
+    lines past the restored step are dropped so the log matches the restored state, and
+    so is a line a crash cut short; of a step logged twice, the later row is kept. The
+    file is rewritten atomically."""
+
+    def __init__(self, path: Path, resume_step: int, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        lines = path.read_text().splitlines() if (resume_step and path.exists()) else []
+        rows = [_parsed_row(line) for line in lines]
+        if None in rows:
+            print(f"{path}: {rows.count(None)} unreadable line(s) dropped (a write cut short)", file=sys.stderr)
+        by_step = {
+            row["step"]: line for line, row in zip(lines, rows) if row is not None and row["step"] <= resume_step
+        }
+        strict_json.replace_text(path, "".join(by_step[step] + "\n" for step in sorted(by_step)))
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(strict_json.dumps(row) + "\n")
+
+    def rows(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+
+def _parsed_row(line: str) -> dict | None:
+    """A metrics.jsonl row, or None for a line that is not one."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def plot_losses(rows: list[dict], path: Path, title: str) -> None:
+    """Training (and validation) loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(
+    run: RunState, rows: list[dict], wire: dict, wire_bf16: dict, stopped_by: str | None, seconds: float
+) -> dict:
+    """The run's summary (summary.json).
+
+    Args:
+      run: the run after its last step.
+      rows: metrics.jsonl's rows ([] off the main process).
+      wire, wire_bf16: bytes one step sends per mesh axis, as sent and as bf16.
+      stopped_by: the signal that stopped the run, or None.
+      seconds: the loop's wall-clock time.
+    """
+    cfg = run.cfg
+    return {
+        "model": cfg.model,
+        "mesh": list(cfg.mesh),
+        "taco": cfg.compression.tensor.preset,
+        "taco_policy": cfg.taco_policy,
+        "tp_overlap": cfg.tp_overlap,
+        "steps": run.step,
+        "stopped_by": stopped_by,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
+        "skipped_steps": run.bad_total,
+        "seconds": round(seconds, 1),
+        "taco_pipe": cfg.compression.pipe.preset,
+        "taco_data": cfg.compression.data.preset,
+        "wire_bytes_per_step": wire[TENSOR_AXIS],
+        "wire_bytes_per_step_bf16": wire_bf16[TENSOR_AXIS],
+        "wire_bytes_by_axis": wire,
+        "wire_bytes_bf16_by_axis": wire_bf16,
+        # What each axis sends as a share of the same traffic in bf16 (above 1: more).
+        "wire_fraction_by_axis": {axis: round(wire[axis] / wire_bf16[axis], 4) for axis in wire if wire_bf16[axis]},
+        "pipeline_bubble": bubble_fraction(cfg.mesh.pipe, cfg.microbatches),
+        **calibration_summary(run.calibration),
+    }
+
+
+def sample_text(run: RunState) -> str:
+    """The validation split's first `SAMPLE_PROMPT_TOKENS` tokens and their greedy
+    continuation by `sample_tokens` tokens, as text (token ids where the run's data has
+    no text codec). A pipelined run samples on one device."""
+    prompt = [int(t) for t in run.corpus.val[:SAMPLE_PROMPT_TOKENS]]
+    new = models.generate(
+        run.model_config,
+        run.params,
+        [prompt],
+        mesh=run.mesh if run.cfg.mesh.pipe == 1 else None,
+        taco=taco_config(run.cfg),
+        max_new_tokens=run.cfg.sample_tokens,
+        dtype=jnp.dtype(run.cfg.compute_dtype),
+    )[0]
+    try:
+        decode = data_lib.text_codec(run.cfg.data, run.cfg.tokenizer).decode
+    except ValueError:
+        return " ".join(map(str, prompt + new))
+    return decode(prompt) + decode(new)
