@@ -9,16 +9,16 @@ NEWEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python
 NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
-# The tests that reach every JAX (and Triton) internal taco_jax uses, and the layers and
-# trainer whose dependencies move with jax, and the edge, input and fault tests: the
-# newest-jax leg.
+# The tests that reach every JAX (and Triton) internal taco_jax uses, the layers whose
+# dependencies move with jax, and the edge, input and sampling tests: the newest-jax leg.
+# (The trainer's loop and faults, orbax's side, run on the oldest leg.)
 NEWEST_TESTS := tests/test_reliability.py tests/test_conventions.py tests/test_collectives.py \
-	tests/test_row_kernels.py tests/test_flax.py tests/test_wire.py tests/test_policy.py \
-	tests/test_codec_edges.py tests/test_inputs.py tests/test_faults.py tests/test_sampling.py
+	tests/test_row_kernels.py tests/test_flax.py tests/test_wire.py \
+	tests/test_codec_edges.py tests/test_inputs.py tests/test_sampling.py
 # 8 simulated CPU devices, set before jax is imported.
 CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: train test test-oldest test-newest lint docs bench-codec clean
+.PHONY: train test test-oldest test-newest test-slow lint docs bench-codec clean
 
 # The whole suite on the oldest supported releases (.ci/oldest.txt).
 $(STAMP): pyproject.toml .ci/oldest.txt
@@ -52,7 +52,11 @@ docs: $(STAMP)
 
 test-oldest: $(STAMP)
 	$(PY) -c "import jax; print('jax', jax.__version__, '(oldest supported)')"
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+
+# The rest of every `cover` test's parameter product (tests/conftest.py), on the oldest leg.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 ifeq ($(NEWEST_PYTHON),)
 test-newest:
@@ -60,7 +64,7 @@ test-newest:
 else
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c "import jax; print('jax', jax.__version__, '(newest supported)')"
-	$(NEWEST_PY) -m pytest -q -n 2 --dist loadfile $(NEWEST_TESTS)
+	$(NEWEST_PY) -m pytest -q -n 2 --dist loadfile -m "not slow" $(NEWEST_TESTS)
 endif
 
 bench-codec: $(STAMP)

@@ -5,7 +5,7 @@ before importing its command line, so a missing one is one line naming the extra
 
 import sys
 
-from taco_jax.train.__main__ import run_with_trainer_packages
+from taco_jax.extras import run_with_trainer_packages
 
 
 def main() -> int:

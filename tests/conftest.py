@@ -20,6 +20,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+from collections import defaultdict  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -32,9 +34,27 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    _cover_products(items)
     if _has_gpu():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _cover_products(items) -> None:
+    """Of a test marked `cover`, the cases that bring no parameter value its earlier cases
+    did not are marked `slow`: `make test` runs a covering set (every value of every
+    parameter at least once), `make test-slow` the rest of the product."""
+    cases = defaultdict(list)
+    for item in items:
+        if item.get_closest_marker("cover") is not None:
+            cases[(item.path, item.originalname)].append(item)
+    for group in cases.values():
+        seen: set[tuple[str, str]] = set()
+        for item in group:
+            values = {(name, repr(value)) for name, value in item.callspec.params.items()}
+            if values <= seen:
+                item.add_marker(pytest.mark.slow)
+            seen |= values

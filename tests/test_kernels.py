@@ -70,6 +70,7 @@ def _compress_case(x, fmt, scale_format, transform, interpret, config=None):
     return payload, scales
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("scale_format", SCALES)
@@ -78,6 +79,7 @@ def test_compress_kernel_interpret(fmt, scale_format, dtype, transform):
     _compress_case(_groups(37, 128, dtype), fmt, scale_format, transform, interpret=True)
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize("group_size", [16, 64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 45, 130])
 def test_compress_kernel_group_sizes_and_odd_rows(group_size, rows):
@@ -103,6 +105,7 @@ def _extreme_groups() -> jax.Array:
     return jnp.asarray(np.stack(rows), jnp.float32)
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize("transform", [True, False], ids=["hadamard", "plain"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("scale_format", ["dual", "bf16", "e8m0"])
@@ -118,6 +121,7 @@ def test_kernels_stay_on_the_grid_without_a_clip(scale_format, fmt, transform):
     assert np.abs(codes[:2]).max(axis=1).min() >= max_value / 2  # e8m0 scales round up by up to 2x
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize(
     "shards, group_size",
     [*[(shards, group_size) for group_size in (64, 256) for shards in (1, 2, 4, 8)], (1, 16), (4, 16)],
@@ -160,6 +164,7 @@ def _check_requantized_sum(fmt, scale_format, group_size, rows, interpret):
     _assert_payload_close(got_payload, want_payload, fmt, 0.01, same_scale)
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize("scale_format", SCALES)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_decompress_kernel_requantizes(fmt, scale_format):
@@ -188,6 +193,7 @@ COMPILED_TRANSFORMS = {
 }
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize(
     "method, group_size, pieces",
     [("lanes", 16, 1), ("lanes", 512, 1), ("pairs", 32, 1), ("lanes", 128, 8), ("pairs", 64, 4), ("matmul", 64, 2)],
@@ -301,6 +307,7 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
     _assert_payload_close(requantized[0], want[0], fmt, 0.01, same_scale)
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize(
     "fmt, scale_format, rows, config",
     [

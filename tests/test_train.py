@@ -266,7 +266,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}

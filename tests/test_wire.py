@@ -25,6 +25,7 @@ def _typed(x, fmt, scale_format):
     return group_codec.quantize_groups(x, fmt=fmt, group_size=x.shape[-1], scale_format=scale_format, transform=True)
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize("groups", [1, 37, 64])
 @pytest.mark.parametrize("scale_format", SCALES)
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -89,6 +90,7 @@ def _decompress_message_case(fmt, scale_format, groups, interpret):
     np.testing.assert_array_equal(np.asarray(requantized), np.asarray(wire.pack(codes, scales, layout)))
 
 
+@pytest.mark.cover
 @pytest.mark.parametrize("groups", [64, 45], ids=["aligned", "odd"])
 @pytest.mark.parametrize("fmt,scale_format", KERNEL_CASES)
 def test_message_kernels_interpret(fmt, scale_format, groups):

@@ -1,0 +1,57 @@
+"""The layout holds for the real imports: `pallas_kernels` <- `taco_jax` <- `models` <-
+`train`, each module within its size (700 lines; the trainer 500)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Each folder, the package it installs as, and the packages it must not import.
+LAYERS = {
+    "pallas_kernels": ("taco_jax.kernels", ("taco_jax",)),
+    "taco_jax": ("taco_jax", ("taco_jax.models", "taco_jax.train")),
+    "models": ("taco_jax.models", ("taco_jax.train",)),
+    "train": ("taco_jax.train", ()),
+}
+MAX_LINES = 700
+MAX_TRAINER_LINES = 500
+
+
+def _modules(folder: str) -> list[Path]:
+    """The folder's own .py files (not those reached through taco_jax's links)."""
+    return sorted(path for path in (ROOT / folder).glob("*.py") if not path.is_symlink())
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Absolute names of every module `path` imports (relative imports resolved)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("folder", list(LAYERS))
+def test_imports_point_one_way(folder):
+    package, forbidden = LAYERS[folder]
+    allowed = package if folder == "pallas_kernels" else None
+    for path in _modules(folder):
+        wrong = {
+            name
+            for name in _imports(path, package)
+            for banned in forbidden
+            if (name == banned or name.startswith(banned + ".")) and not (allowed and name.startswith(allowed))
+        }
+        assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}"
+
+
+def test_modules_stay_within_their_size():
+    sizes = {path: len(path.read_text().splitlines()) for folder in LAYERS for path in _modules(folder)}
+    too_long = {str(path.relative_to(ROOT)): lines for path, lines in sizes.items() if lines > MAX_LINES}
+    assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
+    assert sizes[ROOT / "train" / "trainer.py"] <= MAX_TRAINER_LINES
