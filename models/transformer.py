@@ -22,6 +22,7 @@ from jax import lax
 import taco_jax as tj
 from taco_jax import accounting
 from taco_jax.mesh import TENSOR_AXIS
+from taco_jax.message import record_plain_all_reduce
 
 from . import layers
 from .config import ModelConfig, Qwen2Config, padded_vocab
@@ -262,7 +263,7 @@ def loss_from_hidden(config: ModelConfig, params: dict, hidden, targets, par: Pa
     """
     logits = logits_from_hidden(config, params, hidden, par)
     peak = lax.stop_gradient(logits.max(-1)).astype(jnp.float32)
-    tj.collectives.record_plain_all_reduce(peak, TENSOR_AXIS, site=layers.SITE_LOSS_PEAK)
+    record_plain_all_reduce(peak, TENSOR_AXIS, site=layers.SITE_LOSS_PEAK)
     peak = lax.pmax(peak, TENSOR_AXIS)
     # Statistics summed over the vocabulary shards; identity backward (each rank
     # differentiates its own copy of the loss).

@@ -27,7 +27,6 @@ bytes equal the collective's, and so does the ledger entry.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -38,22 +37,23 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import calibration as calibration_lib
-from taco_jax.codec import decode, encode, requantize
 from taco_jax.collectives import (
+    forward_recording,
+    gather_invariant,
+    per_rank,
+    refuse_gradient_outside,
+    second_shot,
+    vary,
+)
+from taco_jax.message import (
     Call,
+    Gathered,
     WirePlan,
     check_axis,
-    forward_recording,
-    from_rows,
-    gather_invariant,
     group_count,
-    per_rank,
+    in_rank_order,
     plan_message,
-    record_collective,
-    refuse_gradient_outside,
     ring_all_reduce_bytes,
-    to_rows,
-    vary,
 )
 
 
@@ -61,20 +61,6 @@ def shift_pairs(ranks: int, shift: int) -> tuple[tuple[int, int], ...]:
     """The (source, destination) pairs of the collective-permute that moves every
     rank's message `shift` ranks on."""
     return tuple((rank, (rank + shift) % ranks) for rank in range(ranks))
-
-
-def _record(message, call: Call, plan: WirePlan | None, *, op: str, direction: str, sent: int, plain_sent: int):
-    """The wire ledger's entry for `message`, recorded as the collective `op` it replaces."""
-    record_collective(
-        message,
-        site=call.site_of(op),
-        op=op,
-        direction=direction,
-        axis_name=call.axis_name,
-        spec=None if plan is None else plan.spec,
-        sent=sent,
-        plain_sent=plain_sent,
-    )
 
 
 def _shifted(message: jax.Array, axis_name: str, shift: int) -> jax.Array:
@@ -85,71 +71,24 @@ def _shifted(message: jax.Array, axis_name: str, shift: int) -> jax.Array:
 # ----------------------------------------------------------------------------- all-gather
 
 
-@dataclasses.dataclass(frozen=True)
-class _ChunkDecoder:
-    """Decodes one received chunk message back to the sender's chunk (`plan` None: the
-    message is the chunk itself)."""
-
-    plan: WirePlan | None
-    shape: tuple[int, ...]
-    dtype: Any
-    kernel_mode: str
-
-    def __call__(self, message: jax.Array) -> jax.Array:
-        if self.plan is None:
-            return message
-        spec = self.plan.spec
-        groups = group_count(self.shape, spec.group_size)
-        rows = decode(message[None, None], groups, spec, self.dtype, self.kernel_mode)[0]
-        return self.plan.from_wire_order(from_rows(rows, self.shape, 0))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ShiftedChunks:
-    """The chunks of an all-gather by shifts as received: `messages[s]` came from rank
-    r - s (mod k), 8-bit wire messages when compressed. `values()` decodes them.
-
-    Attributes:
-      messages: one message per shift, s = 0 (this rank's own) .. k-1.
-      decoder: what turns a message back into its chunk.
-    """
-
-    messages: tuple[jax.Array, ...]
-    decoder: _ChunkDecoder = dataclasses.field(metadata=dict(static=True))
-
-    def values(self) -> list[jax.Array]:
-        """The chunks, in shift order."""
-        return [self.decoder(message) for message in self.messages]
-
-
-def gather_by_shifts(x: jax.Array, call: Call, *, direction: str) -> ShiftedChunks:
+def gather_by_shifts(x: jax.Array, call: Call, *, direction: str, axis: int) -> Gathered:
     """Every rank's `x`, moved by the k-1 shift permutes (compressed where the plan of
-    the all-gather it replaces says so), recorded as that all-gather."""
+    the all-gather it replaces says so), recorded as that all-gather; gathered along
+    `axis` where `Gathered.value` joins them."""
     ranks = lax.axis_size(call.axis_name)
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
     plan = plan_message(x, call, op="all_gather", direction=direction)
-    decoder = _ChunkDecoder(plan, tuple(x.shape), x.dtype, call.config.kernel_mode)
+    shifts = [functools.partial(_shifted, axis_name=call.axis_name, shift=s) for s in range(1, ranks)]
+    parts: tuple[Any, ...]
     if plan is None:
-        message, sent = x, plain_sent
+        call.record(x, op="all_gather", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
+        parts = (x, *(shift(x) for shift in shifts))
     else:
-        rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
-        message = encode(rows, plan.spec, call.config.kernel_mode)
-        sent = (ranks - 1) * plan.message_bytes(rows.shape[0])
-    _record(x, call, plan, op="all_gather", direction=direction, sent=sent, plain_sent=plain_sent)
-    received = tuple(_shifted(message, call.axis_name, shift) for shift in range(1, ranks))
-    return ShiftedChunks((message, *received), decoder)
-
-
-def in_rank_order(pieces: list[jax.Array], axis_name: str, axis: int) -> jax.Array:
-    """Pieces in shift order (piece s from rank r - s) concatenated along `axis` in rank
-    order, as `lax.all_gather(tiled=True)` lays them out."""
-    ranks, me = len(pieces), lax.axis_index(axis_name)
-    stacked = jnp.stack(pieces)
-    ordered = jnp.take(stacked, (me - jnp.arange(ranks)) % ranks, axis=0)
-    ordered = jnp.moveaxis(ordered, 0, axis)
-    shape = ordered.shape
-    return ordered.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
+        own = plan.encode(plan.rows(x), x.dtype)
+        sent = (ranks - 1) * plan.message_bytes(own.groups)
+        call.record(x, op="all_gather", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
+        parts = (own, *(own.moved(shift) for shift in shifts))
+    return Gathered(parts, plan, tuple(x.shape), axis, True, call.axis_name, by_shifts=True)
 
 
 # ----------------------------------------------------------------------------- reduce-scatter
@@ -160,7 +99,7 @@ def _sent_by_shifts(
 ) -> list[jax.Array]:
     """This rank's block of a sum, as received: element s is rank r - s's contribution
     `partial_for(r)` (s = 0 this rank's own), sent s ranks on by its shift permute, a
-    wire message where `plan` compresses it. Each contribution is computed just before
+    wire buffer where `plan` compresses it. Each contribution is computed just before
     its send, so its matmul can run beside the previous one's transfer."""
     ranks, me = lax.axis_size(call.axis_name), lax.axis_index(call.axis_name)
     received = []
@@ -168,8 +107,7 @@ def _sent_by_shifts(
         partial = partial_for((me + shift) % ranks)
         if plan is not None:
             calibration_lib.observe(partial, call.site_of(op), direction)
-            rows = to_rows(plan.to_wire_order(partial), plan.spec.group_size, 0)
-            partial = encode(rows, plan.spec, call.config.kernel_mode)
+            partial = plan.encode(plan.rows(partial), partial.dtype).buffer
         received.append(_shifted(partial, call.axis_name, shift) if shift else partial)
     return received
 
@@ -200,11 +138,10 @@ def reduce_scatter_by_shifts(
     received = _sent_by_shifts(partial_for, call, plan, op="reduce_scatter", direction=direction)
     groups = 0 if plan is None else group_count(tuple(block.shape), plan.spec.group_size)
     sent = plain_sent if plan is None else (ranks - 1) * plan.message_bytes(groups)
-    _record(message, call, plan, op="reduce_scatter", direction=direction, sent=sent, plain_sent=plain_sent)
+    call.record(message, op="reduce_scatter", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
     if plan is None:
         return functools.reduce(jnp.add, received)
-    rows = decode(jnp.stack(received)[None], groups, plan.spec, block.dtype, call.config.kernel_mode)[0]
-    return plan.from_wire_order(from_rows(rows, tuple(block.shape), 0))
+    return plan.array(plan.stacked(received, groups, block.dtype).sum(), tuple(block.shape))
 
 
 def all_reduce_by_shifts(
@@ -234,13 +171,10 @@ def all_reduce_by_shifts(
     if plan is None:
         blocks, sent = gather_invariant(functools.reduce(jnp.add, received), call.axis_name), plain_sent
     else:
-        spec, kernel_mode = plan.spec, call.config.kernel_mode
-        groups = group_count(block_shape, spec.group_size)
-        summed = gather_invariant(requantize(jnp.stack(received), groups, spec, kernel_mode), call.axis_name)
-        rows = decode(summed[:, None], groups, spec, message.dtype, kernel_mode)
-        blocks = plan.from_wire_order(from_rows(rows, block_shape, 1))
+        groups = group_count(block_shape, plan.spec.group_size)
+        blocks = plan.array(second_shot(plan.stacked(received, groups, message.dtype), call.axis_name), block_shape, 1)
         sent = 2 * (ranks - 1) * plan.message_bytes(groups)
-    _record(message, call, plan, op="all_reduce_two_shot", direction=direction, sent=sent, plain_sent=plain_sent)
+    call.record(message, op="all_reduce_two_shot", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
     return blocks.reshape(message.shape)
 
 
@@ -257,14 +191,10 @@ def _weight_grad(x: jax.Array, cotangent: jax.Array, weight: jax.Array) -> jax.A
 
 def _gather_matmul_forward(x, weights, call, axis, direction):
     with forward_recording() if direction == "forward" else contextlib.nullcontext():
-        chunks = gather_by_shifts(x, call, direction=direction)
-    values = chunks.values()
+        gathered = gather_by_shifts(x, call, direction=direction, axis=axis)
+    values = gathered.arrays()
     outputs = tuple(in_rank_order([value @ w for value in values], call.axis_name, axis) for w in weights)
-    return outputs, chunks
-
-
-def _gathered(chunks: ShiftedChunks, call: Call, axis: int) -> jax.Array:
-    return in_rank_order(chunks.values(), call.axis_name, axis)
+    return outputs, gathered
 
 
 def _matmul_scatter(xs, weights, call, axis, direction):
@@ -290,13 +220,13 @@ def all_gather_matmul(x, weights, call: Call, axis: int):
 
 
 def _all_gather_matmul_fwd(x, weights, call, axis):
-    outputs, chunks = _gather_matmul_forward(x, weights, call, axis, "forward")
-    return outputs, (chunks, weights)
+    outputs, gathered = _gather_matmul_forward(x, weights, call, axis, "forward")
+    return outputs, (gathered, weights)
 
 
 def _all_gather_matmul_bwd(call, axis, residuals, cotangents):
-    chunks, weights = residuals
-    gathered = _gathered(chunks, call, axis)
+    received, weights = residuals
+    gathered = received.value()
     weight_grads = tuple(_weight_grad(gathered, ct, w) for w, ct in zip(weights, cotangents, strict=True))
     cts = tuple(ct.astype(w.dtype) for ct, w in zip(cotangents, weights, strict=True))
     input_grad = _matmul_scatter(cts, tuple(w.T for w in weights), call, axis, "backward")
@@ -318,8 +248,8 @@ def _matmul_reduce_scatter_fwd(x, weight, call, axis):
 
 def _matmul_reduce_scatter_bwd(call, axis, residuals, cotangent):
     x, weight = residuals
-    (input_grad,), chunks = _gather_matmul_forward(cotangent, (weight.T,), call, axis, "backward")
-    return input_grad.astype(x.dtype), _weight_grad(x, _gathered(chunks, call, axis), weight)
+    (input_grad,), gathered = _gather_matmul_forward(cotangent, (weight.T,), call, axis, "backward")
+    return input_grad.astype(x.dtype), _weight_grad(x, gathered.value(), weight)
 
 
 matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)

@@ -4,33 +4,22 @@ Each collective has the result of its `jax.lax` counterpart within codec error, 
 same gradient under both shard_map conventions: with `check_vma=True` (JAX's default)
 the result types follow lax's (all_reduce's result is invariant over the axis, its
 transpose a `pcast` to varying, no communication); with `check_vma=False` all_reduce
-transposes to an all-reduce, as `lax.psum` does there. Every
-compressed message follows one line: compress kernel -> wire message (one uint8 buffer,
-`pallas_kernels.wire`, written by the kernel) -> lax collective -> decode kernel (reads
-the received buffer), so every backend moves one byte per element and nothing is copied
-between the stages. Reductions dequantize to float32 and sum in the transformed domain;
-the inverse transform runs once.
+transposes to an all-reduce, as `lax.psum` does there.
 
-Each message is planned once, before it moves: `plan_message` asks `taco_jax.policy` how
-it travels (compressed or not, the all-reduce algorithm, pipelined chunks), reports it to
-an active calibration collector, and applies the site's calibration (transform decision,
-channel permutation), giving a `WirePlan`, or None for the plain collective. The data
-path is then plan -> compress -> move -> decode. A message is laid out as rows of G
-elements of its last axis (zero-padded to a multiple of G), so any shape the lax
-collective accepts works and the groups are the codec's groups.
+Every message is planned and encoded by `taco_jax.message` (plan -> compress kernel ->
+wire buffer -> collective -> decode kernel); a collective here only decides how the
+buffer moves: gathered, exchanged block by block, permuted. Reductions dequantize to
+float32 and sum in the transformed domain; the inverse transform runs once.
 
-`Call` holds one call's fixed arguments (axis, config, site, calibration). The `run_*`
-functions are one direction of a collective as traced, without a gradient rule (the
-tensor-parallel mappings in `taco_jax.tp` compose them); the public `all_gather`,
-`reduce_scatter`, `all_reduce` and `ppermute` add the straight-through rules.
+The `run_*` functions are one direction of a collective as traced, without a gradient
+rule (the tensor-parallel mappings in `taco_jax.tp` compose them); the public
+`all_gather`, `reduce_scatter`, `all_reduce` and `ppermute` add the straight-through rules.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,19 +27,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import accounting, policy
-from taco_jax import calibration as calibration_lib
+from taco_jax import accounting
 from taco_jax.calibration import Calibration
-from taco_jax.codec import decode, encode, message_layout, requantize
 from taco_jax.kernels.jax_compat import checks_vma, transposing_whole_shard_map
-from taco_jax.policy import ALGORITHMS
-from taco_jax.spec import QuantSpec, TacoConfig
+from taco_jax.message import (
+    Call,
+    Gathered,
+    Message,
+    WirePlan,
+    check_algorithm,
+    check_axis,
+    concatenated,
+    from_rows,
+    plan_message,
+    rank_blocks,
+    ring_all_reduce_bytes,
+    to_rows,
+)
+from taco_jax.spec import TacoConfig
 from taco_jax.tracing import TraceScope
-
-# Chunks of a pipelined message start at multiples of this many groups, so the kernels
-# split every chunk (the last one aside) into whole row blocks without padding.
-CHUNK_ALIGN = 64
-
 
 # ----------------------------------------------------------------------------- varying manual axes
 # `checks_vma` (public API) lives in `taco_jax.kernels.jax_compat`, beside the detection
@@ -115,280 +110,6 @@ def per_rank(x: jax.Array, axis_name: str) -> jax.Array:
     return x + (lax.axis_index(axis_name) * 0).astype(x.dtype)
 
 
-# ----------------------------------------------------------------------------- one call, one plan
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Call:
-    """One collective call's fixed arguments (hashable: a static argument of the
-    collectives' gradient rules).
-
-    Attributes:
-      axis_name: the mesh axis the collective runs over.
-      config: the `TacoConfig` (forward messages use `config.forward`, backward ones
-        `config.backward`).
-      site: call-site name for wire-byte accounting and calibration; None names the
-        site after the op ("all_gather", ...).
-      calibration: per-site channel permutations and transform decisions; None = the
-        identity and the config's transform.
-
-    Raises:
-      ValueError: `config` is not a `TacoConfig`, or `calibration` not a `Calibration`.
-    """
-
-    axis_name: str
-    config: TacoConfig
-    site: str | None = None
-    calibration: Calibration | None = None
-
-    def __post_init__(self) -> None:
-        check_config(self.config, self.calibration)
-
-    def site_of(self, op: str) -> str:
-        """The name `op`'s messages are recorded and calibrated under."""
-        return self.site or op
-
-    def spec(self, direction: str) -> QuantSpec:
-        """The quantizer of `direction`'s messages ("forward" or "backward")."""
-        return self.config.forward if direction == "forward" else self.config.backward
-
-
-def check_config(config: TacoConfig, calibration: Calibration | None = None) -> None:
-    """Raise ValueError unless `config` is a `TacoConfig` and `calibration` None or a
-    `Calibration`."""
-    if not isinstance(config, TacoConfig):
-        raise ValueError(f"config must be a TacoConfig, got {type(config).__name__}")
-    if calibration is not None and not isinstance(calibration, Calibration):
-        raise ValueError(f"calibration must be a taco_jax.calibration.Calibration, got {type(calibration).__name__}")
-
-
-def check_algorithm(algorithm: str) -> None:
-    """Raise ValueError unless `algorithm` is one of `ALGORITHMS`."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class WirePlan:
-    """How one compressed message travels, decided before it moves (`plan_message`).
-
-    Attributes:
-      spec: the quantizer, with the site's calibrated transform decision.
-      chunks: pieces the message is pipelined in.
-      algorithm: "one_shot" or "two_shot" (all-reduce only).
-      permutation: the site's channel permutation; None for the identity.
-    """
-
-    spec: QuantSpec
-    chunks: int = 1
-    algorithm: str = "one_shot"
-    permutation: calibration_lib.ChannelPlan | None = None
-
-    def to_wire_order(self, x: jax.Array) -> jax.Array:
-        """`x` with its channels (last axis) in the order they are grouped on the wire."""
-        return x if self.permutation is None else jnp.take(x, self.permutation.indices, axis=-1)
-
-    def from_wire_order(self, x: jax.Array) -> jax.Array:
-        """Invert `to_wire_order`."""
-        return x if self.permutation is None else jnp.take(x, self.permutation.inverse, axis=-1)
-
-    def chunk_bounds(self, groups: int) -> list[tuple[int, int]]:
-        """The group ranges of the pipelined chunks of a message of `groups` groups."""
-        return chunk_bounds(groups, self.chunks)
-
-    def message_bytes(self, groups: int) -> int:
-        """Bytes of the chunk messages carrying `groups` groups."""
-        return sum(message_layout(b - a, self.spec).nbytes for a, b in self.chunk_bounds(groups))
-
-
-def planned_spec(
-    spec: QuantSpec, calibration: Calibration | None, site: str, direction: str, channels: int
-) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
-    """`spec` with the site's calibrated transform decision, and the site's permutation
-    plan (None when it has none or it is the identity).
-
-    Raises:
-      ValueError: the plan permutes another number of channels than `channels`.
-    """
-    plan = calibration.plan(site, direction) if calibration is not None else None
-    if plan is None:
-        return spec, None
-    if len(plan.perm) != channels:
-        raise ValueError(
-            f"calibration of site {site!r} permutes {len(plan.perm)} channels, but the message has {channels}"
-        )
-    return plan.spec(spec), None if plan.is_identity else plan
-
-
-def compressible(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> bool:
-    """Whether `config` compresses `x`: a non-empty float array with at least one axis
-    of at least `min_bytes` (an empty one has nothing to send and a scalar no channels
-    to group, so they take the plain collective)."""
-    return (
-        x.ndim > 0
-        and x.size > 0
-        and jnp.issubdtype(x.dtype, jnp.floating)
-        and config.compresses(x.size * x.dtype.itemsize)
-    )
-
-
-def plan_message(
-    x: jax.Array | jax.ShapeDtypeStruct,
-    call: Call,
-    *,
-    op: str,
-    direction: str,
-    algorithm: str = "auto",
-    moves_channels: bool = False,
-    report: bool = True,
-) -> WirePlan | None:
-    """How `x` travels in `op` (`taco_jax.policy`): None for the plain collective, else
-    its `WirePlan`. A compressed message is reported to an active calibration collector.
-
-    Args:
-      x: the message, channels on its last axis.
-      call: the call it belongs to.
-      op: "all_gather", "reduce_scatter" or "all_reduce".
-      direction: "forward" or "backward".
-      algorithm: the caller's all-reduce algorithm ("auto": the policy's choice).
-      moves_channels: the op gathers or scatters along the channel axis.
-      report: report `x` to an active calibration collector (False: the caller reports
-        the pieces it compresses; `x` may then be a ShapeDtypeStruct).
-
-    Raises:
-      ValueError: a channel permutation on a site whose op moves the channel axis, or
-        one of the wrong length.
-    """
-    route = policy.route_for(
-        op,
-        lax.axis_size(call.axis_name),
-        x.size * x.dtype.itemsize,
-        link=call.config.link,
-        chunks=call.config.chunks,
-        algorithm=algorithm,
-        compresses=compressible(x, call.config),
-    )
-    if not route.compressed:
-        return None
-    site = call.site_of(op)
-    if report:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise ValueError("plan_message reports the message's values: pass the array, or report=False")
-        calibration_lib.observe(x, site, direction)
-    spec, permutation = planned_spec(call.spec(direction), call.calibration, site, direction, x.shape[-1])
-    if permutation is not None and moves_channels:
-        raise ValueError(
-            f"site {site!r} has a channel permutation, so it cannot gather or scatter along "
-            f"the last (channel) axis of shape {x.shape}"
-        )
-    return WirePlan(spec, route.chunks, route.algorithm, permutation)
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def to_rows(x: jax.Array, group_size: int, lead: int) -> jax.Array:
-    """(*lead_dims, *chunk) -> (*lead_dims, n, G), padding the chunk's last axis with zeros."""
-    lead_shape, chunk = x.shape[:lead], x.shape[lead:]
-    last = chunk[-1] if chunk else 1
-    x = x.reshape(*lead_shape, math.prod(chunk[:-1]), last)
-    pad = -last % group_size
-    if pad:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(*lead_shape, -1, group_size)
-
-
-def from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
-    """Invert `to_rows` for a chunk shape (the padded tail of the last axis is dropped)."""
-    lead_shape = rows.shape[:lead]
-    last = chunk[-1] if chunk else 1
-    rows = rows.reshape(*lead_shape, math.prod(chunk[:-1]), -1)[..., :last]
-    return rows.reshape(*lead_shape, *chunk)
-
-
-def group_count(shape: tuple[int, ...], group_size: int) -> int:
-    """Rows of G that `to_rows` makes of an array of `shape`."""
-    last = shape[-1] if shape else 1
-    return math.prod(shape[:-1]) * -(-last // group_size)
-
-
-def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
-    """Split `groups` rows into at most `chunks` pieces starting at multiples of
-    `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
-    per_chunk = -(-groups // chunks)
-    step = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
-    edges = list(range(0, groups, step)) + [groups]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
-def rank_blocks(rows: jax.Array, ranks: int) -> jax.Array:
-    """(n, G) rows as (ranks, ceil(n / ranks), G) blocks, zero rows padding the last:
-    block i is what rank i reduces in a two-shot all-reduce."""
-    per_rank = -(-rows.shape[0] // ranks)
-    return jnp.pad(rows, [(0, ranks * per_rank - rows.shape[0]), (0, 0)]).reshape(ranks, per_rank, rows.shape[1])
-
-
-def _concatenated(pieces: list[jax.Array], axis: int) -> jax.Array:
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
-
-
-def check_axis(axis: int, ndim: int, what: str) -> int:
-    """`axis` normalized for an array of rank `ndim`; ValueError naming `what` if out of
-    range (always for a scalar, which has no axis)."""
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")
-    return axis % ndim
-
-
-# ----------------------------------------------------------------------------- ledger
-
-
-def record_collective(
-    x: jax.Array | jax.ShapeDtypeStruct,
-    *,
-    site: str,
-    op: str,
-    direction: str,
-    axis_name: str,
-    spec: QuantSpec | None,
-    sent: int,
-    plain_sent: int,
-) -> None:
-    """Record a collective's wire bytes per rank: `sent` as it travels (`spec` None:
-    uncompressed), `plain_sent` as the uncompressed collective in x's dtype; scaled to
-    2-byte elements that is the bf16 figure."""
-    itemsize = jnp.dtype(x.dtype).itemsize
-    accounting.record(
-        accounting.WireRecord(
-            site=site,
-            op=op,
-            direction=direction,
-            shape=tuple(x.shape),
-            dtype=jnp.dtype(x.dtype).name,
-            ranks=lax.axis_size(axis_name),
-            compressed=spec is not None,
-            sent_bytes=int(sent),
-            uncompressed_sent_bytes=int(plain_sent),
-            axis=str(axis_name),
-            bf16_sent_bytes=int(plain_sent) * 2 // itemsize,
-        )
-    )
-
-
-def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
-    """Bytes each rank sends in a ring all-reduce of `nbytes`: 2 (k-1)/k of them."""
-    return 2 * (ranks - 1) * nbytes // ranks
-
-
-def record_plain_all_reduce(x: jax.Array, axis_name: str, *, site: str, direction: str = "forward") -> None:
-    """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
-    with `jax.lax` directly."""
-    plain = ring_all_reduce_bytes(x.size * jnp.dtype(x.dtype).itemsize, lax.axis_size(axis_name))
-    record_collective(
-        x, site=site, op="all_reduce", direction=direction, axis_name=axis_name, spec=None, sent=plain, plain_sent=plain
-    )
-
-
 def _empty_result(x: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
     """What a collective over `axis_name` returns for an empty `x` (XLA refuses to lower
     one of zero-size operands): an empty array of `shape`, varying as lax's result."""
@@ -398,58 +119,9 @@ def _empty_result(x: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.A
 # ----------------------------------------------------------------------------- all-gather
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class GatherResidual:
-    """An all-gather's result as a backward pass keeps it: the received 8-bit wire
-    messages when the gather was compressed (about half the bytes of bf16, as
-    Transformer Engine keeps FP8 residuals), else the result itself. `value()` gives
-    the result either way.
-
-    Attributes:
-      arrays: the (ranks, rows, W) uint8 chunk messages, or the one result array.
-      decoder: what decodes the messages (None: `arrays` holds the result).
-    """
-
-    arrays: tuple[jax.Array, ...]
-    decoder: _GatherDecoder | None = dataclasses.field(metadata=dict(static=True))
-
-    def value(self) -> jax.Array:
-        """The all-gather result (decoded again from the messages where compressed)."""
-        return self.arrays[0] if self.decoder is None else self.decoder(self.arrays)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GatherDecoder:
-    """Decodes all-gathered chunk messages of per-rank arrays of `shape` into the
-    all-gather result (`lax.all_gather` layout)."""
-
-    plan: WirePlan
-    shape: tuple[int, ...]
-    dtype: Any
-    axis: int
-    tiled: bool
-    kernel_mode: str
-
-    def __call__(self, received: tuple[jax.Array, ...]) -> jax.Array:
-        spec, shape, axis = self.plan.spec, self.shape, self.axis
-        bounds = chunk_bounds(group_count(shape, spec.group_size), len(received))
-        rows = _concatenated(
-            [
-                decode(r[:, None], b - a, spec, self.dtype, self.kernel_mode)
-                for r, (a, b) in zip(received, bounds, strict=True)
-            ],
-            axis=1,
-        )
-        out = jnp.moveaxis(self.plan.from_wire_order(from_rows(rows, shape, 1)), 0, axis)
-        if self.tiled:
-            out = out.reshape(*shape[:axis], received[0].shape[0] * shape[axis], *shape[axis + 1 :])
-        return out
-
-
 def run_all_gather(
     x: jax.Array, call: Call, *, direction: str, axis: int = 0, tiled: bool = True
-) -> tuple[jax.Array, GatherResidual]:
+) -> tuple[jax.Array, Gathered]:
     """One direction of `all_gather` (no gradient rule): the gathered array and what a
     backward pass keeps of it.
 
@@ -460,27 +132,18 @@ def run_all_gather(
     axis = check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
     plan = plan_message(x, call, op="all_gather", direction=direction)
-    record = functools.partial(
-        record_collective,
-        x,
-        site=call.site_of("all_gather"),
-        op="all_gather",
-        direction=direction,
-        axis_name=call.axis_name,
-        plain_sent=plain_sent,
-    )
     if plan is None:
-        record(spec=None, sent=plain_sent)
-        gathered = _plain_all_gather(x, call.axis_name, axis, tiled)
-        return gathered, GatherResidual((gathered,), None)
-    rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
-    kernel_mode = call.config.kernel_mode
-    received = tuple(
-        gather_stacked(encode(rows[a:b], plan.spec, kernel_mode), call.axis_name)
-        for a, b in plan.chunk_bounds(rows.shape[0])
-    )
-    record(spec=plan.spec, sent=(ranks - 1) * plan.message_bytes(rows.shape[0]))
-    residual = GatherResidual(received, _GatherDecoder(plan, tuple(x.shape), x.dtype, axis, tiled, kernel_mode))
+        call.record(x, op="all_gather", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
+        parts: tuple[Any, ...] = (_plain_all_gather(x, call.axis_name, axis, tiled),)
+    else:
+        rows = plan.rows(x)
+        parts = tuple(
+            plan.encode(rows[a:b], x.dtype).moved(lambda buffer: gather_stacked(buffer, call.axis_name))
+            for a, b in plan.chunk_bounds(rows.shape[0])
+        )
+        sent = (ranks - 1) * plan.message_bytes(rows.shape[0])
+        call.record(x, op="all_gather", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
+    residual = Gathered(parts, plan, tuple(x.shape), axis, tiled, call.axis_name, by_shifts=False)
     return residual.value(), residual
 
 
@@ -515,35 +178,21 @@ def run_reduce_scatter(
         raise ValueError(f"scatter_dimension {dim} of shape {x.shape} has size {size}, must be {need} (axis size)")
     plain_sent = (ranks - 1) * x.size * x.dtype.itemsize // ranks
     plan = plan_message(x, call, op="reduce_scatter", direction=direction, moves_channels=dim == x.ndim - 1)
-    record = functools.partial(
-        record_collective,
-        x,
-        site=call.site_of("reduce_scatter"),
-        op="reduce_scatter",
-        direction=direction,
-        axis_name=call.axis_name,
-        plain_sent=plain_sent,
-    )
     block_shape = (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1 :])
     if plan is None:
-        record(spec=None, sent=plain_sent)
+        call.record(x, op="reduce_scatter", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
         if not x.size:
             return _empty_result(x, block_shape, call.axis_name)
         return lax.psum_scatter(x, call.axis_name, scatter_dimension=dim, tiled=tiled)
     moved = jnp.moveaxis(plan.to_wire_order(x), dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
     rows = to_rows(moved.reshape(ranks, *chunk_shape), plan.spec.group_size, 1)
-    pieces = [_reduce_scatter_rows(rows[:, a:b], call, plan.spec, x.dtype) for a, b in plan.chunk_bounds(rows.shape[1])]
-    record(spec=plan.spec, sent=(ranks - 1) * plan.message_bytes(rows.shape[1]))
-    out = plan.from_wire_order(from_rows(_concatenated(pieces, axis=0), chunk_shape, 0))
+    exchange = functools.partial(exchange_blocks, axis_name=call.axis_name)
+    pieces = [plan.encode(rows[:, a:b], x.dtype).moved(exchange).sum() for a, b in plan.chunk_bounds(rows.shape[1])]
+    sent = (ranks - 1) * plan.message_bytes(rows.shape[1])
+    call.record(x, op="reduce_scatter", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
+    out = plan.from_wire_order(from_rows(concatenated(pieces, axis=0), chunk_shape, 0))
     return jnp.moveaxis(out, 0, dim) if tiled else out
-
-
-def _reduce_scatter_rows(rows: jax.Array, call: Call, spec: QuantSpec, dtype: Any) -> jax.Array:
-    """(ranks, n, G) rows, one block per destination -> this rank's (n, G) block of the sum."""
-    kernel_mode = call.config.kernel_mode
-    received = exchange_blocks(encode(rows, spec, kernel_mode), call.axis_name)
-    return decode(received[None], rows.shape[1], spec, dtype, kernel_mode)[0]
 
 
 # ----------------------------------------------------------------------------- all-reduce
@@ -555,86 +204,59 @@ def run_all_reduce(x: jax.Array, call: Call, *, direction: str, algorithm: str =
     plain_sent = ring_all_reduce_bytes(x.size * x.dtype.itemsize, ranks)
     plan = plan_message(x, call, op="all_reduce", direction=direction, algorithm=algorithm)
     if plan is None:
-        record_collective(
-            x,
-            site=call.site_of("all_reduce"),
-            op="all_reduce",
-            direction=direction,
-            axis_name=call.axis_name,
-            spec=None,
-            sent=plain_sent,
-            plain_sent=plain_sent,
-        )
+        call.record(x, op="all_reduce", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
         return lax.psum(x, call.axis_name)
-    rows = to_rows(plan.to_wire_order(x), plan.spec.group_size, 0)
+    rows = plan.rows(x)
     exchange = _one_shot if plan.algorithm == "one_shot" else _two_shot
     out, sent = exchange(rows, call, plan, x.dtype)
     op = f"all_reduce_{plan.algorithm}"  # the ledger names the algorithm
-    record_collective(
-        x,
-        site=call.site_of(op),
-        op=op,
-        direction=direction,
-        axis_name=call.axis_name,
-        spec=plan.spec,
-        sent=(ranks - 1) * sent,
-        plain_sent=plain_sent,
-    )
-    return plan.from_wire_order(from_rows(out, x.shape, 0))
+    call.record(x, op=op, direction=direction, plan=plan, sent=(ranks - 1) * sent, plain_sent=plain_sent)
+    return plan.array(out, x.shape)
 
 
 def _one_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> tuple[jax.Array, int]:
     """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
-    spec, kernel_mode = plan.spec, call.config.kernel_mode
-    pieces = []
-    for a, b in plan.chunk_bounds(rows.shape[0]):
-        received = gather_invariant(encode(rows[a:b], spec, kernel_mode), call.axis_name)
-        pieces.append(decode(received[None], b - a, spec, dtype, kernel_mode)[0])
-    return _concatenated(pieces, axis=0), plan.message_bytes(rows.shape[0])
+    gather = functools.partial(gather_invariant, axis_name=call.axis_name)
+    pieces = [plan.encode(rows[a:b], dtype).moved(gather).sum() for a, b in plan.chunk_bounds(rows.shape[0])]
+    return concatenated(pieces, axis=0), plan.message_bytes(rows.shape[0])
 
 
 def _two_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> tuple[jax.Array, int]:
     """Reduce-scatter, requantize the reduced block, all-gather it: (n, G) sum, bytes
     per peer."""
-    spec, kernel_mode = plan.spec, call.config.kernel_mode
     blocks = rank_blocks(rows, lax.axis_size(call.axis_name))
     per_rank = blocks.shape[1]
-    pieces = []
-    for a, b in plan.chunk_bounds(per_rank):
-        received = exchange_blocks(encode(blocks[:, a:b], spec, kernel_mode), call.axis_name)
-        gathered = gather_invariant(requantize(received, b - a, spec, kernel_mode), call.axis_name)
-        pieces.append(decode(gathered[:, None], b - a, spec, dtype, kernel_mode))
-    out = _concatenated(pieces, axis=1)
-    return out.reshape(-1, spec.group_size)[: rows.shape[0]], 2 * plan.message_bytes(per_rank)
+    exchange = functools.partial(exchange_blocks, axis_name=call.axis_name)
+    pieces = [
+        second_shot(plan.encode(blocks[:, a:b], dtype).moved(exchange), call.axis_name)
+        for a, b in plan.chunk_bounds(per_rank)
+    ]
+    out = concatenated(pieces, axis=1)
+    return out.reshape(-1, plan.spec.group_size)[: rows.shape[0]], 2 * plan.message_bytes(per_rank)
+
+
+def second_shot(received: Message, axis_name: str) -> jax.Array:
+    """The second half of a two-shot all-reduce: the messages of this rank's block that
+    every rank sent it (k, R, W), summed and requantized once, all-gathered invariant over
+    the axis and decoded: every rank's reduced block, (k, n, G)."""
+    return received.requantize().moved(functools.partial(gather_invariant, axis_name=axis_name)).decode()
 
 
 # ----------------------------------------------------------------------------- ppermute
 
 
 def run_ppermute(x: jax.Array, call: Call, *, direction: str, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
-    """One direction of `ppermute` (no gradient rule), compressed with the direction's
-    spec where the config compresses a message of its size (no calibration plans:
-    point-to-point sends)."""
+    """One direction of `ppermute` (no gradient rule), compressed where the plan says so
+    (one message: point-to-point sends are not pipelined, and not calibrated)."""
     nbytes = x.size * x.dtype.itemsize
-    spec = call.spec(direction)
-    compressed = compressible(x, call.config)
-    rows = to_rows(x, spec.group_size, 0) if compressed else x
-    record_collective(
-        x,
-        site=call.site_of("ppermute"),
-        op="ppermute",
-        direction=direction,
-        axis_name=call.axis_name,
-        spec=spec if compressed else None,
-        plain_sent=nbytes,
-        sent=message_layout(rows.shape[0], spec).nbytes if compressed else nbytes,
-    )
-    if not compressed:
+    plan = plan_message(x, call, op="ppermute", direction=direction, report=False, pipelined=False)
+    if plan is None:
+        call.record(x, op="ppermute", direction=direction, plan=None, sent=nbytes, plain_sent=nbytes)
         return lax.ppermute(per_rank(x, call.axis_name), call.axis_name, pairs)
-    kernel_mode = call.config.kernel_mode
-    message = per_rank(encode(rows, spec, kernel_mode), call.axis_name)
-    received = lax.ppermute(message, call.axis_name, pairs)
-    return from_rows(decode(received[None, None], rows.shape[0], spec, x.dtype, kernel_mode)[0], x.shape, 0)
+    message = plan.encode(plan.rows(x), x.dtype)
+    call.record(x, op="ppermute", direction=direction, plan=plan, sent=message.nbytes, plain_sent=nbytes)
+    received = message.moved(lambda buffer: lax.ppermute(per_rank(buffer, call.axis_name), call.axis_name, pairs))
+    return plan.array(received.decode(), x.shape)
 
 
 # ----------------------------------------------------------------------------- differentiable API

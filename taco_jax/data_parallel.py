@@ -15,22 +15,15 @@ residual still held.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax.codec import decode, encode, message_layout, requantize
-from taco_jax.collectives import (
-    check_config,
-    exchange_blocks,
-    gather_invariant,
-    rank_blocks,
-    record_collective,
-    record_plain_all_reduce,
-    ring_all_reduce_bytes,
-)
+from taco_jax.collectives import exchange_blocks, second_shot
+from taco_jax.message import Call, WirePlan, plan_message, rank_blocks, record_plain_all_reduce, ring_all_reduce_bytes
 from taco_jax.spec import TacoConfig
 
 
@@ -50,7 +43,7 @@ def _unbucket(rows: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
     return leaves
 
 
-def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig) -> tuple[jax.Array, jax.Array, int]:
+def _two_shot_with_feedback(rows: jax.Array, axis_name: str, plan: WirePlan) -> tuple[jax.Array, jax.Array, int]:
     """Sum (n, G) rows over the axis through the compressed two-shot all-reduce.
 
     Returns:
@@ -58,21 +51,18 @@ def _two_shot_with_feedback(rows: jax.Array, axis_name: str, config: TacoConfig)
       quantization error plus, on the block it requantized, that block's error; bytes
       each rank sends).
     """
-    spec, kernel_mode = config.backward, config.kernel_mode
     ranks, count = lax.axis_size(axis_name), rows.shape[0]
     blocks = rank_blocks(rows, ranks)
-    per_rank = blocks.shape[1]
-    sent = encode(blocks, spec, kernel_mode)
-    message_error = blocks - decode(sent[:, None], per_rank, spec, jnp.float32, kernel_mode)
-    received = exchange_blocks(sent, axis_name)
-    block_sum = decode(received[None], per_rank, spec, jnp.float32, kernel_mode)[0]
-    gathered = gather_invariant(requantize(received, per_rank, spec, kernel_mode), axis_name)
-    total = decode(gathered[:, None], per_rank, spec, jnp.float32, kernel_mode)
+    sent = plan.encode(blocks, jnp.float32)
+    message_error = blocks - sent.decode()
+    received = sent.moved(functools.partial(exchange_blocks, axis_name=axis_name))
+    block_sum = received.sum()
+    total = second_shot(received, axis_name)
     own = lax.axis_index(axis_name)
     block_error = block_sum - lax.dynamic_index_in_dim(total, own, keepdims=False)
     residual = message_error + jnp.where((jnp.arange(ranks) == own)[:, None, None], block_error, 0.0)
-    trim = lambda x: x.reshape(-1, spec.group_size)[:count]
-    return trim(total), trim(residual), 2 * (ranks - 1) * message_layout(per_rank, spec).nbytes
+    trim = lambda x: x.reshape(-1, plan.spec.group_size)[:count]
+    return trim(total), trim(residual), 2 * (ranks - 1) * sent.nbytes
 
 
 def mean_gradients(
@@ -99,7 +89,7 @@ def mean_gradients(
     Raises:
       ValueError: a non-float leaf, a residual of another structure or shape, a bad config.
     """
-    check_config(config)
+    call = Call(axis_name=axis_name, config=config, site=site)
     treedef: Any  # jaxlib's PyTreeDef, which has no type information mypy reads
     leaves, treedef = jax.tree.flatten(grads)
     if any(not jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves):
@@ -109,28 +99,21 @@ def mean_gradients(
         if jax.tree.structure(residual) != treedef or shapes != jax.tree.map(jnp.shape, grads):
             raise ValueError("mean_gradients: residual must have the structure and shapes of grads")
     ranks = lax.axis_size(axis_name)
-    nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    if ranks == 1 or nbytes == 0 or not config.compresses(nbytes):
+    bucket = jax.ShapeDtypeStruct((sum(leaf.size for leaf in leaves),), jnp.result_type(*leaves))
+    plan = plan_message(
+        bucket, call, op="all_reduce", direction="backward", algorithm="two_shot", report=False, pipelined=False
+    )
+    if ranks == 1 or plan is None:
         for leaf in leaves:
             record_plain_all_reduce(leaf, axis_name, site=site, direction="backward")
         return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads), residual
-    group_size = config.backward.group_size
-    rows = _bucket(leaves, group_size)
+    rows = _bucket(leaves, plan.spec.group_size)
     if residual is not None:
-        rows = rows + _bucket(jax.tree.leaves(residual), group_size)
+        rows = rows + _bucket(jax.tree.leaves(residual), plan.spec.group_size)
     # Each rank sends its share of the mean; the residual is kept in gradient units.
-    total, dropped, sent = _two_shot_with_feedback(rows / ranks, axis_name, config)
-    bucket = jax.ShapeDtypeStruct((sum(leaf.size for leaf in leaves),), jnp.result_type(*leaves))
-    record_collective(
-        bucket,
-        site=site,
-        op="all_reduce_two_shot",
-        direction="backward",
-        axis_name=axis_name,
-        spec=config.backward,
-        sent=sent,
-        plain_sent=ring_all_reduce_bytes(bucket.size * bucket.dtype.itemsize, ranks),
-    )
+    total, dropped, sent = _two_shot_with_feedback(rows / ranks, axis_name, plan)
+    plain_sent = ring_all_reduce_bytes(bucket.size * bucket.dtype.itemsize, ranks)
+    call.record(bucket, op="all_reduce_two_shot", direction="backward", plan=plan, sent=sent, plain_sent=plain_sent)
     mean = treedef.unflatten(_unbucket(total, leaves))
     new_residual = treedef.unflatten(_unbucket(dropped * ranks, [leaf.astype(jnp.float32) for leaf in leaves]))
     return mean, new_residual

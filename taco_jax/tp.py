@@ -46,15 +46,16 @@ from jax.sharding import PartitionSpec
 
 from taco_jax import collective_matmul, collectives
 from taco_jax.calibration import Calibration
+from taco_jax.message import Call, check_algorithm
 from taco_jax.spec import TacoConfig
 
 
-def _copy_backward(cotangent: jax.Array, call: collectives.Call, *, algorithm: str) -> jax.Array:
+def _copy_backward(cotangent: jax.Array, call: Call, *, algorithm: str) -> jax.Array:
     collectives.refuse_gradient_outside("copy_to_tp", call.axis_name)
     return collectives.run_all_reduce(cotangent, call, direction="backward", algorithm=algorithm)
 
 
-def _reduce_backward(cotangent: jax.Array, call: collectives.Call, *, algorithm: str) -> jax.Array:
+def _reduce_backward(cotangent: jax.Array, call: Call, *, algorithm: str) -> jax.Array:
     collectives.refuse_gradient_outside("reduce_from_tp", call.axis_name)
     return collectives.vary(cotangent, (call.axis_name,))
 
@@ -75,8 +76,8 @@ def _check_replicated(x: jax.Array, axis_name: str, mapping: str) -> None:
         )
 
 
-def _call(axis_name: str, config: TacoConfig, site: str | None, calibration: Calibration | None) -> collectives.Call:
-    return collectives.Call(axis_name=axis_name, config=config, site=site, calibration=calibration)
+def _call(axis_name: str, config: TacoConfig, site: str | None, calibration: Calibration | None) -> Call:
+    return Call(axis_name=axis_name, config=config, site=site, calibration=calibration)
 
 
 def copy_to_tp(
@@ -108,7 +109,7 @@ def copy_to_tp(
         gradient of a `check_vma=False` shard_map taken outside it (see the module doc).
     """
     call = _call(axis_name, config, site, calibration)
-    collectives.check_algorithm(algorithm)
+    check_algorithm(algorithm)
     _check_replicated(x, axis_name, "copy_to_tp")
     return _copy(x, call, algorithm=algorithm)
 
@@ -144,7 +145,7 @@ def reduce_from_tp(
         taken outside it (see the module doc).
     """
     call = _call(axis_name, config, site, calibration)
-    collectives.check_algorithm(algorithm)
+    check_algorithm(algorithm)
     if collectives.checks_vma(axis_name) and axis_name not in collectives.varying_axes(x):
         raise ValueError(
             f"reduce_from_tp sums per-rank partial results, but x is replicated over {axis_name!r} "

@@ -8,6 +8,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
+from taco_jax.message import Call, plan_message
 
 MESHES = [
     pytest.param((2, 1, 4), id="dp2_pp1_tp4"),
@@ -501,7 +502,6 @@ def test_plan_message_decides_the_route_spec_and_permutation_once():
     """`plan_message` is None where the plain collective runs, else the WirePlan the
     message travels by: the direction's spec, the config's chunks, the site's
     calibrated permutation (refused where the op moves the channel axis)."""
-    from taco_jax import collectives
     from taco_jax.calibration import Calibration, ChannelPlan
 
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
@@ -511,11 +511,11 @@ def test_plan_message_decides_the_route_spec_and_permutation_once():
 
     def body(x):
         for name, config in (("off", _config("off")), ("taco+", _config("taco+", chunks=2))):
-            call = collectives.Call(axis_name="tensor", config=config, site="site", calibration=calibration)
-            plans[name] = collectives.plan_message(x, call, op="all_gather", direction="forward")
-            plans[name + "/backward"] = collectives.plan_message(x, call, op="reduce_scatter", direction="backward")
+            call = Call(axis_name="tensor", config=config, site="site", calibration=calibration)
+            plans[name] = plan_message(x, call, op="all_gather", direction="forward")
+            plans[name + "/backward"] = plan_message(x, call, op="reduce_scatter", direction="backward")
         with pytest.raises(ValueError, match="channel permutation"):
-            collectives.plan_message(x, call, op="reduce_scatter", direction="backward", moves_channels=True)
+            plan_message(x, call, op="reduce_scatter", direction="backward", moves_channels=True)
         return x
 
     _shard_run(mesh, body, jnp.zeros((4 * 8, 128), jnp.float32), in_specs=(P("tensor"),), out_specs=P("tensor"))
@@ -541,9 +541,9 @@ def test_gather_residual_decodes_what_the_gather_returned():
     def body(v):
         outs = []
         for name in ("off", "taco+"):
-            call = collectives.Call(axis_name="tensor", config=_config(name))
+            call = Call(axis_name="tensor", config=_config(name))
             gathered, residual = collectives.run_all_gather(v, call, direction="forward", axis=0)
-            kept[name] = [a.dtype for a in residual.arrays]
+            kept[name] = [a.dtype for a in jax.tree.leaves(residual.parts)]
             outs.append(jnp.abs(residual.value() - gathered).max()[None])
             outs.append(gathered[None])
         return jnp.concatenate([o.reshape(1, -1) for o in outs], axis=1)

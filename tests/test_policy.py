@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax.collectives import chunk_bounds
+from taco_jax.message import chunk_bounds
 from taco_jax.policy import LinkProfile, Route, Timing, route_for
 from taco_jax.probe import Message, probe_link
 from taco_jax.train import compression, link_policy, optimizer, run_state, trainer

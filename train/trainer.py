@@ -24,6 +24,7 @@ import taco_jax as tj
 from taco_jax import accounting, models, strict_json
 from taco_jax.calibration import Calibration
 from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
+from taco_jax.message import record_plain_all_reduce
 from taco_jax.models.api import sequence_parallel_grads
 from taco_jax.models.transformer import Parallelism
 
@@ -59,7 +60,7 @@ def _shard_map(cfg: TrainConfig, mesh, fn, in_specs, out_specs):
 
 def _sum_over_stages(grad: jax.Array) -> jax.Array:
     """psum over "pipe" of a parameter every stage holds, recorded as pipe traffic."""
-    tj.collectives.record_plain_all_reduce(grad, PIPE_AXIS, site="pipe.shared_grads", direction="backward")
+    record_plain_all_reduce(grad, PIPE_AXIS, site="pipe.shared_grads", direction="backward")
     return lax.psum(grad, PIPE_AXIS)
 
 
