@@ -96,7 +96,7 @@ def test_a_second_trainer_on_a_run_directory_is_one_line_before_compiling(tmp_pa
     def compiled(*args, **kwargs):
         raise AssertionError("the second trainer built its state")
 
-    monkeypatch.setattr(trainer, "_fresh_run", compiled)
+    monkeypatch.setattr(run_state, "_fresh_run", compiled)
     try:
         assert cli.main(["--no-progress", "--out", str(out), *_cli_args(SMALL)]) == 2
     finally:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from taco_jax import models
-from taco_jax.train import cli, trainer
+from taco_jax.train import cli, run_state
 from tests.test_train import SMALL, _cli_args
 
 
@@ -64,7 +64,7 @@ def test_bad_values_name_their_key(args, message, capsys):
 
 def test_a_run_directory_that_cannot_be_written_is_refused_before_compiling(tmp_path, capsys, monkeypatch):
     """--out that is a file, or lies under one: one line, and no state is built."""
-    monkeypatch.setattr(trainer, "_fresh_run", lambda *a: pytest.fail("built state for an unusable --out"))
+    monkeypatch.setattr(run_state, "_fresh_run", lambda *a: pytest.fail("built state for an unusable --out"))
     file = tmp_path / "file"
     file.write_text("x")
     assert f"out: {file} is a file" in _one_error_line(["--out", str(file), *_cli_args(SMALL)], capsys)
@@ -88,7 +88,7 @@ def test_a_run_directory_that_cannot_be_written_is_refused_before_compiling(tmp_
 def test_data_that_does_not_fit_is_refused_before_compiling(tokens, extra, message, tmp_path, capsys, monkeypatch):
     """Token ids outside the model's vocabulary (below 0 too), no tokens, or a split too
     short for one sequence: one line at setup, not a failure at the first evaluation."""
-    monkeypatch.setattr(trainer, "_fresh_run", lambda *a: pytest.fail("built state for data that does not fit"))
+    monkeypatch.setattr(run_state, "_fresh_run", lambda *a: pytest.fail("built state for data that does not fit"))
     data = tmp_path / "tokens.npy"
     np.save(data, np.asarray(tokens, np.int32))
     args = ["--out", str(tmp_path / "run"), *_cli_args(SMALL), f"data={data}", *extra]

@@ -220,8 +220,11 @@ def test_tp_overlap_auto_takes_the_faster_measured_step(tmp_path, monkeypatch):
         cfg.with_keys(tp_overlap="layers.attn,head.in")
     assert config_lib.overlap_sites(" head.in, layers.mlp.out ") == frozenset({"head.in", "layers.mlp.out"})
 
-    # The trainer's own timer, on the CPU mesh (the decision itself is the machine's).
+    # The trainer's own timer, on the CPU mesh (the decision itself is the machine's): two
+    # of the sites and one timed call per setting keep the compiles few.
     monkeypatch.setattr(link_policy, "_why_not_time_overlap", lambda cfg: None)
+    monkeypatch.setattr(link_policy, "OVERLAP_SITES", ("layers.attn.in", "head.in"))
+    monkeypatch.setattr(link_policy, "OVERLAP_PROBE_STEPS", 1)
     model_config = tj.models.preset(cfg.model)
     mesh = run_state.device_mesh(cfg)
     tx, _ = optimizer.make_optimizer(cfg, model_config)
