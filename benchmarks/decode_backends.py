@@ -5,7 +5,7 @@ The kernel: the sum of k = 4 shards of 8-bit codes times their groups' multiplie
 bfloat16 (the fp8 preset's reduce-scatter receive: E4M3 codes, one float32 multiplier
 per group of 128, no transform), at 16384 x 8192 elements. It is timed as
 
-  gluon        the Gluon split kernel (`row_kernels.SplitConfig`, jaxlib's Triton custom
+  gluon        the Gluon split kernel (`split_kernels.SplitConfig`, jaxlib's Triton custom
                call), 8 and 16 values per thread
   mosaic       Pallas on the Mosaic GPU backend (`jax.experimental.pallas.mosaic_gpu`):
                a (k, R, 128) code tile and (k, R) multipliers per program, brought into
@@ -35,7 +35,7 @@ from benchmarks.kernels import _as_shards, device_ms, time_ms, torch_copy_tb_per
 from taco_jax import strict_json
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import row_kernels
+from taco_jax.kernels import split_kernels
 from taco_jax.kernels.decompress import default_config
 
 SHAPE = (16384, 8192)
@@ -100,7 +100,7 @@ def _variants() -> dict:
     kw = dict(transform=False, out_dtype=jnp.bfloat16)
     variants = {
         f"gluon-v{values}": functools.partial(
-            kd.decompress_groups, config=row_kernels.SplitConfig(values_per_thread=values), **kw
+            kd.decompress_groups, config=split_kernels.SplitConfig(values_per_thread=values), **kw
         )
         for values in (8, 16)
     }

@@ -50,7 +50,7 @@ from benchmarks import profiling
 from taco_jax import strict_json
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import group_codec, row_kernels
+from taco_jax.kernels import gluon_codec, group_codec, row_kernels, split_kernels
 from taco_jax.kernels.formats import SCALE_FORMATS
 from taco_jax.kernels.launch import TRANSFORM_METHODS, KernelConfig
 
@@ -355,20 +355,20 @@ def sweep_configs(
 
 def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str, object]]:
     """(name, config) of the kernels compress is timed with: the Gluon kernel ("gluon",
-    `row_kernels.compress_config`'s, what runs by default where `row_kernels.supports`
+    `row_kernels.compress_config`'s, what runs by default where `gluon_codec.supports`
     holds) and the Pallas kernel's default."""
-    gluon = [("gluon", row_kernels.compress_config(GROUP))] if row_kernels.supports(GROUP, jnp.bfloat16, fmt) else []
+    gluon = [("gluon", row_kernels.compress_config(GROUP))] if gluon_codec.supports(GROUP, jnp.bfloat16, fmt) else []
     return gluon + [("pallas", pallas_default)]
 
 
 def _decode_kernels(fmt: str, shards: int, requantize: bool, pallas_default: KernelConfig) -> list[tuple[str, object]]:
     """(name, decode function) of the kernels a decode is timed with: the split kernel's
-    launch the work runs on by default where `row_kernels.supports` holds ("gluon":
-    `row_kernels.decode_config`'s default) and the Pallas kernel's default launch."""
+    launch the work runs on by default where `gluon_codec.supports` holds ("gluon":
+    `split_kernels.decode_config`'s default) and the Pallas kernel's default launch."""
     pallas = [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
-    if not row_kernels.supports(GROUP, jnp.bfloat16, fmt, shards):
+    if not gluon_codec.supports(GROUP, jnp.bfloat16, fmt, shards):
         return pallas
-    gluon = row_kernels.decode_config(shards, requantize)
+    gluon = split_kernels.decode_config(shards, requantize)
     return [("gluon", functools.partial(kd.decompress_groups, config=gluon)), *pallas]
 
 
@@ -471,12 +471,12 @@ def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
 
 
 SPLIT_LAUNCHES = tuple(
-    row_kernels.SplitConfig(values_per_thread=v, rows_per_thread=r, num_warps=w)
+    split_kernels.SplitConfig(values_per_thread=v, rows_per_thread=r, num_warps=w)
     for v in (8, 16, 32)
     for r in (1, 2)
     for w in (2, 4)
 )
-# The decodes, which the split kernels run by default (`row_kernels.decode_config`).
+# The decodes, which the split kernels run by default (`split_kernels.decode_config`).
 SPLIT_OPS = (
     "decompress/taco",
     "decompress/taco+",
@@ -626,9 +626,9 @@ def main() -> None:
         "device": device,
         "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "default_kernel": "gluon" if row_kernels.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
+        "default_kernel": "gluon" if gluon_codec.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
         "compress_gluon_default": dataclasses.asdict(row_kernels.compress_config(GROUP)),
-        "split_default": dataclasses.asdict(row_kernels.SplitConfig()),
+        "split_default": dataclasses.asdict(split_kernels.SplitConfig()),
         "compress_default": dataclasses.asdict(kc.default_config(GROUP)),
         "decompress_default": dataclasses.asdict(kd.default_config(GROUP, True)),
         "decompress_sum_default": dataclasses.asdict(kd.default_config(GROUP, True, SHARDS)),

@@ -4,10 +4,12 @@ Installed as `taco_jax.kernels`. This package depends only on jax and numpy (not
 in `taco_jax`), and on Triton where it is installed (the `gpu` extra). `launch` holds what
 both kernels share about launching; `group_codec` is the plain-jnp definition of
 the math, written so the kernels reuse it on their tiles; `compress` and `decompress` hold
-the fused kernels, each beside its jnp reference; `row_kernels` the Gluon compress kernel
-that `compress` runs by default on a CUDA GPU, launched by `triton_launch`. Which one runs
-is the caller's choice (`taco_jax.TacoConfig.kernels`: the kernels on GPU by default, the jnp path elsewhere and
-where no kernel applies, e.g. group sizes under 16 or 4-bit formats).
+the fused Pallas kernels, each beside its jnp reference; `row_kernels` (the Gluon
+compress with a group per thread) and `split_kernels` (every Gluon decode and the compress
+of larger groups, a group over a few lanes), built on `gluon_codec`'s shared math and
+launched by `triton_launch`, run by default on a CUDA GPU. Which one runs is the caller's
+choice (`taco_jax.TacoConfig.kernel_mode`: the kernels on GPU by default, the jnp path
+elsewhere and where no kernel applies, e.g. group sizes under 16 or 4-bit formats).
 """
 
 from .formats import SCALE_FORMATS, WIRE_FORMATS, WireFormat

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import formats, group_codec, row_kernels, wire
+from . import formats, gluon_codec, group_codec, row_kernels, split_kernels, wire
 from .hadamard import hadamard_matrix
 from .launch import (
     BF16_SPLITS,
@@ -115,14 +115,14 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
 
 def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
     """x (B, N, G) quantized by the kernel `config` names: a Gluon kernel
-    (`row_kernels.RowConfig` or `SplitConfig`, and by default where `row_kernels.supports`
+    (`row_kernels.RowConfig` or `SplitConfig`, and by default where `gluon_codec.supports`
     holds), else the Pallas kernel (`KernelConfig`). Arguments as `_launch`.
 
     Returns:
       (payload (B, >= payload_rows, G), scales (B, N, 1, 2) for "dual", else (B, N, 1)).
     """
-    if isinstance(config, row_kernels.RowConfig | row_kernels.SplitConfig) or (
-        config is None and not interpret and row_kernels.supports(x.shape[-1], x.dtype, fmt)
+    if isinstance(config, row_kernels.RowConfig | split_kernels.SplitConfig) or (
+        config is None and not interpret and gluon_codec.supports(x.shape[-1], x.dtype, fmt)
     ):
         payload, scales = row_kernels.gluon_compress(
             x,
@@ -145,7 +145,7 @@ def compress_groups(
     fmt: str,
     scale_format: str,
     transform: bool,
-    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | split_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize rows of G elements with the fused kernel.
@@ -158,7 +158,7 @@ def compress_groups(
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
         kernel, a `row_kernels.RowConfig` (G <= 128) or `SplitConfig` for a Gluon
         kernel; if None, the Gluon kernel of the group size
-        (`row_kernels.compress_config`) where `row_kernels.supports` holds (not in
+        (`row_kernels.compress_config`) where `gluon_codec.supports` holds (not in
         interpret mode), else the Pallas kernel's `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
@@ -179,7 +179,7 @@ def compress_message(
     fmt: str,
     scale_format: str,
     transform: bool,
-    config: KernelConfig | row_kernels.RowConfig | row_kernels.SplitConfig | None = None,
+    config: KernelConfig | row_kernels.RowConfig | split_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Quantize rows of G elements straight into wire messages (`wire.MessageLayout`).

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import formats, group_codec, row_kernels, wire
+from . import formats, gluon_codec, group_codec, row_kernels, split_kernels, wire
 from .hadamard import hadamard_matrix, hadamard_transform
 from .launch import (
     KernelConfig,
@@ -143,7 +143,7 @@ def _decode(
     payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
 ):
     """The decode by the kernel `config` names: a Gluon split kernel
-    (`row_kernels.SplitConfig`, and by default where `row_kernels.supports` holds; a
+    (`split_kernels.SplitConfig`, and by default where `gluon_codec.supports` holds; a
     `RowConfig` is refused by name there), else the Pallas kernel (`KernelConfig`).
     Arguments as `_launch`.
 
@@ -154,13 +154,13 @@ def _decode(
     """
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
     shards, group_size = payload.shape[1], payload.shape[-1]
-    gluon_config = isinstance(config, row_kernels.RowConfig | row_kernels.SplitConfig)
+    gluon_config = isinstance(config, row_kernels.RowConfig | split_kernels.SplitConfig)
     if gluon_config and fmt is None:
         raise ValueError(f"the Gluon kernels decode 8-bit codes {sorted(CODE_FORMATS.values())}, got {payload.dtype}")
     if fmt is not None and (
-        gluon_config or (config is None and not interpret and row_kernels.supports(group_size, out_dtype, fmt, shards))
+        gluon_config or (config is None and not interpret and gluon_codec.supports(group_size, out_dtype, fmt, shards))
     ):
-        return row_kernels.gluon_decompress(
+        return split_kernels.gluon_decompress(
             payload,
             multiplier.astype(jnp.float32),
             groups=groups,
@@ -261,7 +261,7 @@ def decompress_groups(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize_to: tuple[str, str] | None = None,
-    config: KernelConfig | row_kernels.SplitConfig | None = None,
+    config: KernelConfig | split_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ):
     """Dequantize and sum k shards of rows of G elements with the fused kernel.
@@ -274,9 +274,9 @@ def decompress_groups(
       out_dtype: dtype of the decoded output.
       requantize_to: (fmt, scale_format) to quantize the sum into instead of decoding it.
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
-        kernel, a `row_kernels.SplitConfig` for the Gluon split kernel; if None, the
-        split kernel's launch for the work (`row_kernels.decode_config`) where
-        `row_kernels.supports` holds (not in interpret mode), else the Pallas kernel's
+        kernel, a `split_kernels.SplitConfig` for the Gluon split kernel; if None, the
+        split kernel's launch for the work (`split_kernels.decode_config`) where
+        `gluon_codec.supports` holds (not in interpret mode), else the Pallas kernel's
         `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
@@ -310,7 +310,7 @@ def decompress_message(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize: bool = False,
-    config: KernelConfig | row_kernels.SplitConfig | None = None,
+    config: KernelConfig | split_kernels.SplitConfig | None = None,
     interpret: bool = False,
 ):
     """Decode wire messages straight from their buffers: for each of B batches, the sum

@@ -46,7 +46,7 @@ class KernelSupport:
 
 # The Pallas compress and decompress kernels.
 PALLAS_KERNELS = KernelSupport(max_group=512)
-# The Gluon kernels (`row_kernels`): the split kernels spread a group over at most a warp's
+# The Gluon kernels (`row_kernels`, `split_kernels`): the split kernels spread a group over at most a warp's
 # 32 lanes, so groups up to 512 keep 16 values per thread.
 GLUON_KERNELS = KernelSupport(max_group=512)
 

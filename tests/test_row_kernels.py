@@ -13,7 +13,7 @@ import pytest
 
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import formats, group_codec, launch, row_kernels, triton_launch, wire
+from taco_jax.kernels import formats, gluon_codec, group_codec, launch, row_kernels, split_kernels, triton_launch, wire
 from taco_jax.kernels.launch import KernelConfig
 from tests import reference as ref
 from tests.test_kernels import (
@@ -29,13 +29,13 @@ from tests.test_kernels import (
 )
 
 ROWS = row_kernels.RowConfig()
-SPLIT = row_kernels.SplitConfig()
+SPLIT = split_kernels.SplitConfig()
 # Every split layout the config allows at G = 128, and one capped by a smaller group.
 SPLIT_LAYOUTS = [
-    row_kernels.SplitConfig(values_per_thread=4, rows_per_thread=2, num_warps=1),
-    row_kernels.SplitConfig(values_per_thread=8, rows_per_thread=4, num_warps=8),
-    row_kernels.SplitConfig(values_per_thread=32, rows_per_thread=1, num_warps=2),
-    row_kernels.SPLIT_ONE_SHARD,
+    split_kernels.SplitConfig(values_per_thread=4, rows_per_thread=2, num_warps=1),
+    split_kernels.SplitConfig(values_per_thread=8, rows_per_thread=4, num_warps=8),
+    split_kernels.SplitConfig(values_per_thread=32, rows_per_thread=1, num_warps=2),
+    split_kernels.SPLIT_ONE_SHARD,
 ]
 
 
@@ -165,7 +165,7 @@ def test_gluon_kernels_need_an_ampere_or_newer_gpu(monkeypatch):
 def test_gluon_kernels_take_8_bit_groups_up_to_512():
     """Off GPU nothing is taken (`supports` needs a CUDA GPU); the work list itself takes
     groups of 16 to 512 in the 8-bit formats, and not int4 or G = 1024."""
-    take = row_kernels.GLUON_KERNELS.takes
+    take = launch.GLUON_KERNELS.takes
     assert take(16, jnp.bfloat16, "e4m3") and take(512, jnp.float16, "int8", shards=8)
     assert not take(1024, jnp.bfloat16, "int8") and not take(128, jnp.bfloat16, "int4")
 
@@ -178,22 +178,22 @@ def test_compress_kernels_compile_for_sm90(fmt, scale_format, kernel):
     16 lanes a group) with none."""
     pytest.importorskip("triton.experimental.gluon")
     dtype = formats.wire_format(fmt).dtype
-    scale_pointer = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(scale_format)]
-    types = ["*bf16", row_kernels.POINTER_TYPES[dtype], scale_pointer, "i32", "i64"]
+    scale_pointer = gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(scale_format)]
+    types = ["*bf16", gluon_codec.POINTER_TYPES[dtype], scale_pointer, "i32", "i64"]
     group_size = 128 if kernel == "row" else 512
     config = row_kernels.compress_config(group_size)
     constexprs = dict(
         G=group_size,
         TRANSFORM=True,
-        INV_SQRT=row_kernels._inverse_sqrt(group_size),
-        **row_kernels._quantization(fmt, scale_format),
+        INV_SQRT=gluon_codec.inverse_sqrt(group_size),
+        **gluon_codec.quantization(fmt, scale_format),
     )
     if kernel == "row":
         function = row_kernels.taco_row_compress
         constexprs |= row_kernels._row_constexprs(group_size, config, jnp.bfloat16, jnp.int8)
     else:
-        function = row_kernels.taco_split_compress
-        constexprs |= row_kernels._split_constexprs(group_size, config)
+        function = split_kernels.taco_split_compress
+        constexprs |= split_kernels.split_constexprs(group_size, config)
     compiled = triton_launch.compile_kernel(
         function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
     )
@@ -330,7 +330,7 @@ def test_decode_matches_reference(fmt, transform, shards, group_size):
     """Every output dtype at an odd row count (a partial last program), against the jnp
     reference to its rounding, and within the codec's error of the exact sum."""
     payload, multiplier = _shards(fmt, "single", transform, shards, 1001, group_size)
-    kw = dict(transform=transform, config=row_kernels.decode_config(shards, requantize=False))
+    kw = dict(transform=transform, config=split_kernels.decode_config(shards, requantize=False))
     for out_dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 2.0**-8), (jnp.float16, 2.0**-10)):
         got = kd.decompress_groups(payload, multiplier, out_dtype=out_dtype, **kw)
         want = kd.decompress_reference(payload, multiplier, out_dtype=out_dtype, transform=transform)
@@ -393,7 +393,7 @@ def test_float16_decode_saturates_instead_of_overflowing(shards):
     it (the conversion's `.satfinite`); NaN stays NaN."""
     payload, multiplier = _shards("int8", "single", True, shards, 45, 128)
     multiplier = multiplier.at[:, 3].mul(1e6).at[0, 5].set(jnp.nan)
-    config = row_kernels.decode_config(shards, requantize=False)
+    config = split_kernels.decode_config(shards, requantize=False)
     got = np.asarray(kd.decompress_groups(payload, multiplier, transform=True, out_dtype=jnp.float16, config=config))
     assert np.isnan(got[5]).all() and np.isfinite(np.delete(got, 5, axis=0)).all()
     assert np.abs(got[3]).max() == np.finfo(np.float16).max
@@ -409,7 +409,7 @@ def test_float32_decode_near_its_largest_value_matches_the_reference(shards):
     payload, multiplier = _shards("int8", "bf16", True, shards, 45, 128)
     unscaled = np.abs(np.asarray(kd.decompress_reference(payload, multiplier, transform=True))).max()
     multiplier = multiplier * 2.0 ** np.floor(np.log2(np.finfo(np.float32).max / 4 / unscaled))
-    config = row_kernels.decode_config(shards, requantize=False)
+    config = split_kernels.decode_config(shards, requantize=False)
     got = kd.decompress_groups(payload, multiplier, transform=True, out_dtype=jnp.float32, config=config)
     want = kd.decompress_reference(payload, multiplier, transform=True, out_dtype=jnp.float32)
     assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(want)).max() > 1e37
@@ -479,7 +479,7 @@ def test_default_dispatch_runs_no_pallas_kernel(preset):
 
 
 def _one_shard_decode(payload, multiplier):
-    return row_kernels.gluon_decompress(
+    return split_kernels.gluon_decompress(
         payload, multiplier, groups=multiplier.shape[-1], fmt="int8", transform=True, out_dtype=jnp.bfloat16
     )
 
@@ -505,7 +505,7 @@ def test_vmapped_requantize_is_one_launch_over_the_folded_batch(monkeypatch):
     _stub_launch(monkeypatch)
 
     def requantize(payload, multiplier):
-        return row_kernels.gluon_decompress(
+        return split_kernels.gluon_decompress(
             payload, multiplier, groups=32, fmt="int8", transform=True, requantize_to="bf16", payload_rows=34
         )
 
@@ -531,18 +531,18 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     the split kernels with no shared memory (the transform's cross-lane stages are warp
     shuffles)."""
     pytest.importorskip("triton.experimental.gluon")
-    codes = row_kernels.POINTER_TYPES[formats.wire_format(fmt).dtype]
-    config = row_kernels.decode_config(shards, requantize=kernel == "requantize")
+    codes = gluon_codec.POINTER_TYPES[formats.wire_format(fmt).dtype]
+    config = split_kernels.decode_config(shards, requantize=kernel == "requantize")
     if kernel == "split":
-        function, types = row_kernels.taco_split_decode, [codes, "*fp32", out, "i32", "i64"]
-        constexprs = dict(G=128, SHARDS=shards, TRANSFORM=transform, INV_SQRT=row_kernels._inverse_sqrt(128))
-        constexprs |= row_kernels._split_constexprs(128, config)
+        function, types = split_kernels.taco_split_decode, [codes, "*fp32", out, "i32", "i64"]
+        constexprs = dict(G=128, SHARDS=shards, TRANSFORM=transform, INV_SQRT=gluon_codec.inverse_sqrt(128))
+        constexprs |= split_kernels.split_constexprs(128, config)
     else:
-        function = row_kernels.taco_split_requantize
-        scales = row_kernels.POINTER_TYPES[row_kernels.scale_dtype(out)]
+        function = split_kernels.taco_split_requantize
+        scales = gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(out)]
         types = [codes, "*fp32", codes, scales, "i32", "i64", "i64"]
-        constexprs = dict(G=128, SHARDS=shards, **row_kernels._split_constexprs(128, config))
-        constexprs |= row_kernels._quantization(fmt, out)
+        constexprs = dict(G=128, SHARDS=shards, **split_kernels.split_constexprs(128, config))
+        constexprs |= gluon_codec.quantization(fmt, out)
     compiled = triton_launch.compile_kernel(
         function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
     )
@@ -555,18 +555,18 @@ def test_launch_configs_name_the_kernel_the_work_needs():
     `RowConfig` is refused by name. Bad split layouts are refused; V keeps a group
     within a warp."""
     assert row_kernels.compress_config(128) == ROWS
-    assert row_kernels.compress_config(256) == row_kernels.SPLIT_COMPRESS
+    assert row_kernels.compress_config(256) == split_kernels.SPLIT_COMPRESS
     with pytest.raises(ValueError, match="at most 128 values, got 512: pass a SplitConfig"):
         row_kernels.compress_config(512, ROWS)
-    assert row_kernels.decode_config(4, requantize=False) == SPLIT
-    assert row_kernels.decode_config(1, requantize=False) == row_kernels.SPLIT_ONE_SHARD
-    assert row_kernels.decode_config(2, requantize=True) == row_kernels.SPLIT_REQUANTIZE
-    assert row_kernels.decode_config(1, requantize=False, config=SPLIT) == SPLIT
+    assert split_kernels.decode_config(4, requantize=False) == SPLIT
+    assert split_kernels.decode_config(1, requantize=False) == split_kernels.SPLIT_ONE_SHARD
+    assert split_kernels.decode_config(2, requantize=True) == split_kernels.SPLIT_REQUANTIZE
+    assert split_kernels.decode_config(1, requantize=False, config=SPLIT) == SPLIT
     with pytest.raises(ValueError, match="are the split kernels: pass a SplitConfig"):
-        row_kernels.decode_config(1, requantize=False, config=ROWS)
+        split_kernels.decode_config(1, requantize=False, config=ROWS)
     with pytest.raises(ValueError, match="values_per_thread must be one of"):
-        row_kernels.SplitConfig(values_per_thread=64)
-    assert row_kernels.SplitConfig(values_per_thread=32).rows_per_program(16) == 4 * 32
+        split_kernels.SplitConfig(values_per_thread=64)
+    assert split_kernels.SplitConfig(values_per_thread=32).rows_per_program(16) == 4 * 32
     assert SPLIT.values(512) == 16 and SPLIT.rows_per_program(512) == 4
 
 

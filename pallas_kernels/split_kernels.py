@@ -1,0 +1,481 @@
+"""The row kernel's program copies 32 * num_warps groups into shared memory (cp.async,
+coalesced 16-byte vectors, each row's vectors swizzled so the reads below spread over
+the banks), and every thread reads a whole group from there into its registers. The
+group statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
+quantization then run in registers with no warp shuffle; a layout conversion stores the
+results coalesced. It holds groups of at most `ROW_MAX_GROUP`. With its per-group
+scalar math (IEEE divisions and a square root) done once per group it takes 18.6
+instructions per value, where the split compress took 20-27, and ran at 91-92% of copy
+against 80-84%; staging through registers instead (a load, then a layout conversion)
+took 19.5 and ran at 86-88%, and taking 2-8 tiles per program with the next one's copy
+in flight ran at 77-82% (benchmarks/RESULTS.md).
+
+The math is `gluon_codec`'s; `decompress.decompress_reference` (and, for the compress of
+larger groups, `compress.compress_reference`) is what they are tested against.
+`decompress` dispatches here by default where `gluon_codec.supports` holds
+(`decode_config` picks the launch). There is no interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import formats, triton_launch
+from .gluon_codec import POINTER_TYPES, grid, inverse_sqrt, quantization, scale_dtype, scales_struct
+from .launch import output_struct
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # no Triton with Gluon: `supports` is False and nothing below is traced
+    gluon = gl = async_copy = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """Launch parameters of the split kernels: every decode (one shard, a sum of k, the
+    requantized sum), and compress of groups the row kernel does not hold. A group's
+    values are spread over G / V lanes of a warp, V consecutive values per thread.
+
+    The defaults are the sum's (`SPLIT_ONE_SHARD`, `SPLIT_REQUANTIZE` and
+    `SPLIT_COMPRESS` below for the other work), the fastest of
+    `benchmarks.kernels.SPLIT_LAUNCHES` on the H200 (benchmarks/RESULTS.md).
+
+    Attributes:
+      values_per_thread: V: 4, 8, 16 or 32; at most G, and at least G / 32 (a group
+        spans at most one warp).
+      rows_per_thread: groups each thread holds a slice of: 1, 2 or 4.
+      num_warps: warps per program: 1, 2, 4 or 8.
+    """
+
+    values_per_thread: int = 8
+    rows_per_thread: int = 1
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name, allowed in (("values_per_thread", (4, 8, 16, 32)), ("rows_per_thread", (1, 2, 4))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SplitConfig.{name} must be one of {allowed}, got {getattr(self, name)}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"SplitConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+
+    def values(self, group_size: int) -> int:
+        """V for groups of `group_size`: `values_per_thread`, within [G / 32, G]."""
+        return min(max(self.values_per_thread, group_size // 32), group_size)
+
+    def rows_per_program(self, group_size: int) -> int:
+        """Groups one program takes: 32 / (G / V) per warp, times `rows_per_thread`."""
+        return 32 // (group_size // self.values(group_size)) * self.num_warps * self.rows_per_thread
+
+
+# The requantized sum computes a group's statistics across its lanes: fewer lanes per
+# group (more values per thread) were faster on the H200 (benchmarks/RESULTS.md).
+SPLIT_REQUANTIZE = SplitConfig(values_per_thread=32, num_warps=2)
+
+
+# One shard decoded has little work per value: two groups per thread were faster on the
+# H200 (92-98% of copy against 84-95% with one, and 91-93% for a group per thread).
+SPLIT_ONE_SHARD = SplitConfig(rows_per_thread=2, num_warps=2)
+
+
+# Compress of groups larger than the row kernel holds.
+SPLIT_COMPRESS = SplitConfig(values_per_thread=32, num_warps=2)
+
+
+def split_constexprs(group_size: int, config: SplitConfig) -> dict[str, int]:
+    """The split kernels' layout constexprs: V values per thread and the rows a program
+    takes."""
+    return dict(
+        VALUES=config.values(group_size),
+        ROWS=config.rows_per_program(group_size),
+        NUM_WARPS=config.num_warps,
+    )
+
+
+def gluon_decompress(
+    payload: jax.Array,
+    multiplier: jax.Array,
+    *,
+    groups: int,
+    fmt: str,
+    transform: bool,
+    out_dtype=jnp.float32,
+    requantize_to: str | None = None,
+    payload_rows: int = 0,
+    config: SplitConfig | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """For each of B batches, the sum of its k dequantized shards, decoded or requantized,
+    as `decompress.decompress_reference`.
+
+    Under `jax.vmap` the mapped axes fold into the batch dimension B, so a vmapped call
+    is one launch.
+
+    Args:
+      payload: (B, k, rows >= N, G) codes in `fmt`, or uint8 message buffers holding
+        their bytes (`wire`).
+      multiplier: (B, k, N) float32 per-group dequantization multipliers.
+      groups: N.
+      fmt: the codes' format: "e4m3", "e5m2" or "int8".
+      transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
+      out_dtype: float32, bfloat16 or float16: the decoded dtype.
+      requantize_to: a scale format to quantize the sum into (in `fmt`, with no
+        transform: it is already in the transformed domain) instead of decoding it.
+      payload_rows: with `requantize_to`, rows of each batch's output payload block, at
+        least N; rows past N are left unwritten (a message's scale rows).
+      config: the split kernel's launch; the default of the work if None
+        (`decode_config`).
+
+    Returns:
+      decoded (B, N, G) in `out_dtype`, or with `requantize_to` (payload (B, payload_rows,
+      G) in the dtype of `payload`, scales (B, N, 2) for "dual", else (B, N)).
+    """
+    launch = functools.partial(
+        _launch_decompress,
+        groups=groups,
+        fmt=fmt,
+        transform=transform,
+        out_dtype=jnp.dtype(out_dtype),
+        requantize_to=requantize_to,
+        payload_rows=max(payload_rows, groups),
+        config=config,
+    )
+    batched = jax.custom_batching.custom_vmap(launch)
+
+    @batched.def_vmap
+    def fold_batch(axis_size, in_batched, payload, multiplier):
+        payload, multiplier = (
+            value if mapped else jnp.broadcast_to(value, (axis_size, *value.shape))
+            for value, mapped in zip((payload, multiplier), in_batched)
+        )
+        outputs = batched(
+            payload.reshape(axis_size * payload.shape[1], *payload.shape[2:]),
+            multiplier.reshape(axis_size * multiplier.shape[1], *multiplier.shape[2:]),
+        )
+        if requantize_to is None:
+            return outputs.reshape(axis_size, -1, *outputs.shape[1:]), True
+        return tuple(out.reshape(axis_size, -1, *out.shape[1:]) for out in outputs), (True, True)
+
+    return batched(payload, multiplier)
+
+
+def decode_config(shards: int, requantize: bool, config: SplitConfig | None = None) -> SplitConfig:
+    """The split kernel's launch for a decode.
+
+    Args:
+      shards: k, the shards summed.
+      requantize: whether the sum is requantized.
+      config: the launch asked for, or None for the default of the work.
+
+    Returns:
+      `config`, or the default launch of the work: `SPLIT_REQUANTIZE` for a requantized
+      sum, `SPLIT_ONE_SHARD` for one shard decoded, `SplitConfig()` for a sum.
+
+    Raises:
+      ValueError: `config` is not a `SplitConfig`.
+    """
+    if config is None:
+        if requantize:
+            return SPLIT_REQUANTIZE
+        return SPLIT_ONE_SHARD if shards == 1 else SplitConfig()
+    if not isinstance(config, SplitConfig):
+        raise ValueError(f"the Gluon decode kernels are the split kernels: pass a SplitConfig, got {config!r}")
+    return config
+
+
+def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config):
+    """One launch of a decode kernel; arguments as `gluon_decompress`."""
+    batch, shards, in_rows, group_size = payload.shape
+    config = decode_config(shards, requantize_to is not None, config)
+    code_pointer = POINTER_TYPES[formats.wire_format(fmt).dtype]
+    scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
+    constexprs = dict(G=group_size, SHARDS=shards, **split_constexprs(group_size, config))
+    common = dict(grid=grid(groups, batch, config.rows_per_program(group_size)), num_warps=config.num_warps)
+    if requantize_to is None:
+        return triton_launch.gluon_call(
+            taco_split_decode,
+            [payload, multiplier],
+            [output_struct((batch, groups, group_size), out_dtype, payload)],
+            pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
+            scalars=scalars,
+            constexprs=constexprs | dict(TRANSFORM=transform, INV_SQRT=inverse_sqrt(group_size)),
+            **common,
+        )[0]
+    return tuple(
+        triton_launch.gluon_call(
+            taco_split_requantize,
+            [payload, multiplier],
+            [
+                output_struct((batch, payload_rows, group_size), payload.dtype, payload),
+                scales_struct(batch, groups, requantize_to, payload),
+            ],
+            pointer_types=[code_pointer, "*fp32", code_pointer, POINTER_TYPES[scale_dtype(requantize_to)]],
+            scalars=[*scalars, ("payload_rows", "i64", payload_rows)],
+            constexprs=constexprs | quantization(fmt, requantize_to),
+            **common,
+        )
+    )
+
+
+if gluon is not None:
+    from .gluon_codec import (
+        FLOAT32_MAX,
+        normalize,
+        pow2,
+        scaled_codes,
+        times_pow2,
+    )
+
+    @gluon.constexpr_function
+    def _pair_conversion(dtype):
+        """PTX rounding two float32 to a packed pair of `dtype` (bfloat16 or float16) to
+        nearest, values past its largest finite clamped to it and NaN kept (`.satfinite`)."""
+        pair = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
+        return f"cvt.rn.satfinite.{pair}.f32 $0, $2, $1;"
+
+    @gluon.jit
+    def _saturating_cast(values, dtype: gl.constexpr):
+        """`formats.saturating_cast`: float32 to `dtype`, values past its largest finite
+        clamped to it, NaN kept: one conversion instruction per pair of values (a compare
+        and two selects per value otherwise). For float32, a decode that overflowed (a
+        value near its largest plus codec error) is clamped back."""
+        if dtype == gl.float32:
+            overflowed = gl.abs(values) == float("inf")  # False for NaN, which stays NaN
+            return gl.where(overflowed, gl.where(values > 0, FLOAT32_MAX, -FLOAT32_MAX), values)
+        return gl.inline_asm_elementwise(
+            _pair_conversion(dtype), "=r,r,r", [values], dtype=dtype.value, is_pure=True, pack=2
+        )
+
+    @gluon.constexpr_function
+    def _split_layout(G, VALUES, NUM_WARPS):
+        """VALUES consecutive values of a group per thread, G / VALUES lanes per group."""
+        return gl.BlockedLayout([1, VALUES], [32 // (G // VALUES), G // VALUES], [NUM_WARPS, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _butterfly_shuffle(lane_mask):
+        """PTX of a warp shuffle taking the value of lane (this lane xor `lane_mask`)."""
+        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.jit
+    def _split_tile(start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, layout: gl.constexpr):
+        """(element offsets, row indices, rows in range) of rows [start, start + ROWS) of
+        an array of G-wide rows, in the split `layout`."""
+        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, G, layout=gl.SliceLayout(0, layout))
+        return rows.to(gl.int64)[:, None] * G + cols[None, :], rows, rows < n_rows
+
+    @gluon.constexpr_function
+    def _log2(n):
+        """log2 of a power of two."""
+        return n.bit_length() - 1
+
+    @gluon.jit
+    def _program_tile(n_rows, G: gl.constexpr, VALUES: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """This program's rows of its batch in the split layout: (element offsets within
+        the batch, row indices, rows in range, batch index)."""
+        layout: gl.constexpr = _split_layout(G, VALUES, NUM_WARPS)
+        offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
+        return offsets, rows, in_range, gl.program_id(1).to(gl.int64)
+
+    @gluon.jit
+    def _split_sum(
+        payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS: gl.constexpr, G: gl.constexpr
+    ):
+        """The float32 sum over the shards of codes times their groups' multipliers scaled
+        by 2**-shift, and shift per row (`group_codec.sum_shift`), on the tile
+        `_split_tile` gives (rows out of range are not read; their values are undefined
+        and never stored); the pointers are at the batch's first shard."""
+        largest = gl.load(multiplier_ptr + rows, mask=in_range)
+        for shard in gl.static_range(1, SHARDS):
+            largest = gl.maximum(largest, gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range))
+        shift = gl.maximum(((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
+        summed = gl.zeros_like(offsets, dtype=gl.float32)
+        for shard in gl.static_range(SHARDS):
+            codes = gl.load(payload_ptr + shard * in_rows * G + offsets, mask=in_range[:, None])
+            multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
+            summed = summed + codes.to(gl.float32) * multiplier[:, None]
+        return summed, shift
+
+    @gluon.jit
+    def _split_hadamard(values, ROWS: gl.constexpr, G: gl.constexpr, VALUES: gl.constexpr):
+        """values @ H (unnormalized, Sylvester order) along each group of a split tile. H_G =
+        H_{G/V} x H_V: the log2 V stages within a thread's V values run in registers
+        (as `hadamard_in_registers`), then one stage per lane bit exchanges values with the lane
+        holding the partner slice by a warp shuffle."""
+        layout: gl.constexpr = values.type.layout
+        LANES: gl.constexpr = G // VALUES
+        if VALUES > 1:
+            slices = values.reshape([ROWS, LANES, VALUES])
+            for _ in gl.static_range(_log2(VALUES)):
+                low, high = gl.split(gl.permute(slices.reshape([ROWS, LANES, 2, VALUES // 2]), [0, 1, 3, 2]))
+                slices = gl.join(low + high, low - high).reshape([ROWS, LANES, VALUES])
+            values = gl.convert_layout(slices.reshape([ROWS, G]), layout)
+        lane = gl.arange(0, G, layout=gl.SliceLayout(0, layout)) // VALUES
+        for stage in gl.static_range(_log2(LANES)):
+            partner = gl.inline_asm_elementwise(
+                _butterfly_shuffle(1 << stage), "=r,r", [values], dtype=gl.float32, is_pure=True, pack=1
+            )
+            # +1 on the low slice of a pair, -1 on the high one: low + high and low - high,
+            # each one exact rounding.
+            sign = (1 - 2 * ((lane >> stage) & 1)).to(gl.float32)[None, :]
+            values = values * sign + partner
+        return values
+
+    @gluon.jit
+    def _quantize_split(
+        groups,
+        payload_ptr,
+        scales_ptr,
+        offsets,
+        rows,
+        in_range,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
+        """`group_codec.quantize_groups` of a split tile of float32 groups: the codes
+        stored at `payload_ptr` + `offsets`, the packed scales of `rows` at `scales_ptr`
+        (the pointers at the batch's first row; rows out of range are not stored)."""
+        values, factor, prescale = normalize(groups, FMT_MAX, G)
+        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values = _split_hadamard(values, ROWS, G, VALUES)
+            factor = factor * INV_SQRT
+        codes = scaled_codes(
+            values, factor, prescale, payload_ptr.dtype.element_ty, scales_ptr, rows, in_range, FMT_MAX, INTEGER, SCALES
+        )
+        gl.store(payload_ptr + offsets, codes, mask=in_range[:, None])
+
+    @gluon.jit
+    def taco_split_compress(
+        x_ptr,
+        payload_ptr,
+        scales_ptr,
+        n_rows,
+        payload_rows,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        ROWS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
+        """`taco_row_compress` in the split layout: the group statistics are reductions
+        over a group's lanes, and nothing goes through shared memory."""
+        offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
+        groups = gl.load(x_ptr + batch * n_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
+        _quantize_split(
+            groups,
+            payload_ptr + batch * payload_rows * G,
+            scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            offsets,
+            rows,
+            in_range,
+            ROWS,
+            G,
+            VALUES,
+            TRANSFORM,
+            INV_SQRT,
+            FMT_MAX,
+            INTEGER,
+            SCALES,
+        )
+
+    @gluon.jit
+    def taco_split_decode(
+        payload_ptr,
+        multiplier_ptr,
+        out_ptr,
+        n_rows,
+        in_rows,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        ROWS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        SHARDS: gl.constexpr,
+        TRANSFORM: gl.constexpr,
+        INV_SQRT: gl.constexpr,
+    ):
+        """The sum of k dequantized shards, inverse-transformed or not, in the output dtype."""
+        offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
+        payload_ptr = payload_ptr + batch * SHARDS * in_rows * G
+        multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
+        if TRANSFORM and SHARDS == 1:
+            # One shard's codes are transformed first, then scaled (as the reference),
+            # so no intermediate overflows near float32's largest.
+            codes = gl.load(payload_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
+            multiplier = gl.load(multiplier_ptr + rows, mask=in_range)
+            values = _split_hadamard(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
+        else:
+            values, shift = _split_sum(payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS, G)
+            # One multiply an element undoes the shift (and normalizes the transform):
+            # 2**shift / sqrt(G) is a finite float32 for every finite multiplier.
+            half = shift >> 1
+            if TRANSFORM:
+                values = _split_hadamard(values, ROWS, G, VALUES)
+                undo = pow2(half) * INV_SQRT * pow2(shift - half)
+            else:
+                undo = pow2(half) * pow2(shift - half)
+            values = values * undo[:, None]
+        out = _saturating_cast(values, out_ptr.dtype.element_ty)
+        gl.store(out_ptr + batch * n_rows * G + offsets, out, mask=in_range[:, None])
+
+    @gluon.jit
+    def taco_split_requantize(
+        payload_ptr,
+        multiplier_ptr,
+        out_ptr,
+        scales_ptr,
+        n_rows,
+        in_rows,
+        payload_rows,
+        G: gl.constexpr,
+        VALUES: gl.constexpr,
+        ROWS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        SHARDS: gl.constexpr,
+        FMT_MAX: gl.constexpr,
+        INTEGER: gl.constexpr,
+        SCALES: gl.constexpr,
+    ):
+        """The sum of k dequantized shards quantized again (in the transformed domain)."""
+        offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
+        summed, shift = _split_sum(
+            payload_ptr + batch * SHARDS * in_rows * G,
+            multiplier_ptr + batch * SHARDS * n_rows,
+            offsets,
+            rows,
+            in_range,
+            n_rows,
+            in_rows,
+            SHARDS,
+            G,
+        )
+        # No transform (the sum is already in the transformed domain); the pre-scale is
+        # the unscaled sum's.
+        values, factor, prescale = normalize(summed, FMT_MAX, G)
+        out_ptr = out_ptr + batch * payload_rows * G
+        codes = scaled_codes(
+            values,
+            factor,
+            times_pow2(prescale, -shift),
+            out_ptr.dtype.element_ty,
+            scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
+            rows,
+            in_range,
+            FMT_MAX,
+            INTEGER,
+            SCALES,
+        )
+        gl.store(out_ptr + offsets, codes, mask=in_range[:, None])
