@@ -6,8 +6,10 @@ Lowers, on 8 simulated CPU devices (or the first 8 devices):
   calibrated permutation, gather_matmul and its overlapped form, reduce_scatter_to_sp,
   one-shot all_reduce, ppermute, mean_gradients), value_and_grad, mesh 2x1x4, chunks=2,
   for the presets off, fp8, taco, taco+;
-- the trainer's train step (`trainer.make_step_functions`), gpt2-tiny: mesh 2x1x4 taco+
-  with sequence parallelism, and mesh 2x2x2 with 2 microbatches and every axis compressed.
+- the trainer's gradients (`trainer.make_grads_fn`: the whole step's communication),
+  gpt2-tiny: mesh 2x1x4 taco+ with sequence parallelism, and mesh 2x2x2 with 2
+  microbatches and every axis compressed;
+- where Triton is installed, the PTX of the Gluon kernels built for sm_90.
 
 Usage:
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +49,17 @@ RECORD_FIELDS = (
     "bf16_sent_bytes",
 )
 _LOCATION = re.compile(r"\s*loc\([^\n]*?\)(?=\n|$)|#loc[0-9]* = loc\([^\n]*\)\n?")
+
+
+_PTX_DEBUG = re.compile(r"\.section\s+\.debug_\w+\s*\{.*?\n\t\}", re.S)
+
+
+def _without_locations(ptx: str) -> str:
+    """PTX without its source locations (`.loc`, `.file`, comments, debug sections),
+    which move with the kernel's file and line, not with its code."""
+    lines = _PTX_DEBUG.sub("", ptx).splitlines()
+    kept = (re.sub(r"\s*//.*$", "", line) for line in lines if not line.strip().startswith((".loc", ".file")))
+    return "\n".join(kept)
 
 
 def _digest(text: str) -> str:
@@ -130,6 +145,79 @@ def _trainer_program(mesh: tuple[int, int, int], **keys):
     return grads, (params, tokens, feedback)
 
 
+def gluon_ptx() -> dict:
+    """The PTX of the Gluon kernels built for sm_90 (no GPU needed), hashed: the row and
+    split compress, the decode of 1 and 4 shards and the requantized sum, in three
+    formats and scale encodings."""
+    from taco_jax.kernels import formats, triton_launch
+
+    try:
+        from taco_jax.kernels import gluon_codec as gc
+        from taco_jax.kernels import row_kernels as rk
+        from taco_jax.kernels import split_kernels as sk
+
+        inv, quant, split_cx, ptr, sdt = (
+            gc.inverse_sqrt,
+            gc.quantization,
+            sk.split_constexprs,
+            gc.POINTER_TYPES,
+            gc.scale_dtype,
+        )
+        row_cx, row_fn = rk._row_constexprs, rk.taco_row_compress
+        split_c, dec, req = sk.taco_split_compress, sk.taco_split_decode, sk.taco_split_requantize
+        compress_config, decode_config = rk.compress_config, sk.decode_config
+    except ImportError:  # a checkout with the Gluon kernels in one module
+        from taco_jax.kernels import row_kernels as rk
+
+        inv, quant, split_cx, ptr, sdt = (
+            rk._inverse_sqrt,
+            rk._quantization,
+            rk._split_constexprs,
+            rk.POINTER_TYPES,
+            rk.scale_dtype,
+        )
+        row_cx, row_fn = rk._row_constexprs, rk.taco_row_compress
+        split_c, dec, req = rk.taco_split_compress, rk.taco_split_decode, rk.taco_split_requantize
+        compress_config, decode_config = rk.compress_config, rk.decode_config
+
+    out = {}
+
+    def ptx(name, fn, types, cx, warps):
+        c = triton_launch.compile_kernel(fn, tuple(zip(fn.arg_names, types)), tuple(sorted(cx.items())), warps, 90)
+        out[name] = _digest(_without_locations(c.asm["ptx"]))
+
+    for fmt, scales in [("e4m3", "dual"), ("int8", "bf16"), ("e5m2", "e8m0")]:
+        code = ptr[formats.wire_format(fmt).dtype]
+        types = ["*bf16", code, ptr[sdt(scales)], "i32", "i64"]
+        for g in (128, 512):
+            cfg = compress_config(g)
+            cx = dict(G=g, TRANSFORM=True, INV_SQRT=inv(g), **quant(fmt, scales))
+            if g == 128:
+                ptx(
+                    f"row_compress_{fmt}_{scales}",
+                    row_fn,
+                    types,
+                    cx | row_cx(g, cfg, jnp.bfloat16, jnp.int8),
+                    cfg.num_warps,
+                )
+            else:
+                ptx(f"split_compress_{fmt}_{scales}_{g}", split_c, types, cx | split_cx(g, cfg), cfg.num_warps)
+        for shards in (1, 4):
+            cfg = decode_config(shards, False)
+            cx = dict(G=128, SHARDS=shards, TRANSFORM=True, INV_SQRT=inv(128), **split_cx(128, cfg))
+            ptx(f"decode_{fmt}_{shards}", dec, [code, "*fp32", "*bf16", "i32", "i64"], cx, cfg.num_warps)
+        cfg = decode_config(2, True)
+        cx = dict(G=128, SHARDS=2, **split_cx(128, cfg), **quant(fmt, scales))
+        ptx(
+            f"requantize_{fmt}_{scales}",
+            req,
+            [code, "*fp32", code, ptr[sdt(scales)], "i32", "i64", "i64"],
+            cx,
+            cfg.num_warps,
+        )
+    return out
+
+
 PROGRAMS = {
     **{
         f"tp_mappings_{preset}": (lambda preset=preset: _tp_program(preset))
@@ -158,13 +246,25 @@ def main(argv: list[str] | None = None) -> int:
             {k: v for k, v in a[name].items() if k != "repeats"}
             == {k: v for k, v in b.get(name, {}).items() if k != "repeats"}
         )
-        differ = [name for name in a if not same(name)]
+        differ = [name for name in a if name != "source" and not same(name)]
         for name in a:
+            if name == "source":
+                print(f"compared: {a[name]['taco_jax']} with {b[name]['taco_jax']}")
+                continue
+            if name == "gluon_ptx_sm90":
+                print(
+                    f"{'gluon_ptx_sm90':28s} {'identical' if name not in differ else 'DIFFERENT'} {len(a[name])} kernels"
+                )
+                continue
             print(
                 f"{name:28s} {'identical' if name not in differ else 'DIFFERENT'} {a[name]['stablehlo_bytes']} B, {a[name]['records']} records"
             )
         return 1 if differ else 0
-    results = {}
+    import taco_jax
+
+    results = {"source": {"taco_jax": str(Path(taco_jax.__file__).parent)}}
+    if importlib.util.find_spec("triton") is not None:
+        results["gluon_ptx_sm90"] = gluon_ptx()
     for name, build in PROGRAMS.items():
         fn, fn_args = build()
         results[name] = lowered(fn, *fn_args)
