@@ -21,15 +21,15 @@ from jax.typing import ArrayLike
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
 from taco_jax.kernels import group_codec, launch, wire
-from taco_jax.spec import KERNEL_MODES, QuantSpec
+from taco_jax.spec import QuantSpec, check_kernel_mode
 
 
 def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, size: int, shards: int = 1) -> str:
-    """How this call runs under `kernel_mode`: "jnp", "interpret", "pallas", or "auto"
-    (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere). Work the
-    kernels do not take (`launch.PALLAS_KERNELS`) and empty arrays run the jnp path."""
-    if kernel_mode not in KERNEL_MODES:
-        raise ValueError(f"unknown kernel mode {kernel_mode!r}; expected one of {list(KERNEL_MODES)}")
+    """How this call runs under `kernel_mode` (`KERNEL_MODES`): "jnp", "interpret", "gpu",
+    or "auto" (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere).
+    Work the kernels do not take (`launch.PALLAS_KERNELS`) and empty arrays run the jnp
+    path."""
+    check_kernel_mode(kernel_mode)
     supported = size > 0 and launch.PALLAS_KERNELS.takes(spec.group_size, dtype, spec.fmt, shards)
     if not supported or kernel_mode == "jnp" or (kernel_mode == "auto" and not launch.has_cuda()):
         return "jnp"
@@ -305,7 +305,8 @@ def compress(x: jax.Array, spec: QuantSpec, perm: ArrayLike | None = None, *, ke
       spec: the `QuantSpec`.
       perm: optional channel permutation of the last axis, applied before grouping
         (`x[..., perm]`), e.g. from calibration.
-      kernel_mode: kernel mode, one of `KERNEL_MODES` ("auto": Pallas on GPU, jnp elsewhere).
+      kernel_mode: where the codec runs, one of `KERNEL_MODES` ("auto": the GPU kernels on
+        GPU, jnp elsewhere).
 
     Returns:
       A `Compressed` pytree. NaN or Inf in a group make that group decode to NaN.

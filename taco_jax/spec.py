@@ -9,10 +9,20 @@ from taco_jax.kernels.formats import SCALE_FORMATS, WIRE_FORMATS
 from taco_jax.policy import LinkProfile
 
 MODES = ("off", "fp8", "taco")
-# "auto": the Pallas kernels on GPU, the jnp path elsewhere; "interpret": the kernels in
-# the Pallas interpreter (CPU tests).
-KERNEL_MODES = ("auto", "pallas", "interpret", "jnp")
+# Where the codec runs. "gpu": the GPU kernels (Gluon where they take the work, Pallas
+# elsewhere); "interpret": the Pallas kernels in the Pallas interpreter (CPU tests);
+# "jnp": the plain jnp path; "auto": "gpu" where the program is lowered for a CUDA GPU,
+# "jnp" elsewhere. Work no kernel takes runs the jnp path in every mode.
+KERNEL_MODES = ("auto", "gpu", "interpret", "jnp")
 DEFAULT_MIN_BYTES = 8 << 20  # the authors' threshold: smaller messages stay uncompressed
+
+
+def check_kernel_mode(kernel_mode: str) -> None:
+    """Raise ValueError unless `kernel_mode` is one of `KERNEL_MODES` (naming the mode that
+    replaced an old one)."""
+    if kernel_mode not in KERNEL_MODES:
+        hint = '; "pallas" is now "gpu" (Gluon where it takes the work, else Pallas)' if kernel_mode == "pallas" else ""
+        raise ValueError(f"unknown kernel mode {kernel_mode!r}; expected one of {list(KERNEL_MODES)}{hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +96,10 @@ class TacoConfig:
         message takes the fastest measured route and stays uncompressed where
         compression was not measured faster (`taco_jax.policy`). None: compress every
         message of at least `min_bytes`.
-      kernel_mode: codec implementation, one of `KERNEL_MODES`: "auto" (the GPU kernels
-        where the program is lowered for a CUDA GPU, the jnp path elsewhere), "pallas",
-        "interpret" or "jnp". Part of the
+      kernel_mode: where the codec runs, one of `KERNEL_MODES`: "auto" (the GPU kernels
+        where the program is lowered for a CUDA GPU, the jnp path elsewhere), "gpu" (the
+        Gluon kernels where they take the work, else the Pallas ones), "interpret" or
+        "jnp". Part of the
         config, so a jitted function compiled with one mode is never reused for another.
     """
 
@@ -112,8 +123,7 @@ class TacoConfig:
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
-        if self.kernel_mode not in KERNEL_MODES:
-            raise ValueError(f"unknown kernel mode {self.kernel_mode!r}; expected one of {list(KERNEL_MODES)}")
+        check_kernel_mode(self.kernel_mode)
         if self.link is not None and not isinstance(self.link, LinkProfile):
             raise ValueError(f"link must be a taco_jax.policy.LinkProfile or None, got {type(self.link).__name__}")
 

@@ -207,15 +207,15 @@ def test_parallel_layers_run_the_gpu_kernels_on_gpus():
     dense = MLP(rngs=nnx.Rngs(0))
     want = jax.tree.leaves(nnx.state(nnx.grad(_loss)(dense, x, target)))
     results = {}
-    for kernels in ("pallas", "jnp"):
+    for kernels in ("gpu", "jnp"):
         model = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode=kernels))
         grads = nnx.jit(nnx.grad(_loss))(model, _place(mesh, x, False), target)
         results[kernels] = jax.tree.leaves(nnx.state(grads))
         hlo = nnx.jit(nnx.grad(_loss)).lower(model, _place(mesh, x, False), target).compile().as_text()
         # A Gluon kernel is jaxlib's Triton custom call; a Pallas one XLA's Triton call.
         kernels_in_hlo = "triton_kernel_call" in hlo or "__gpu$xla.gpu.triton" in hlo
-        assert kernels_in_hlo == (kernels == "pallas")
-    for ours, reference, exact in zip(results["pallas"], results["jnp"], want):
+        assert kernels_in_hlo == (kernels == "gpu")
+    for ours, reference, exact in zip(results["gpu"], results["jnp"], want):
         assert _rel(ours, reference) < 0.01
         assert COMPRESSED_MIN < _rel(ours, exact) < COMPRESSED_MAX
 

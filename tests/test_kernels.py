@@ -422,6 +422,8 @@ def test_codec_dispatch_to_kernels_agrees_with_jnp():
         tj.compress(x, spec, kernel_mode="cuda")
     with pytest.raises(ValueError, match="unknown kernel mode"):
         tj.TacoConfig.preset("taco", kernel_mode="cuda")
+    with pytest.raises(ValueError, match='"pallas" is now "gpu"'):
+        tj.TacoConfig.preset("taco", kernel_mode="pallas")
 
 
 def test_collective_with_interpreted_kernels_inside_shard_map():
