@@ -128,7 +128,6 @@ def test_parameters_made_non_finite_are_never_saved(tmp_path, monkeypatch):
 # The fault-injection run: enough steps, each with a checkpoint, that random kills land
 # in start-up, compiling, steps, saves and the summary alike.
 FAULT_STEPS = 40
-FAULT_KILLS = 20
 
 
 def _trainer(out: Path, resume: bool, cache: Path) -> subprocess.Popen:
@@ -183,17 +182,19 @@ def _kill_at_random(proc: subprocess.Popen, out: Path, rng: np.random.Generator,
         proc.send_signal(signal.SIGKILL)
 
 
-def test_random_kills_then_resume_end_bit_exact(tmp_path):
-    """SIGKILL at a random time in each of 20 runs of the trainer CLI (each resuming the
-    last where a checkpoint exists; half the kills anywhere, half among the steps and
+@pytest.mark.parametrize("kills", [6, pytest.param(20, marks=pytest.mark.slow)])
+def test_random_kills_then_resume_end_bit_exact(tmp_path, kills):
+    """SIGKILL at a random time in each of `kills` runs of the trainer CLI (each resuming
+    the last where a checkpoint exists; half the kills anywhere, half among the steps and
     their saves): the final resume's metrics (one row per step, strict JSON) and
     parameters equal an uninterrupted run's bit for bit, and every kill left the run
-    directory resumable (no run exits non-zero)."""
+    directory resumable (no run exits non-zero). `make test` kills 6 runs, `make
+    test-slow` 20."""
     cache = tmp_path / "compiled"
     _finish(_trainer(tmp_path / "straight", False, cache))
     out = tmp_path / "killed"
     rng = np.random.default_rng(20261204)
-    for kill in range(FAULT_KILLS):
+    for kill in range(kills):
         proc = _trainer(out, _has_checkpoint(out), cache)
         _kill_at_random(proc, out, rng, during_training=kill % 2 == 1)
         _, stderr = proc.communicate(timeout=60)
