@@ -17,12 +17,11 @@ NEWEST_TESTS := tests/test_reliability.py tests/test_conventions.py tests/test_c
 	tests/test_codec_edges.py tests/test_inputs.py tests/test_sampling.py
 # 8 simulated CPU devices, set before jax is imported.
 CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
-# The suite on CPU: its programs are tiny and compiling them is most of its time, which
-# LLVM's optimizations lengthen by about 15% for nothing (tests/conftest.py keeps the 8
-# devices). Workers steal tests from each other, so no file is left running alone.
-CPU_SUITE := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" \
-	JAX_PLATFORMS=cpu
-PYTEST := -m pytest -q -n 2 --dist worksteal --durations=10
+# The suite on CPU: three workers on the two cores, stealing tests from each other, so
+# that one waiting on a subprocess (the trainer's command line, a killed run) leaves no
+# core idle and no file runs alone at the end.
+CPU_SUITE := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+PYTEST := -m pytest -q -n 3 --dist worksteal --durations=10
 
 .PHONY: train test test-oldest test-newest test-slow lint docs bench-codec clean
 
