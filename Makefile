@@ -20,7 +20,6 @@ CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=
 # The suite on CPU: three workers on the two cores, stealing tests from each other, so
 # that one waiting on a subprocess (the trainer's command line, a killed run) leaves no
 # core idle and no file runs alone at the end.
-CPU_SUITE := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 PYTEST := -m pytest -q -n 3 --dist worksteal --durations=10
 
 .PHONY: train test test-oldest test-newest test-slow lint docs bench-codec clean
@@ -57,11 +56,11 @@ docs: $(STAMP)
 
 test-oldest: $(STAMP)
 	$(PY) -c "import jax; print('jax', jax.__version__, '(oldest supported)')"
-	$(CPU_SUITE) $(PY) $(PYTEST) -m "not slow"
+	$(CPU_DEVICES) $(PY) $(PYTEST) -m "not slow"
 
 # The rest of every `cover` test's parameter product (tests/conftest.py), on the oldest leg.
 test-slow: $(STAMP)
-	$(CPU_SUITE) $(PY) $(PYTEST) -m slow
+	$(CPU_DEVICES) $(PY) $(PYTEST) -m slow
 
 ifeq ($(NEWEST_PYTHON),)
 test-newest:
@@ -69,7 +68,7 @@ test-newest:
 else
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c "import jax; print('jax', jax.__version__, '(newest supported)')"
-	$(CPU_SUITE) $(NEWEST_PY) $(PYTEST) -m "not slow" $(NEWEST_TESTS)
+	$(CPU_DEVICES) $(NEWEST_PY) $(PYTEST) -m "not slow" $(NEWEST_TESTS)
 endif
 
 bench-codec: $(STAMP)

@@ -150,35 +150,18 @@ def gluon_ptx() -> dict:
     split compress, the decode of 1 and 4 shards and the requantized sum, in three
     formats and scale encodings."""
     from taco_jax.kernels import formats, triton_launch
+    from taco_jax.kernels import row_kernels as rk
 
     try:
         from taco_jax.kernels import gluon_codec as gc
-        from taco_jax.kernels import row_kernels as rk
         from taco_jax.kernels import split_kernels as sk
-
-        inv, quant, split_cx, ptr, sdt = (
-            gc.inverse_sqrt,
-            gc.quantization,
-            sk.split_constexprs,
-            gc.POINTER_TYPES,
-            gc.scale_dtype,
-        )
-        row_cx, row_fn = rk._row_constexprs, rk.taco_row_compress
-        split_c, dec, req = sk.taco_split_compress, sk.taco_split_decode, sk.taco_split_requantize
-        compress_config, decode_config = rk.compress_config, sk.decode_config
-    except ImportError:  # a checkout with the Gluon kernels in one module
-        from taco_jax.kernels import row_kernels as rk
-
-        inv, quant, split_cx, ptr, sdt = (
-            rk._inverse_sqrt,
-            rk._quantization,
-            rk._split_constexprs,
-            rk.POINTER_TYPES,
-            rk.scale_dtype,
-        )
-        row_cx, row_fn = rk._row_constexprs, rk.taco_row_compress
-        split_c, dec, req = rk.taco_split_compress, rk.taco_split_decode, rk.taco_split_requantize
-        compress_config, decode_config = rk.compress_config, rk.decode_config
+    except ImportError:  # a checkout with the Gluon kernels in one module, names private
+        gc = sk = rk
+    named = lambda module, name: getattr(module, name, None) or getattr(module, "_" + name)
+    inv, quant, split_cx = named(gc, "inverse_sqrt"), named(gc, "quantization"), named(sk, "split_constexprs")
+    ptr, sdt, row_cx, row_fn = gc.POINTER_TYPES, gc.scale_dtype, rk._row_constexprs, rk.taco_row_compress
+    split_c, dec, req = sk.taco_split_compress, sk.taco_split_decode, sk.taco_split_requantize
+    compress_config, decode_config = rk.compress_config, sk.decode_config
 
     out = {}
 
