@@ -167,7 +167,7 @@ def test_linen_dense_with_parallel_dot_general(mode):
 
     x, target = _inputs()
     dense_params = LinenMLP(False).init(jax.random.key(0), x)
-    boxed = LinenMLP(True).init(jax.random.key(0), x)
+    boxed = jax.jit(LinenMLP(True).init)(jax.random.key(0), x)  # traced: eagerly, every op compiles alone
     shardings = nn.get_sharding(boxed, mesh)
     params = jax.device_put(nn.unbox(boxed), shardings)
     loss = lambda module, p, v: jnp.mean(jnp.tanh(module.apply(p, v)) * target)
