@@ -48,6 +48,8 @@ def inverse_sqrt(group_size: int) -> float:
 
 
 def quantization(fmt: str, scale_format: str) -> dict:
+    """The quantizing kernels' constexprs: the format's largest value, whether it is an
+    integer format, and the scale encoding's id."""
     wire = formats.wire_format(fmt)
     return dict(FMT_MAX=float(wire.max_value), INTEGER=wire.is_integer, SCALES=SCALE_FORMAT_IDS[scale_format])
 
@@ -64,6 +66,7 @@ def scales_struct(batch: int, groups: int, scale_format: str, like: jax.Array) -
 
 
 def grid(groups: int, batch: int, rows_per_program: int) -> tuple[int, int]:
+    """The launch grid: programs over the groups, then one per batch."""
     return (-(-groups // rows_per_program), batch)
 
 

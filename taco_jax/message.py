@@ -413,6 +413,7 @@ def rank_blocks(rows: jax.Array, ranks: int) -> jax.Array:
 
 
 def concatenated(pieces: list[jax.Array], axis: int) -> jax.Array:
+    """The pieces (of a pipelined message) joined along `axis`; one piece as it is."""
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
 
 

@@ -18,6 +18,8 @@ from .config import TrainConfig
 
 
 def calibration_summary(calibration: Calibration) -> dict:
+    """The calibration's size for a summary: site directions calibrated, those with the
+    transform."""
     return {
         "calibrated_sites": len(calibration.plans),
         "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),

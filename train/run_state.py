@@ -26,6 +26,14 @@ from .optimizer import abstract_opt_state, init_state, make_optimizer
 
 
 def check_setup(cfg: TrainConfig, model_config: models.ModelConfig, corpus: data_lib.TokenData) -> None:
+    """Refuse a run its model and data cannot make before anything is built.
+
+    Raises:
+      ValueError: naming the problem: a mesh the model does not split over, a sequence
+        beyond the model's positions or not divisible for sequence parallelism, token ids
+        beyond the vocabulary, a split shorter than a batch, or samples beyond the
+        positions.
+    """
     data, pipe, tensor = cfg.mesh
     models.check_tensor_parallel(model_config, tensor)
     if model_config.n_layers % pipe:

@@ -165,7 +165,8 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
 
-def scalar(x: jax.Array) -> float:
+def _scalar(x: jax.Array) -> float:
+    """A replicated scalar's value (read from this process's first shard)."""
     return float(np.asarray(x.addressable_shards[0].data))
 
 
@@ -342,9 +343,9 @@ def run_step(loop: TrainLoop, bar=None) -> dict:
     run.bad_total += 0 if ok else 1
     row = {
         "step": run.step + 1,
-        "loss": scalar(metrics["loss"]),
+        "loss": _scalar(metrics["loss"]),
         "lr": float(run.schedule(run.step)),
-        "grad_norm": scalar(metrics["grad_norm"]),
+        "grad_norm": _scalar(metrics["grad_norm"]),
         "tokens_per_s": cfg.batch_size * cfg.seq_len / elapsed,
         "step_time_s": elapsed,
         "wire_bytes": loop.wire[TENSOR_AXIS],
@@ -385,7 +386,7 @@ def evaluate(loop: TrainLoop) -> float:
     """Mean validation loss over fixed batches: positions no training step uses."""
     run = loop.run
     losses = [
-        scalar(loop.eval_step(run.params, loop.batch_of(run.corpus.val, 10**9 + i, run.cfg.batch_size)))
+        _scalar(loop.eval_step(run.params, loop.batch_of(run.corpus.val, 10**9 + i, run.cfg.batch_size)))
         for i in range(run.cfg.eval_batches)
     ]
     return float(np.mean(losses))
@@ -400,7 +401,7 @@ def save_checkpoint(loop: TrainLoop) -> None:
         stays the last good state.
     """
     run = loop.run
-    if not scalar(_all_finite((run.params, run.opt_state))):
+    if not _scalar(_all_finite((run.params, run.opt_state))):
         raise TrainingError(
             f"the parameters or optimizer state at step {run.step} are not finite although every step's loss and "
             f"gradient were (an update overflowed: is lr={run.cfg.lr:g} too high?); not saving them, the newest "
