@@ -118,8 +118,9 @@ def repeated(times: int) -> Iterator[None]:
 def record(entry: WireRecord) -> None:
     """Add a record, with the enclosing `repeated` trip counts, to every active ledger
     (none while `paused`)."""
-    if _PAUSED.get():
+    ledgers = _LEDGERS.get()
+    if not ledgers or _PAUSED.get():
         return
     entry = dataclasses.replace(entry, repeats=entry.repeats * _REPEATS.get())
-    for ledger in _LEDGERS.get():
+    for ledger in ledgers:
         ledger.records.append(entry)

@@ -38,7 +38,6 @@ from taco_jax.message import (
     check_algorithm,
     check_axis,
     concatenated,
-    from_rows,
     plan_message,
     rank_blocks,
     ring_all_reduce_bytes,
@@ -191,7 +190,7 @@ def run_reduce_scatter(
     pieces = [plan.encode(rows[:, a:b], x.dtype).moved(exchange).sum() for a, b in plan.chunk_bounds(rows.shape[1])]
     sent = (ranks - 1) * plan.message_bytes(rows.shape[1])
     call.record(x, op="reduce_scatter", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
-    out = plan.from_wire_order(from_rows(concatenated(pieces, axis=0), chunk_shape, 0))
+    out = plan.array(concatenated(pieces, axis=0), chunk_shape)
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
 
