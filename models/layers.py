@@ -1,7 +1,6 @@
-"""The model math shared by the per-shard transformer (`models.transformer`, used by the
-trainer inside one shard_map) and the Flax NNX modules (`models.flax_modules`, used on
-global arrays under plain jit): norms, rotary embedding, causal attention, the MLP
-activations and the vocabulary-parallel lookup. Only where the collectives sit differs.
+"""The model math of the per-shard transformer (`models.transformer`, which the trainer,
+generation and the NNX module `models.flax_modules.Transformer` run): norms, rotary
+embedding, causal attention, the MLP activations and the vocabulary-parallel lookup.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from taco_jax.mesh import simulating
 
 from .config import ModelConfig
 
-# The compressed call sites, named alike in both model implementations: calibration plans
-# and the wire ledger are keyed by them. A "layers.*" site stands for its call in every
+# The compressed call sites: calibration plans and the wire ledger are keyed by them. A "layers.*" site stands for its call in every
 # (scanned) layer.
 SITE_EMBED = "embed"
 SITE_ATTN_IN = "layers.attn.in"

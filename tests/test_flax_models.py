@@ -1,11 +1,14 @@
 """GPT-2 and Qwen2 as Flax NNX modules (models.flax_modules) against the functional
 models: logits, gradients and a user's own nnx + optax loop (8 CPU devices)."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import safetensors.numpy
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -13,6 +16,9 @@ from jax.sharding import PartitionSpec as P
 import taco_jax as tj
 from taco_jax import models
 from taco_jax.models import flax_modules
+from taco_jax.models.config import GPT2Config, Qwen2Config
+
+DATA = pathlib.Path(__file__).parent / "data"
 
 FAMILIES = ["gpt2-tiny", "qwen2-tiny"]
 
@@ -37,6 +43,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_logits_and_grads_equal_the_functional_model(name, sequence_parallel):
+    """The module under `nnx.jit` with the gradient outside its shard_map (check_vma=True)
+    against `models.logits` / `models.loss_and_grads` (gradient inside, check_vma=False):
+    the user's optax loss on the logits and the module's vocabulary-parallel `loss`."""
     config, params, tokens = _setup(name)
     mesh = tj.make_mesh(2, 1, 4)
     model = flax_modules.from_params(
@@ -47,19 +56,20 @@ def test_logits_and_grads_equal_the_functional_model(name, sequence_parallel):
     got = nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5 * float(jnp.abs(want).max()), rtol=1e-4)
 
-    loss, grads = nnx.jit(nnx.value_and_grad(_loss))(model, tokens)
     want_loss, want_grads = models.loss_and_grads(config, params, tokens, mesh=mesh)
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    want_grads = flax_modules.nnx_params(config, want_grads)
-    got_grads = nnx.state(grads, nnx.Param).to_pure_dict()
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(
-            np.asarray(g),
-            np.asarray(w),
-            rtol=1e-4,
-            atol=1e-6 * float(jnp.abs(w).max()) + 1e-9,
-            err_msg=jax.tree_util.keystr(path),
-        )
+    for loss_fn in (_loss, lambda m, t: m.loss(t)):
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, tokens)
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+        got_grads = nnx.state(grads, nnx.Param).to_pure_dict()
+        assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
+        for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(
+                np.asarray(g),
+                np.asarray(w),
+                rtol=1e-4,
+                atol=1e-6 * float(jnp.abs(w).max()) + 1e-9,
+                err_msg=jax.tree_util.keystr(path),
+            )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -87,7 +97,7 @@ def test_own_nnx_optax_loop_trains_with_and_without_compression():
 
         @nnx.jit
         def step(model, optimizer, tokens):
-            loss, grads = nnx.value_and_grad(_loss)(model, tokens)
+            loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens))(model)
             optimizer.update(model, grads)
             return loss
 
@@ -109,6 +119,8 @@ def test_bad_model_shapes_are_clear_errors():
         model(jnp.zeros((2, 6), jnp.int32))
     with pytest.raises(ValueError, match="exceeds max_positions"):
         model(jnp.zeros((1, config.max_positions + 4), jnp.int32))
+    with pytest.raises(ValueError, match="runs without a pipeline"):
+        flax_modules.Transformer(config, mesh=tj.make_mesh(1, 2, 4), taco=tj.TacoConfig.preset("off"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"overlap names unknown sites \['layers.mlp'\]"):
         flax_modules.Transformer(
             config,
@@ -154,9 +166,9 @@ def test_overlapped_layers_equal_the_collective_path(name, sequence_parallel):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_nnx_generation_is_the_functional_generation(name):
-    """`functional_params` inverts `nnx_params` exactly, and `flax_modules.generate`
-    continues prompts as `models.generate` does with the same parameters (greedy, TP=2,
-    Qwen2 with grouped kv heads)."""
+    """The module's state is the functional parameters, unchanged, and
+    `flax_modules.generate` continues prompts as `models.generate` does with them
+    (greedy, TP=2, Qwen2 with grouped kv heads)."""
     config, params, _ = _setup(name)
     mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
     model = flax_modules.from_params(config, params, mesh=mesh, taco=tj.TacoConfig.preset("off"))
@@ -167,3 +179,34 @@ def test_nnx_generation_is_the_functional_generation(name):
     prompts = [[5, 9, 2, 7], [11, 3]]
     want = models.generate(config, params, prompts, mesh=mesh, max_new_tokens=5)
     assert flax_modules.generate(model, prompts, max_new_tokens=5) == want and len(want[0]) == 5
+
+
+# The earlier per-block NNX state, saved by that module from `init_params(config, key(0))`.
+_BLOCK_STATE_CONFIGS = {
+    "gpt2": GPT2Config(vocab_size=64, max_positions=16, d_model=32, n_layers=2, n_heads=4, d_ff=64),
+    "qwen2": Qwen2Config(vocab_size=64, max_positions=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48),
+}
+
+
+@pytest.mark.parametrize("family", list(_BLOCK_STATE_CONFIGS))
+def test_earlier_block_state_converts_and_is_refused_unconverted(family):
+    config = _BLOCK_STATE_CONFIGS[family]
+    flat = safetensors.numpy.load_file(DATA / f"nnx_blocks_{family}.safetensors")
+    state: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        node = state
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="params_from_blocks"):
+        flax_modules.from_params(config, state, mesh=mesh, taco=tj.TacoConfig.preset("off"))
+    converted = flax_modules.params_from_blocks(config, state)
+    want = models.init_params(config, jax.random.key(0))
+    assert jax.tree.structure(converted) == jax.tree.structure(want)
+    for got, ref in zip(jax.tree.leaves(converted), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    other = _BLOCK_STATE_CONFIGS["qwen2" if family == "gpt2" else "gpt2"]
+    with pytest.raises(ValueError, match=f"do not match the {other.family} layout"):
+        flax_modules.from_params(other, converted, mesh=mesh, taco=tj.TacoConfig.preset("off"))
