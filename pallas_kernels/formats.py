@@ -1,9 +1,10 @@
-"""Wire element formats (8-bit, and 4-bit integers packed two per byte) and per-group
-scale encodings."""
+"""Wire element formats (8-bit; 4-bit integers; 6- and 4-bit floats as in the OCP MX
+formats, packed) and per-group scale encodings."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +16,17 @@ class WireFormat:
     """One element format of the compressed payload.
 
     Attributes:
-      name: "e4m3", "e5m2", "int8" or "int4".
-      dtype: the JAX dtype of the payload in a `Compressed` (int4 codes are held as
-        int8 and packed two per byte on the wire).
+      name: a key of `WIRE_FORMATS`.
+      dtype: the JAX dtype of the payload in a `Compressed`: int4 codes are held as
+        int8, and the sub-byte floats' values (all exactly representable) as
+        float8_e4m3fn; on the wire both are packed.
       max_value: largest finite magnitude; values are clipped to it before the cast
         because JAX's FP8 casts are not saturating (out of range becomes NaN).
       is_integer: symmetric integer grid (round half to even) instead of a float grid.
       bits: bits per element on the wire.
+      exponent_bits: for a sub-byte float (E2M1, E2M3, E3M2: no Inf or NaN codes,
+        subnormals): its exponent field's width; 0 otherwise.
+      mantissa_bits: a sub-byte float's mantissa field width.
     """
 
     name: str
@@ -29,6 +34,18 @@ class WireFormat:
     max_value: float
     is_integer: bool
     bits: int = 8
+    exponent_bits: int = 0
+    mantissa_bits: int = 0
+
+    @property
+    def is_minifloat(self) -> bool:
+        """A sub-byte float, rounded and coded by this module's arithmetic."""
+        return self.exponent_bits > 0
+
+    @property
+    def min_exponent(self) -> int:
+        """A sub-byte float's smallest normal exponent, 1 - bias."""
+        return 2 - 2 ** (self.exponent_bits - 1)
 
 
 WIRE_FORMATS: dict[str, WireFormat] = {
@@ -37,6 +54,11 @@ WIRE_FORMATS: dict[str, WireFormat] = {
     "int8": WireFormat("int8", jnp.dtype(jnp.int8), 127.0, True),
     # Symmetric [-7, 7]: the 4-bit control of the quality experiment (half the bytes again).
     "int4": WireFormat("int4", jnp.dtype(jnp.int8), 7.0, True, bits=4),
+    # The OCP MX element formats below 8 bits (FP6 E2M3 / E3M2, FP4 E2M1): 6-bit codes
+    # packed four to three bytes, 4-bit codes two to a byte.
+    "e2m3": WireFormat("e2m3", jnp.dtype(jnp.float8_e4m3fn), 7.5, False, 6, 2, 3),
+    "e3m2": WireFormat("e3m2", jnp.dtype(jnp.float8_e4m3fn), 28.0, False, 6, 3, 2),
+    "e2m1": WireFormat("e2m1", jnp.dtype(jnp.float8_e4m3fn), 6.0, False, 4, 2, 1),
 }
 
 # Bytes per group on the wire for each scale encoding:
@@ -66,7 +88,7 @@ def wire_format(name: str) -> WireFormat:
     """Look up a wire format by name.
 
     Args:
-      name: "e4m3", "e5m2", "int8" or "int4".
+      name: a key of `WIRE_FORMATS`.
 
     Returns:
       The `WireFormat`.
@@ -124,7 +146,46 @@ def cast_to_wire(values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False) 
     clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
     if fmt.is_integer:
         return round_half_even(clipped).astype(fmt.dtype)
+    if fmt.is_minifloat:
+        return round_to_minifloat(clipped, fmt).astype(fmt.dtype)
     return clipped.astype(fmt.dtype)
+
+
+def _minifloat_exponent(magnitude: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """int32 floor(log2 |v|), raised to the format's smallest normal exponent."""
+    return jnp.maximum(binade_exponent(magnitude) - 1, fmt.min_exponent)
+
+
+def round_to_minifloat(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """float32 values with |v| <= fmt.max_value rounded onto the sub-byte float grid,
+    to nearest, ties to even (the grid spacing in v's binade is a power of two, so the
+    scaling is exact). NaN stays NaN; the result is float32."""
+    step_exponent = _minifloat_exponent(jnp.abs(values), fmt) - fmt.mantissa_bits
+    return round_half_even(values * pow2(-step_exponent)) * pow2(step_exponent)
+
+
+def minifloat_codes(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """uint8 codes (sign, exponent field, mantissa field; `bits` wide) of float32 values
+    on the sub-byte float grid. A subnormal and the normal above it share one formula:
+    code = (exponent - min_exponent) * 2**m + v / 2**(exponent - m)."""
+    magnitude = jnp.abs(values)
+    exponent = _minifloat_exponent(magnitude, fmt)
+    steps = (magnitude * pow2(fmt.mantissa_bits - exponent)).astype(jnp.int32)
+    field_bits = fmt.exponent_bits + fmt.mantissa_bits
+    code = ((exponent - fmt.min_exponent) << fmt.mantissa_bits) + steps
+    sign = (jax.lax.bitcast_convert_type(values, jnp.uint32) >> 31).astype(jnp.int32)
+    return ((sign << field_bits) | (code & ((1 << field_bits) - 1))).astype(jnp.uint8)
+
+
+def minifloat_values(codes: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """float32 values of sub-byte float codes (`minifloat_codes`'s inverse)."""
+    codes = codes.astype(jnp.int32)
+    field_bits, m = fmt.exponent_bits + fmt.mantissa_bits, fmt.mantissa_bits
+    field = (codes >> m) & ((1 << fmt.exponent_bits) - 1)
+    mantissa = (codes & ((1 << m) - 1)) + jnp.where(field > 0, 1 << m, 0)
+    exponent = jnp.maximum(field, 1) - 1 + fmt.min_exponent - m
+    magnitude = mantissa.astype(jnp.float32) * pow2(exponent)
+    return jnp.where((codes >> field_bits) & 1 == 1, -magnitude, magnitude)
 
 
 def saturating_cast(values: jnp.ndarray, dtype) -> jnp.ndarray:
@@ -194,15 +255,37 @@ def round_up_to_bf16(scale: jnp.ndarray) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(ceil_bits, jnp.float32).astype(jnp.bfloat16)
 
 
-def pack_nibbles(codes: jnp.ndarray) -> jnp.ndarray:
-    """int8 codes in [-8, 7], last axis even, -> uint8 with two codes per byte (the
-    even-indexed code in the low nibble)."""
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2).astype(jnp.uint8) & 0xF
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+def pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Sub-byte codes (their low `bits` bits, any integer dtype) -> packed uint8 bytes
+    along the last axis, the earlier code in the lower bits: 4-bit codes two to a byte
+    (last axis even), 6-bit codes four to three bytes (last axis a multiple of 4)."""
+    per_word = 2 if bits == 4 else 4
+    words = codes.reshape(*codes.shape[:-1], -1, per_word).astype(jnp.uint32) & ((1 << bits) - 1)
+    word = functools.reduce(jnp.bitwise_or, [words[..., i] << (bits * i) for i in range(per_word)])
+    packed = jnp.stack([(word >> (8 * i)) & 0xFF for i in range(bits * per_word // 8)], axis=-1)
+    return packed.astype(jnp.uint8).reshape(*codes.shape[:-1], -1)
 
 
-def unpack_nibbles(packed: jnp.ndarray) -> jnp.ndarray:
-    """Invert `pack_nibbles`: uint8 (..., n) -> int8 codes (..., 2n)."""
-    nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.int8)
-    signed = jnp.where(nibbles > 7, nibbles - 16, nibbles).astype(jnp.int8)
-    return signed.reshape(*packed.shape[:-1], -1)
+def unpack_codes(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Invert `pack_codes`: uint8 (..., n) -> uint8 codes (..., n * 8 / bits)."""
+    word_bytes = 1 if bits == 4 else 3
+    groups = packed.reshape(*packed.shape[:-1], -1, word_bytes).astype(jnp.uint32)
+    word = functools.reduce(jnp.bitwise_or, [groups[..., i] << (8 * i) for i in range(word_bytes)])
+    codes = jnp.stack([(word >> (bits * i)) & ((1 << bits) - 1) for i in range(8 * word_bytes // bits)], axis=-1)
+    return codes.astype(jnp.uint8).reshape(*packed.shape[:-1], -1)
+
+
+def payload_codes(payload: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """The wire codes of a sub-byte payload: int4's two's-complement nibbles, or a
+    sub-byte float's sign-exponent-mantissa codes."""
+    if fmt.is_minifloat:
+        return minifloat_codes(payload.astype(jnp.float32), fmt)
+    return payload.astype(jnp.uint8) & 0xF
+
+
+def payload_from_codes(codes: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """Invert `payload_codes`: the payload in the format's dtype."""
+    if fmt.is_minifloat:
+        return minifloat_values(codes, fmt).astype(fmt.dtype)
+    signed = codes.astype(jnp.int8)
+    return jnp.where(signed > 7, signed - 16, signed).astype(jnp.int8)

@@ -4,7 +4,9 @@ A message carries N groups of G elements. It is a (rows, W) uint8 array, W = G *
 bytes per payload row:
 
     rows [0, N)              payload: group i's codes in row i (8-bit codes as they are;
-                             4-bit codes two per byte, the even-indexed one in the low nibble)
+                             4-bit codes two per byte, the even-indexed one in the low
+                             nibble; 6-bit codes four per three bytes, the earliest in
+                             the lowest bits)
     rows [N, N + scale_rows) scales: the N * S scale bytes, group after group (S bytes per
                              group, `formats.SCALE_FORMATS`), zero-padded to whole rows
 
@@ -99,8 +101,9 @@ def scale_block(scales: jax.Array, layout: MessageLayout, lead_ndim: int) -> jax
 
 def payload_rows(payload: jax.Array, layout: MessageLayout) -> jax.Array:
     """Typed payload (..., N, G) -> its uint8 rows (..., N, W)."""
-    if formats.wire_format(layout.fmt).bits == 4:
-        return formats.pack_nibbles(payload)
+    wire = formats.wire_format(layout.fmt)
+    if wire.bits < 8:
+        return formats.pack_codes(formats.payload_codes(payload, wire), wire.bits)
     return lax.bitcast_convert_type(payload, jnp.uint8)
 
 
@@ -125,8 +128,8 @@ def payload_of(message: jax.Array, layout: MessageLayout) -> jax.Array:
     """The typed payload (..., N, G) of messages (..., rows, W)."""
     rows = message[..., : layout.groups, :]
     wire = formats.wire_format(layout.fmt)
-    if wire.bits == 4:
-        return formats.unpack_nibbles(rows)
+    if wire.bits < 8:
+        return formats.payload_from_codes(formats.unpack_codes(rows, wire.bits), wire)
     return lax.bitcast_convert_type(rows, wire.dtype)
 
 

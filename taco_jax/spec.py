@@ -30,8 +30,9 @@ class QuantSpec:
     """How one direction of a tensor-parallel collective is quantized.
 
     Attributes:
-      fmt: element format on the wire: "e4m3", "e5m2", "int8" or "int4" (packed two
-        per byte; the 4-bit control, no Pallas kernel).
+      fmt: element format on the wire: "e4m3", "e5m2" or "int8"; below 8 bits, packed
+        and run by the jnp path (no kernel yet): "int4" (two per byte), the OCP MX
+        floats "e2m3" and "e3m2" (6 bits, four per three bytes) and "e2m1" (4 bits).
       group_size: G, contiguous elements of the last axis sharing one scale; a power of
         two (the Hadamard transform needs one), at least 2.
       hadamard: apply the adaptive-scale Walsh-Hadamard transform per group.
@@ -55,6 +56,8 @@ class QuantSpec:
             raise ValueError(f"group_size must be a power of two >= 2, got {size!r}")
         if not isinstance(self.hadamard, bool):
             raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
+        if size * self.element_bits % 8:
+            raise ValueError(f"group_size {size} does not fill whole bytes in the {self.element_bits}-bit {self.fmt!r}")
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:

@@ -7,6 +7,10 @@ FORMATS = {  # name: (max, mantissa bits, min normal exponent, integer)
     "e5m2": (57344.0, 2, -14, False),
     "int8": (127.0, 0, 0, True),
     "int4": (7.0, 0, 0, True),
+    # The OCP MX sub-byte floats (no Inf or NaN codes).
+    "e2m3": (7.5, 3, 0, False),
+    "e3m2": (28.0, 2, -2, False),
+    "e2m1": (6.0, 1, 0, False),
 }
 
 

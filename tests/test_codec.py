@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -13,12 +14,12 @@ import taco_jax as tj
 from taco_jax.kernels import formats
 from tests import reference as ref
 
-FMTS = ["e4m3", "e5m2", "int8", "int4"]
+FMTS = ["e4m3", "e5m2", "int8", "int4", "e2m3", "e3m2", "e2m1"]
 INTEGER = {"int8": 127.0, "int4": 7.0}
+MINIFLOATS = {"e2m3": ml_dtypes.float6_e2m3fn, "e3m2": ml_dtypes.float6_e3m2fn, "e2m1": ml_dtypes.float4_e2m1fn}
 SCALES = ["dual", "single", "bf16", "e8m0"]
-# Worst relative error per group on the y grid, by format (half an ulp of the mantissa;
-# for int8, half a step of absmax/127 spread over the group).
-REL_BOUND = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+# A scale rounded up to a power of two can double the step; to bf16, by 2**-7.
+SCALE_STEP = {"e8m0": 2.0, "bf16": 1.0 + 2.0**-7}
 
 
 def _random(shape, seed=0, scale=1.0):
@@ -36,13 +37,20 @@ def _group_rel_error(out, x, group_size):
 
 
 def _group_bound(spec, dtype):
-    if spec.fmt in INTEGER:
-        # A scale rounded up to a power of two can double the step; to bf16, by 2**-7.
-        steps = {"e8m0": 2.0, "bf16": 1.0 + 2.0**-7}.get(spec.scales, 1.0)
-        fmt_bound = 0.5 * steps * np.sqrt(spec.group_size) / INTEGER[spec.fmt]
-    else:
-        fmt_bound = REL_BOUND[spec.fmt]
+    """Worst relative error of a group: for the integer grids, half a step of absmax / max
+    spread over the group; for the float grids, half an ulp of the mantissa, plus half a
+    subnormal step spread over the group (large for the sub-byte floats)."""
+    fmax, mbits, emin, integer = ref.FORMATS[spec.fmt]
+    steps = SCALE_STEP.get(spec.scales, 1.0)
+    spread = 0.5 * steps * np.sqrt(spec.group_size) / fmax
+    fmt_bound = spread if integer else 2.0 ** -(mbits + 1) + spread * 2.0 ** (emin - mbits)
     return fmt_bound + float(jnp.finfo(dtype).eps) + 1e-5
+
+
+def _ulp(fmt):
+    """A grid step relative to the value on the float grids (one step on the integer ones)."""
+    _, mbits, _, integer = ref.FORMATS[fmt]
+    return 1.0 if integer else 2.0**-mbits
 
 
 @pytest.mark.cover
@@ -60,7 +68,7 @@ def test_matches_float64_reference(fmt, scales, hadamard):
     mismatch = got_codes != codes
     # f32 vs f64 arithmetic can only flip values lying within f32 rounding of a tie.
     assert mismatch.mean() < 2e-3
-    step = np.maximum(np.abs(codes), 1.0) * (2.0**-3 if fmt not in INTEGER else 1.0)
+    step = np.maximum(np.abs(codes), 1.0) * _ulp(fmt)
     assert np.all(np.abs(got_codes - codes)[mismatch] <= step[mismatch] + 1e-12)
 
     scales_arr = ref.as_float64(c.scales)
@@ -83,7 +91,7 @@ def test_matches_float64_reference(fmt, scales, hadamard):
     np.testing.assert_allclose(ref.as_float64(out), expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", *MINIFLOATS])
 def test_float_cast_rounds_to_nearest_even(fmt):
     fmax, mbits, emin, _ = ref.FORMATS[fmt]
     rng = np.random.default_rng(1)
@@ -97,6 +105,35 @@ def test_float_cast_rounds_to_nearest_even(fmt):
     np.testing.assert_array_equal(
         got[-len(subnormal_ties) - 2 - len(ties) : -len(subnormal_ties) - 2], [1.0, 1 + 2 * quantum_at_one, -1.0]
     )
+
+
+@pytest.mark.parametrize("fmt", list(MINIFLOATS))
+def test_sub_byte_floats_are_the_ocp_mx_formats(fmt):
+    """Every code of the sub-byte floats decodes to ml_dtypes' value of those bits and
+    encodes back; rounding onto the grid is ml_dtypes' cast (nearest, ties to even)."""
+    wire, dtype = formats.WIRE_FORMATS[fmt], MINIFLOATS[fmt]
+    codes = np.arange(2**wire.bits, dtype=np.uint8)
+    values = codes.view(dtype).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(formats.minifloat_values(jnp.asarray(codes), wire)), values)
+    np.testing.assert_array_equal(np.asarray(formats.minifloat_codes(jnp.asarray(values), wire)), codes)
+    assert values.max() == wire.max_value
+    rng = np.random.default_rng(5)
+    samples = (rng.uniform(-wire.max_value, wire.max_value, 4000) * 2.0 ** rng.integers(-6, 1, 4000)).astype(np.float32)
+    samples = np.concatenate([samples, (values[1:] + values[:-1]) / 2])  # every midpoint: the ties
+    samples = samples[np.isfinite(samples) & (np.abs(samples) <= wire.max_value)]
+    got = np.asarray(jax.jit(formats.cast_to_wire, static_argnums=1)(jnp.asarray(samples), wire), np.float32)
+    np.testing.assert_array_equal(got, samples.astype(dtype).astype(np.float32))
+
+
+@pytest.mark.parametrize(("bits", "width"), [(4, 3), (6, 3)])
+def test_sub_byte_codes_pack_and_unpack(bits, width):
+    codes = jnp.asarray(np.random.default_rng(bits).integers(0, 2**bits, (width, 64)), jnp.uint8)
+    packed = formats.pack_codes(codes, bits)
+    assert packed.dtype == jnp.uint8 and packed.shape == (width, 64 * bits // 8)
+    np.testing.assert_array_equal(np.asarray(formats.unpack_codes(packed, bits)), np.asarray(codes))
+    # The earliest code sits in the lowest bits.
+    first = np.asarray(packed[:, 0]) & (2**bits - 1) if bits == 4 else np.asarray(packed[:, 0]) & 0x3F
+    np.testing.assert_array_equal(first, np.asarray(codes[:, 0]))
 
 
 def test_int8_cast_rounds_half_to_even_and_clips():
@@ -194,7 +231,7 @@ def test_values_beyond_fp8_range_never_become_nan():
         for scales in SCALES:
             out = np.asarray(tj.decompress(tj.compress(x, tj.QuantSpec(fmt=fmt, hadamard=False, scales=scales))))
             assert np.all(np.isfinite(out))
-            np.testing.assert_allclose(out[0, 3], 1e20, rtol=2.0**-3)
+            np.testing.assert_allclose(out[0, 3], 1e20, rtol=max(2.0**-3, _ulp(fmt)))
 
 
 def test_rounding_survives_jit():
@@ -320,12 +357,13 @@ def test_dataclass_replace_keeps_validation():
 
 
 def test_int4_packs_two_codes_per_byte_on_the_wire():
-    codes = jnp.asarray(np.tile(np.arange(-7, 8), 4)[:, None].repeat(2, 1).reshape(-1)[:32].reshape(2, 16), jnp.int8)
-    packed = formats.pack_nibbles(codes)
-    assert packed.dtype == jnp.uint8 and packed.shape == (2, 8)
-    np.testing.assert_array_equal(np.asarray(formats.unpack_nibbles(packed)), np.asarray(codes))
+    wire = formats.WIRE_FORMATS["int4"]
     every = jnp.asarray(np.arange(-8, 8), jnp.int8)
-    np.testing.assert_array_equal(np.asarray(formats.unpack_nibbles(formats.pack_nibbles(every))), np.arange(-8, 8))
+    packed = formats.pack_codes(formats.payload_codes(every, wire), 4)
+    assert packed.dtype == jnp.uint8 and packed.shape == (8,)
+    unpacked = formats.payload_from_codes(formats.unpack_codes(packed, 4), wire)
+    assert unpacked.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(unpacked), np.arange(-8, 8))
     spec = tj.QuantSpec(fmt="int4", scales="bf16", group_size=128)
     x = jnp.ones((3, 512), jnp.bfloat16)
     assert tj.compress(x, spec).nbytes == tj.wire_bytes(x.shape, x.dtype, spec) == 3 * 256 + 3 * 4 * 2
@@ -340,3 +378,6 @@ def test_spec_parses_from_text():
             tj.QuantSpec.parse(bad)
     with pytest.raises(ValueError, match="unknown format 'fp4'"):
         tj.QuantSpec.parse("fp4:128:H:bf16")
+    assert tj.QuantSpec.parse("e2m3:4:H:e8m0").element_bits == 6
+    with pytest.raises(ValueError, match="group_size 2 does not fill whole bytes in the 6-bit 'e3m2'"):
+        tj.QuantSpec("e3m2", 2)

@@ -10,7 +10,7 @@ from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels import formats, group_codec, wire
 
-FORMATS = ["e4m3", "e5m2", "int8", "int4"]
+FORMATS = ["e4m3", "e5m2", "int8", "int4", "e2m3", "e3m2", "e2m1"]
 SCALES = ["dual", "single", "bf16", "e8m0"]
 KERNEL_CASES = [("e4m3", "dual"), ("int8", "bf16"), ("e5m2", "e8m0"), ("e4m3", "single")]
 
