@@ -14,7 +14,9 @@ reports, per call site and direction, the per-channel sum of squares of what it 
 send and a strided sample of its rows (a host callback; the values are reduced over all
 local devices and, in multi-process runs, over processes). `calibrate` turns that into a
 `Calibration`: for each site and direction the permutation and whether the Walsh-Hadamard
-transform is on, chosen by the measured codec error on the site's own samples. Pass it
+transform is on, chosen by the measured codec error on the site's own samples, and, where
+the config names formats with fewer bits (`TacoConfig.fewer_bits`), the fewest-bit one
+whose error fits the budget. Pass it
 to the collectives / `taco_jax.tp` mappings (`calibration=`) or to the models
 (`Parallelism.calibration`); it is static (part of the compiled program), saved with
 checkpoints as JSON (`to_json` / `from_json`), and the empty `Calibration()` means
@@ -36,7 +38,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from taco_jax.codec import compress, decompress
-from taco_jax.spec import QuantSpec, TacoConfig
+from taco_jax.spec import FewerBits, QuantSpec, TacoConfig
 from taco_jax.tracing import TraceScope
 
 STRATEGIES = ("identity", "cluster", "interleave")
@@ -58,14 +60,19 @@ class ChannelPlan:
     Attributes:
       perm: channel permutation applied before grouping (`x[..., perm]`).
       hadamard: whether the Walsh-Hadamard transform is on for this site.
+      quant: the site's own quantizer (fewer bits, `TacoConfig.fewer_bits`), its
+        transform set by `hadamard`; None: the config's.
     """
 
     perm: tuple[int, ...]
     hadamard: bool
+    quant: QuantSpec | None = None
 
     def __post_init__(self) -> None:
         if sorted(self.perm) != list(range(len(self.perm))):
             raise ValueError(f"ChannelPlan.perm is not a permutation of range({len(self.perm)})")
+        if self.quant is not None and not isinstance(self.quant, QuantSpec):
+            raise ValueError(f"ChannelPlan.quant must be a QuantSpec or None, got {self.quant!r}")
 
     @functools.cached_property
     def is_identity(self) -> bool:
@@ -83,8 +90,9 @@ class ChannelPlan:
         return np.argsort(self.indices).astype(np.int32)
 
     def spec(self, spec: QuantSpec) -> QuantSpec:
-        """`spec` with this plan's transform decision."""
-        return dataclasses.replace(spec, hadamard=self.hadamard)
+        """The site's quantizer: its own (`quant`) or `spec`, with this plan's transform
+        decision."""
+        return dataclasses.replace(self.quant or spec, hadamard=self.hadamard)
 
 
 @jax.tree_util.register_static
@@ -125,7 +133,14 @@ class Calibration:
         """A JSON-serializable form (for checkpoints)."""
         return {
             "plans": [
-                {"site": s, "direction": d, "perm": list(p.perm), "hadamard": p.hadamard} for s, d, p in self.plans
+                {
+                    "site": s,
+                    "direction": d,
+                    "perm": list(p.perm),
+                    "hadamard": p.hadamard,
+                    **({"quant": p.quant.text} if p.quant is not None else {}),
+                }
+                for s, d, p in self.plans
             ]
         }
 
@@ -139,7 +154,15 @@ class Calibration:
         try:
             return cls(
                 tuple(
-                    (e["site"], e["direction"], ChannelPlan(tuple(int(i) for i in e["perm"]), bool(e["hadamard"])))
+                    (
+                        e["site"],
+                        e["direction"],
+                        ChannelPlan(
+                            tuple(int(i) for i in e["perm"]),
+                            bool(e["hadamard"]),
+                            QuantSpec.parse(e["quant"]) if "quant" in e else None,
+                        ),
+                    )
                     for e in data["plans"]
                 )
             )
@@ -323,6 +346,47 @@ def calibrate_site(
     return chosen, [{k: v for k, v in row.items() if k != "perm"} for row in report]
 
 
+def fewest_bits(
+    samples: ArrayLike,
+    fallback: ChannelPlan,
+    fewer_bits: FewerBits,
+    *,
+    rms: np.ndarray,
+    **site_options: Any,
+) -> tuple[ChannelPlan, list[dict]]:
+    """The plan of the candidate with the fewest wire bits per element whose relative RMS
+    error on `samples` (with its own best permutation and transform) is at most
+    `fewer_bits.tolerance` times the reference spec's; `fallback` where none fits.
+
+    Args:
+      samples: the site's tensors (..., C) as they would be sent.
+      fallback: the site's plan with the config's spec.
+      fewer_bits: the candidates and the budget.
+      rms: per-channel RMS to build permutations from.
+      **site_options: `calibrate_site`'s strategies, metric and min_gain.
+
+    Returns:
+      (the chosen plan, report rows of the reference and of each candidate tried, each
+      with its "spec").
+    """
+    channels = len(rms)
+
+    def measured(spec: QuantSpec) -> tuple[ChannelPlan, float, list[dict]]:
+        plan, rows = calibrate_site(samples, spec, rms=rms, **site_options)
+        error = codec_error(samples, plan.spec(spec), plan.indices)["rel_rmse"]
+        return plan, error, [{**row, "spec": spec.text} for row in rows]
+
+    _, reference_error, report = measured(fewer_bits.reference)
+    for candidate in sorted(fewer_bits.candidates, key=lambda spec: spec.bits_per_element):
+        if channels % candidate.group_size:
+            continue
+        plan, error, rows = measured(candidate)
+        report += rows
+        if error <= fewer_bits.tolerance * reference_error:
+            return ChannelPlan(plan.perm, plan.hadamard, candidate), report
+    return fallback, report
+
+
 def calibrate(
     collector: Collector,
     config: TacoConfig,
@@ -331,7 +395,8 @@ def calibrate(
     metric: str = "channel_median",
     min_gain: float = DEFAULT_MIN_GAIN,
 ) -> tuple[Calibration, list[dict]]:
-    """Decide every observed site's permutation and transform.
+    """Decide every observed site's permutation and transform, and with
+    `config.fewer_bits` its format (`fewest_bits`).
 
     Only mode "taco" is calibrated ("fp8" is the no-reshaping baseline by definition,
     "off" compresses nothing): the result is then empty. Sites whose channel count does
@@ -347,36 +412,43 @@ def calibrate(
       min_gain: see `calibrate_site`.
 
     Returns:
-      (the `Calibration`, one report row per site, direction and candidate).
+      (the `Calibration`, one report row per site, direction and candidate, each with
+      its "spec").
     """
     if config.mode != "taco":
         return Calibration(), []
     plans, report = [], []
+    options: dict[str, Any] = dict(strategies=strategies, metric=metric, min_gain=min_gain)
     for site, direction in collector.keys():
         spec = config.forward if direction == "forward" else config.backward
-        rms = collector.rms((site, direction))
+        rms, samples = collector.rms((site, direction)), collector.sample((site, direction))
         if len(rms) % spec.group_size:
             continue
-        plan, rows = calibrate_site(
-            collector.sample((site, direction)), spec, rms=rms, strategies=strategies, metric=metric, min_gain=min_gain
-        )
+        plan, rows = calibrate_site(samples, spec, rms=rms, **options)
+        rows = [{**row, "spec": spec.text} for row in rows]
+        if config.fewer_bits is not None:
+            plan, more = fewest_bits(samples, plan, config.fewer_bits, rms=rms, **options)
+            rows += more
         plans.append((site, direction, plan))
         report += [{"site": site, "direction": direction, **row} for row in rows]
-    return _agreed(Calibration(tuple(plans))), report
+    return _agreed(Calibration(tuple(plans)), config.fewer_bits), report
 
 
-def _agreed(calibration: Calibration) -> Calibration:
-    """Process 0's calibration on every process."""
+def _agreed(calibration: Calibration, fewer_bits: FewerBits | None) -> Calibration:
+    """Process 0's calibration on every process (each plan's spec sent as its index in
+    None + the candidates)."""
     if jax.process_count() == 1:
         return calibration
     from jax.experimental import multihost_utils
 
+    choices = (None, *(fewer_bits.candidates if fewer_bits is not None else ()))
     flags = np.array([plan.hadamard for _, _, plan in calibration.plans], np.int32)
+    quants = np.array([choices.index(plan.quant) for _, _, plan in calibration.plans], np.int32)
     perms = tuple(plan.indices for _, _, plan in calibration.plans)
-    flags, perms = multihost_utils.broadcast_one_to_all((flags, perms))
+    flags, quants, perms = multihost_utils.broadcast_one_to_all((flags, quants, perms))
     return Calibration(
         tuple(
-            (s, d, ChannelPlan(tuple(int(i) for i in p), bool(f)))
-            for (s, d, _), p, f in zip(calibration.plans, np.asarray(perms), np.asarray(flags))
+            (s, d, ChannelPlan(tuple(int(i) for i in p), bool(f), choices[int(q)]))
+            for (s, d, _), p, f, q in zip(calibration.plans, np.asarray(perms), np.asarray(flags), np.asarray(quants))
         )
     )

@@ -1,5 +1,6 @@
 """Calibration: permutation strategies and the per-site choice by measured codec error."""
 
+import dataclasses
 import json
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import calibration
+from taco_jax import calibration, codec
 
 
 def test_strategies_are_permutations_with_the_intended_groups():
@@ -196,3 +197,69 @@ def test_calibration_is_a_static_pytree():
     assert len(jax.tree.leaves(state)) == 1  # the calibration holds no array leaves
     out = jax.jit(lambda st: st)(state)
     assert out["calibration"] == state["calibration"]
+
+
+# ----------------------------------------------------------------------------- fewer bits
+
+MIXED = tj.TacoConfig.preset("taco+mixed", min_bytes=0)
+
+
+def _observed_mixed():
+    x = _spread_channels(4, rows=64)
+    collector = calibration.Collector()
+    with calibration.observing(collector):
+        jax.block_until_ready(_sharded(lambda v: tj.all_reduce(v[0], "tensor", MIXED, site="s")[None])(x))
+    jax.effects_barrier()
+    return x, collector
+
+
+def _best_error(samples, spec):
+    plan, _ = calibration.calibrate_site(samples, spec)
+    return calibration.codec_error(samples, plan.spec(spec), plan.indices)["rel_rmse"]
+
+
+@pytest.mark.parametrize(("tolerance", "chosen"), [(1.5, "e2m3:128:H:bf16"), (100.0, "int4:32:H:bf16"), (0.1, None)])
+def test_fewer_bits_take_the_fewest_bits_within_the_budget(tolerance, chosen):
+    """Each candidate's error measured here, independently of `fewest_bits`: the site
+    takes the candidate with the fewest bits whose error is within tolerance x E4M3's,
+    and keeps the config's spec where none is."""
+    x, collector = _observed_mixed()
+    fewer = tj.FewerBits(candidates=MIXED.fewer_bits.candidates, tolerance=tolerance)
+    state, report = calibration.calibrate(collector, dataclasses.replace(MIXED, fewer_bits=fewer))
+    ((_, _, plan),) = state.plans
+    samples = collector.sample(("s", "forward"))
+    budget = tolerance * _best_error(samples, fewer.reference)
+    errors = {spec.text: _best_error(samples, spec) for spec in fewer.candidates}
+    fitting = [spec for spec in fewer.candidates if errors[spec.text] <= budget]
+    want = min(fitting, key=lambda spec: spec.bits_per_element).text if fitting else None
+    assert want == chosen
+    assert (None if plan.quant is None else plan.quant.text) == chosen
+    assert {row["spec"] for row in report} >= {"int8:128:H:bf16", "e4m3:128:H:dual", "int4:32:H:bf16"}
+    if chosen is not None:
+        # The collective then sends the chosen format: its packed message, decoded within its error.
+        fn = lambda v: tj.all_reduce(v[0], "tensor", MIXED, site="s", calibration=state)[None]
+        mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
+        hlo = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
+        sent = tj.collectives_in_hlo(hlo.lower(x).compile().as_text())
+        layout = codec.message_layout(64 * CHANNELS // plan.quant.group_size // RANKS, plan.spec(MIXED.forward))
+        assert {c.dtype for c in sent} == {"u8"} and layout.nbytes in {c.operand_bytes for c in sent}
+        out = np.asarray(hlo(x), np.float64)[0]
+        exact = x.astype(np.float64).sum(0)
+        error = np.linalg.norm(out - exact) / np.linalg.norm(exact)
+        assert 0.2 * errors[chosen] < error < 4 * errors[chosen]
+
+
+def test_fewer_bits_round_trip_through_json_and_are_checked():
+    plan = calibration.ChannelPlan((1, 0, 3, 2), True, tj.QuantSpec.parse("e2m3:4:H:e8m0"))
+    state = calibration.Calibration((("s", "backward", plan),))
+    data = json.loads(json.dumps(state.to_json()))
+    assert data["plans"][0]["quant"] == "e2m3:4:H:e8m0"
+    assert calibration.Calibration.from_json(data) == state
+    assert plan.spec(tj.QuantSpec()) == tj.QuantSpec("e2m3", 4, True, "e8m0")
+    with pytest.raises(ValueError, match="non-empty tuple of QuantSpecs"):
+        tj.FewerBits(candidates=())
+    with pytest.raises(ValueError, match="positive finite number"):
+        tj.FewerBits(candidates=(tj.QuantSpec(),), tolerance=float("nan"))
+    with pytest.raises(ValueError, match="runs in mode 'taco' only"):
+        tj.TacoConfig.preset("fp8", fewer_bits=MIXED.fewer_bits)
+    assert tj.TacoConfig.preset("taco4").forward.bits_per_element == 4.5

@@ -340,13 +340,18 @@ def test_simulated_shard_map_splits_and_merges_by_spec():
 
 
 def test_standalone_calibration_feeds_other_runs(tmp_path):
-    observing = _cfg(tmp_path, "calibrate", taco="taco+", calibration_steps=2)
+    """With taco+mixed, calibration also picks each site's format (fewer bits where the
+    error fits), and the run that loads it sends fewer bytes than taco+'s 8 bits."""
+    observing = _cfg(tmp_path, "calibrate", taco="taco+mixed", calibration_steps=2)
     summary = trainer.calibrate_only(observing)
     assert summary["calibrated_sites"] == 6 and summary["step"] == 0
+    assert sum(summary["sites_with_fewer_bits"].values()) >= 1
     assert not (Path(observing.out) / "metrics.jsonl").exists()  # nothing was trained
     decided = calibrate.load_calibration(summary["file"])
-    run = _cfg(tmp_path, "uses_it", taco="taco+", steps=2, calibration_file=summary["file"])
+    run = _cfg(tmp_path, "uses_it", taco="taco+mixed", steps=2, calibration_file=summary["file"])
     assert trainer.train(run, progress=False)["calibrated_sites"] == 6
+    row = _rows(run.out)[-1]
+    assert 0 < row["wire_bytes_by_axis"]["tensor"] < 0.5 * row["wire_bytes_bf16_by_axis"]["tensor"]
     assert not (Path(run.out) / "calibration.json").exists()  # loaded, not observed
     checkpoint = Checkpointer(Path(run.out) / "checkpoints", 3)
     assert tj.calibration.Calibration.from_json(checkpoint.meta(2)["calibration"]) == decided

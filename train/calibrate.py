@@ -19,10 +19,15 @@ from .config import TrainConfig
 
 def calibration_summary(calibration: Calibration) -> dict:
     """The calibration's size for a summary: site directions calibrated, those with the
-    transform."""
+    transform, and how many take each format below the config's (`taco+mixed`)."""
+    formats: dict[str, int] = {}
+    for _, _, plan in calibration.plans:
+        if plan.quant is not None:
+            formats[plan.quant.text] = formats.get(plan.quant.text, 0) + 1
     return {
         "calibrated_sites": len(calibration.plans),
         "sites_with_transform": sum(plan.hadamard for _, _, plan in calibration.plans),
+        "sites_with_fewer_bits": dict(sorted(formats.items())),
     }
 
 
@@ -37,7 +42,8 @@ def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Pa
     if out is not None:
         strict_json.write(out / "calibration.json", {"calibration": calibration.to_json(), "report": report})
     chosen = ", ".join(
-        f"{site}/{direction[0]}: {'H' if plan.hadamard else '-'}" for site, direction, plan in calibration.plans
+        f"{site}/{direction[0]}: {plan.quant.text if plan.quant is not None else ('H' if plan.hadamard else '-')}"
+        for site, direction, plan in calibration.plans
     )
     message = f"calibrated {len(calibration.plans)} site directions ({chosen})"
     (bar.write if bar is not None else lambda m: print(m, file=sys.stderr))(message)
