@@ -43,6 +43,11 @@ Beyond the tensor axis (tensor traffic plain; use a mesh with pipe and data > 1)
   data-taco / data-taco+   data-parallel gradient reduction compressed, error feedback
   data-int4+H              4-bit gradients (INT4 + Hadamard, bf16 scales), error feedback
   all-taco+                taco+ on every axis
+Below 8 bits (calibrated like taco+):
+  e2m3 / e3m2    the 6-bit OCP MX floats, groups of 128, bf16 scales (38.3% of bf16's bytes)
+  e2m1           the 4-bit OCP MX float, groups of 32, E8M0 scales (MXFP4, 26.6%)
+  taco4          the 4-bit preset: INT4, groups of 32, bf16 scales (28.1%)
+  taco+mixed     per site and direction the fewest bits within 1.5x E4M3's error
 
 Usage (GPU, one device):
   python -m benchmarks.quality --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
@@ -53,6 +58,9 @@ Usage (GPU, one device):
   python -m benchmarks.quality --simulate --tag stable --corpora shakespeare,python-docs,python-code \
       --models gpt2-40m,qwen2-40m --variants off,off-control,fp8,taco,taco+,int4+H --seeds 3 \
       --steps 1600 --batch-size 8 --seq-len 128 --lr-sweep 1e-3,6e-4,3e-4 --jobs 12
+  python -m benchmarks.quality --simulate --tag bits --corpora shakespeare,python-docs,python-code \
+      --models gpt2-40m,qwen2-40m --variants off,off-control,taco+,e2m3,e3m2,e2m1,taco4,taco+mixed --seeds 3 \
+      --steps 1600 --batch-size 8 --seq-len 128 --lr-sweep 1.5e-4 --jobs 12
 CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.quality \\
       --models gpt2-tiny --steps 200
 """
@@ -94,6 +102,11 @@ VARIANTS: dict[str, dict] = {
     "data-taco+": {"taco": "off", "taco_data": "taco+"},
     "data-int4+H": {"taco": "off", "taco_data": "taco+", "taco_data_backward": "int4:128:H:bf16"},
     "all-taco+": {"taco": "taco+", "taco_pipe": "taco+", "taco_data": "taco+"},
+    "e2m3": {"taco": "taco+", "taco_forward": "e2m3:128:H:bf16", "taco_backward": "e2m3:128:H:bf16"},
+    "e3m2": {"taco": "taco+", "taco_forward": "e3m2:128:H:bf16", "taco_backward": "e3m2:128:H:bf16"},
+    "e2m1": {"taco": "taco+", "taco_forward": "e2m1:32:H:e8m0", "taco_backward": "e2m1:32:H:e8m0"},
+    "taco4": {"taco": "taco4"},
+    "taco+mixed": {"taco": "taco+mixed"},
 }
 
 
