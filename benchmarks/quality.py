@@ -47,6 +47,7 @@ Below 8 bits (calibrated like taco+):
   e2m3 / e3m2    the 6-bit OCP MX floats, groups of 128, bf16 scales (38.3% of bf16's bytes)
   e2m1           the 4-bit OCP MX float, groups of 32, E8M0 scales (MXFP4, 26.6%)
   taco4          the 4-bit preset: INT4, groups of 32, bf16 scales (28.1%)
+  taco4-sr       taco4 with stochastic rounding of the gradient messages
   taco+mixed     per site and direction the fewest bits within 1.5x E4M3's error
 
 Usage (GPU, one device):
@@ -59,7 +60,7 @@ Usage (GPU, one device):
       --models gpt2-40m,qwen2-40m --variants off,off-control,fp8,taco,taco+,int4+H --seeds 3 \
       --steps 1600 --batch-size 8 --seq-len 128 --lr-sweep 1e-3,6e-4,3e-4 --jobs 12
   python -m benchmarks.quality --simulate --tag bits --corpora shakespeare,python-docs,python-code \
-      --models gpt2-40m,qwen2-40m --variants off,off-control,taco+,e2m3,e3m2,e2m1,taco4,taco+mixed --seeds 3 \
+      --models gpt2-40m,qwen2-40m --variants off,off-control,taco+,e2m3,e3m2,e2m1,taco4,taco4-sr,taco+mixed --seeds 3 \
       --steps 1600 --batch-size 8 --seq-len 128 --lr-sweep 1.5e-4 --jobs 12
 CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.quality \\
       --models gpt2-tiny --steps 200
@@ -106,6 +107,7 @@ VARIANTS: dict[str, dict] = {
     "e3m2": {"taco": "taco+", "taco_forward": "e3m2:128:H:bf16", "taco_backward": "e3m2:128:H:bf16"},
     "e2m1": {"taco": "taco+", "taco_forward": "e2m1:32:H:e8m0", "taco_backward": "e2m1:32:H:e8m0"},
     "taco4": {"taco": "taco4"},
+    "taco4-sr": {"taco": "taco4", "taco_backward": "int4:32:H:bf16:sr"},
     "taco+mixed": {"taco": "taco+mixed"},
 }
 

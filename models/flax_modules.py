@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
@@ -30,13 +30,28 @@ from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 from . import transformer
 from .config import ModelConfig, check_tensor_parallel, check_token_ids, head_dim
 from .generate import generate as functional_generate
-from .params import init_params, is_layout_leaf, layout, partition_specs, shard_params
+from .params import init_params, is_layout_leaf, layout, partition_specs
 
 _GROUPS = ("embed", "layers", "final")
 
 
 def _as_params(group: dict) -> dict:
     return nnx.data({name: nnx.Param(value) for name, value in group.items()})
+
+
+def _placed(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """`params` with the shardings a jitted step gives back for them: mesh axes of size 1
+    and trailing unsplit dimensions left out of each spec. Placed by `partition_specs`
+    as they are, a step that returns the module's state (Flax's split pattern) would get
+    equivalent but differently spelled shardings back and trace a second time."""
+
+    def sharding(spec: P) -> NamedSharding:
+        axes = [axis if axis is not None and mesh.shape[axis] > 1 else None for axis in spec]
+        while axes and axes[-1] is None:
+            axes.pop()
+        return NamedSharding(mesh, P(*axes))
+
+    return jax.tree.map(lambda value, spec: jax.device_put(value, sharding(spec)), params, partition_specs(config))
 
 
 class Transformer(nnx.Module):
@@ -100,7 +115,7 @@ class Transformer(nnx.Module):
             overlap=overlap,
             remat=remat,
         )
-        params = init_params(config, rngs.params(), mesh)
+        params = _placed(init_params(config, rngs.params(), mesh), config, mesh)
         self.embed, self.layers, self.final = (_as_params(params[group]) for group in _GROUPS)
 
     @property
@@ -215,7 +230,7 @@ def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoC
         nnx.eval_shape(lambda: Transformer(config, mesh=mesh, taco=taco, rngs=nnx.Rngs(0), **kwargs))
     )
     as_float32 = jax.tree.map(lambda value: jnp.asarray(value, jnp.float32), params)
-    nnx.replace_by_pure_dict(state, shard_params(as_float32, config, mesh))
+    nnx.replace_by_pure_dict(state, _placed(as_float32, config, mesh))
     return nnx.merge(graphdef, state)
 
 

@@ -358,8 +358,10 @@ def decompress_reference(
     transform: bool,
     out_dtype: jnp.dtype = jnp.float32,
     requantize_to: tuple[str, str] | None = None,
+    stochastic: bool = False,
 ):
-    """The same computation in plain jnp (what the kernel is tested against)."""
+    """The same computation in plain jnp (what the kernel is tested against); with
+    `requantize_to`, `stochastic` rounds the requantized sum stochastically."""
     if payload.shape[0] == 1 and transform and requantize_to is None:
         # Transform the small payload values first, then scale: no overflow near f32 max.
         return formats.saturating_cast(
@@ -372,7 +374,12 @@ def decompress_reference(
         groups = summed[:, None, :]  # one group a row, as `group_codec.quantize_groups` lays them out
         (normalized,), factor, prescale = group_codec.normalize_groups((groups,), formats.wire_format(fmt).max_value)
         (codes,), entries = group_codec.quantize_scaled(
-            (normalized,), factor, formats.times_pow2(prescale, -shift[:, None]), fmt, scale_format
+            (normalized,),
+            factor,
+            formats.times_pow2(prescale, -shift[:, None]),
+            fmt,
+            scale_format,
+            stochastic=stochastic,
         )
         codes = jax.lax.optimization_barrier(codes).reshape(summed.shape)
         return codes, group_codec.pack_scale_entries(entries, scale_format)

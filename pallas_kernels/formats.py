@@ -131,7 +131,9 @@ def round_half_even(values: jnp.ndarray) -> jnp.ndarray:
     return jnp.where((fraction > 0.5) | ((fraction == 0.5) & odd), floor + 1.0, floor)
 
 
-def cast_to_wire(values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False) -> jnp.ndarray:
+def cast_to_wire(
+    values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False, stochastic: bool = False
+) -> jnp.ndarray:
     """Round float32 values (already divided by their scale) onto the 8-bit grid.
 
     Round to nearest, ties to even, after clipping to +-max_value. NaN stays NaN in the
@@ -144,11 +146,37 @@ def cast_to_wire(values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False) 
     if in_kernel:
         return round_to_int(values).astype(fmt.dtype) if fmt.is_integer else values.astype(fmt.dtype)
     clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
+    if stochastic:
+        return round_stochastically(clipped, fmt).astype(fmt.dtype)
     if fmt.is_integer:
         return round_half_even(clipped).astype(fmt.dtype)
     if fmt.is_minifloat:
         return round_to_minifloat(clipped, fmt).astype(fmt.dtype)
     return clipped.astype(fmt.dtype)
+
+
+def dither(values: jnp.ndarray) -> jnp.ndarray:
+    """float32 in [0, 1) per element: a hash of the value's bits and its position in
+    `values` (a 32-bit integer mix). No key is needed: the same tensor gets the same
+    dither, so a rerun reproduces it bit for bit, and a new step's tensor a new one."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+    position = jax.lax.iota(jnp.uint32, values.size).reshape(values.shape)
+    mixed = bits ^ (position * np.uint32(0x9E3779B9))
+    mixed = (mixed ^ (mixed >> 16)) * np.uint32(0x7FEB352D)
+    mixed = (mixed ^ (mixed >> 15)) * np.uint32(0x846CA68B)
+    mixed = mixed ^ (mixed >> 16)
+    return (mixed >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def round_stochastically(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+    """float32 values with |v| <= fmt.max_value rounded to one of the two grid points
+    around them, up with probability equal to the distance from the lower one in steps
+    (unbiased: the expected result is v), drawn from `dither`. For the integer grids and
+    the sub-byte floats (whose grid steps are powers of two); the result is float32."""
+    if fmt.is_integer:
+        return jnp.floor(values + dither(values))
+    step_exponent = _minifloat_exponent(jnp.abs(values), fmt) - fmt.mantissa_bits
+    return jnp.floor(values * pow2(-step_exponent) + dither(values)) * pow2(step_exponent)
 
 
 def _minifloat_exponent(magnitude: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:

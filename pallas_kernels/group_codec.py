@@ -128,7 +128,13 @@ def sum_shift(multipliers: Pieces) -> jax.Array:
 
 
 def quantize_scaled(
-    values: Pieces, factor: jax.Array, prescale: jax.Array, fmt: str, scale_format: str, in_kernel: bool = False
+    values: Pieces,
+    factor: jax.Array,
+    prescale: jax.Array,
+    fmt: str,
+    scale_format: str,
+    in_kernel: bool = False,
+    stochastic: bool = False,
 ) -> tuple[Pieces, tuple]:
     """Quantize pre-scaled (and transformed) groups y = values * factor.
 
@@ -146,6 +152,8 @@ def quantize_scaled(
       fmt: wire format name.
       scale_format: scale encoding.
       in_kernel: traced inside a Pallas kernel (`formats.cast_to_wire`).
+      stochastic: round stochastically (`formats.round_stochastically`) instead of to
+        nearest.
 
     Returns:
       (payload, scale_entries): payload pieces in the format's dtype; scale_entries a
@@ -156,7 +164,8 @@ def quantize_scaled(
     absmax = row_max_abs(values) * factor
     divisor, entries = scale_entries(absmax, prescale, fmt, scale_format)
     multiplier = factor / divisor  # one division per group, then a multiply per element
-    return tuple(formats.cast_to_wire(piece * multiplier, wire, in_kernel) for piece in values), entries
+    payload = tuple(formats.cast_to_wire(piece * multiplier, wire, in_kernel, stochastic) for piece in values)
+    return payload, entries
 
 
 def scale_entries(absmax: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
@@ -198,7 +207,7 @@ def _as_groups(values: jax.Array, group_size: int) -> jax.Array:
 
 
 def quantize_groups(
-    values: jax.Array, *, fmt: str, group_size: int, scale_format: str, transform: bool
+    values: jax.Array, *, fmt: str, group_size: int, scale_format: str, transform: bool, stochastic: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """Quantize groups of the last axis to an 8-bit payload plus per-group scales.
 
@@ -209,6 +218,8 @@ def quantize_groups(
       scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the Walsh-Hadamard transform after the pre-scale. False for plain
         per-group absmax quantization, or for values already in the transformed domain.
+      stochastic: round stochastically instead of to nearest (integer and sub-byte
+        float formats).
 
     Returns:
       (payload, scales): payload (..., C) in the format's dtype; scales float32
@@ -220,7 +231,7 @@ def quantize_groups(
     groups = _as_groups(values.astype(jnp.float32), group_size)
     (normalized,), factor, prescale = normalize_groups((groups,), wire.max_value)
     transformed = hadamard_transform(normalized) if transform else normalized
-    (payload,), entries = quantize_scaled((transformed,), factor, prescale, fmt, scale_format)
+    (payload,), entries = quantize_scaled((transformed,), factor, prescale, fmt, scale_format, stochastic=stochastic)
     # XLA:GPU removes an f32 -> f8 -> f32 convert pair (excess precision) when the
     # payload is decoded in the same program; the barrier keeps the rounding.
     payload = jax.lax.optimization_barrier(payload)

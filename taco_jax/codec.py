@@ -27,10 +27,12 @@ from taco_jax.spec import QuantSpec, check_kernel_mode
 def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, size: int, shards: int = 1) -> str:
     """How this call runs under `kernel_mode` (`KERNEL_MODES`): "jnp", "interpret", "gpu",
     or "auto" (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere).
-    Work the kernels do not take (`launch.PALLAS_KERNELS`) and empty arrays run the jnp
-    path."""
+    Work the kernels do not take (`launch.PALLAS_KERNELS`; stochastic rounding) and
+    empty arrays run the jnp path."""
     check_kernel_mode(kernel_mode)
-    supported = size > 0 and launch.PALLAS_KERNELS.takes(spec.group_size, dtype, spec.fmt, shards)
+    supported = (
+        size > 0 and not spec.stochastic and launch.PALLAS_KERNELS.takes(spec.group_size, dtype, spec.fmt, shards)
+    )
     if not supported or kernel_mode == "jnp" or (kernel_mode == "auto" and not launch.has_cuda()):
         return "jnp"
     return kernel_mode
@@ -127,7 +129,12 @@ def _quantize(values: jax.Array, spec: QuantSpec, kernel_mode: str) -> tuple[jax
 
     def reference(values):
         return group_codec.quantize_groups(
-            values, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard
+            values,
+            fmt=spec.fmt,
+            group_size=spec.group_size,
+            scale_format=spec.scales,
+            transform=spec.hadamard,
+            stochastic=spec.stochastic,
         )
 
     return _dispatch(_kernel_mode(spec, values.dtype, kernel_mode, values.size), kernel, reference, values)
@@ -153,7 +160,12 @@ def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, d
 
     def reference(payload, multiplier):
         return decompress_kernel.decompress_reference(
-            payload, multiplier, transform=spec.hadamard, out_dtype=dtype, requantize_to=requantize_to
+            payload,
+            multiplier,
+            transform=spec.hadamard,
+            out_dtype=dtype,
+            requantize_to=requantize_to,
+            stochastic=spec.stochastic,
         )
 
     mode = _kernel_mode(spec, dtype, kernel_mode, payload.size, count)
@@ -194,7 +206,12 @@ def encode(rows: jax.Array, spec: QuantSpec, kernel_mode: str = "auto") -> jax.A
 
     def reference(rows):
         payload, scales = group_codec.quantize_groups(
-            rows, fmt=spec.fmt, group_size=spec.group_size, scale_format=spec.scales, transform=spec.hadamard
+            rows,
+            fmt=spec.fmt,
+            group_size=spec.group_size,
+            scale_format=spec.scales,
+            transform=spec.hadamard,
+            stochastic=spec.stochastic,
         )
         return wire.pack(payload, scales, message_layout(groups, spec))
 
@@ -254,6 +271,7 @@ def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernel_mode: s
             wire.multiplier(messages, layout),
             transform=spec.hadamard,
             requantize_to=(spec.fmt, spec.scales),
+            stochastic=spec.stochastic,
         )
         return wire.pack(payload, scales, layout)
 

@@ -14,6 +14,9 @@ MODES = ("off", "fp8", "taco")
 # "jnp": the plain jnp path; "auto": "gpu" where the program is lowered for a CUDA GPU,
 # "jnp" elsewhere. Work no kernel takes runs the jnp path in every mode.
 KERNEL_MODES = ("auto", "gpu", "interpret", "jnp")
+# How a value is rounded onto the wire grid: to nearest (ties to even), or stochastically
+# (unbiased; the integer grids and the sub-byte floats, on the jnp path).
+ROUNDINGS = ("nearest", "stochastic")
 DEFAULT_MIN_BYTES = 8 << 20  # the authors' threshold: smaller messages stay uncompressed
 
 
@@ -39,12 +42,18 @@ class QuantSpec:
       scales: per-group scale encoding: "dual" (the authors' FP32 pre-scale and
         quantization scale, 8 bytes/group), "single" (one FP32 s/a, 4 bytes), "bf16" (s/a
         rounded up to bfloat16, 2 bytes) or "e8m0" (one byte, a power-of-two scale).
+      rounding: "nearest" (ties to even) or "stochastic": up or down with the
+        probabilities that make the expected code the value, from a hash of each value's
+        bits and position (`pallas_kernels.formats.dither`: reproducible, new each step
+        as the tensors are), for gradient messages in the integer and sub-byte float
+        formats; it runs the jnp path.
     """
 
     fmt: str = "e4m3"
     group_size: int = 128
     hadamard: bool = True
     scales: str = "dual"
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if self.fmt not in WIRE_FORMATS:
@@ -58,23 +67,44 @@ class QuantSpec:
             raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
         if size * self.element_bits % 8:
             raise ValueError(f"group_size {size} does not fill whole bytes in the {self.element_bits}-bit {self.fmt!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {self.rounding!r}; expected one of {list(ROUNDINGS)}")
+        wire = WIRE_FORMATS[self.fmt]
+        if self.stochastic and not (wire.is_integer or wire.is_minifloat):
+            raise ValueError(
+                f"stochastic rounding takes the integer and sub-byte float formats, not {self.fmt!r} "
+                "(its cast rounds to nearest)"
+            )
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
-        """A spec from "fmt:group_size:H|-:scales", e.g. "int8:128:H:bf16".
+        """A spec from "fmt:group_size:H|-:scales[:sr]", e.g. "int8:128:H:bf16" (":sr":
+        stochastic rounding).
 
         Raises:
           ValueError: malformed text or an invalid field.
         """
         parts = text.split(":")
-        if len(parts) != 4 or parts[2] not in ("H", "-") or not parts[1].isdigit():
-            raise ValueError(f"quantizer spec {text!r} is not fmt:group_size:H|-:scales (e.g. int8:128:H:bf16)")
-        return cls(parts[0], int(parts[1]), parts[2] == "H", parts[3])
+        if (
+            len(parts) not in (4, 5)
+            or parts[2] not in ("H", "-")
+            or not parts[1].isdigit()
+            or parts[4:] not in ([], ["sr"])
+        ):
+            raise ValueError(f"quantizer spec {text!r} is not fmt:group_size:H|-:scales[:sr] (e.g. int8:128:H:bf16)")
+        rounding = "stochastic" if parts[4:] else "nearest"
+        return cls(parts[0], int(parts[1]), parts[2] == "H", parts[3], rounding)
 
     @property
     def text(self) -> str:
         """The spec as `parse` reads it, e.g. "int8:128:H:bf16"."""
-        return f"{self.fmt}:{self.group_size}:{'H' if self.hadamard else '-'}:{self.scales}"
+        rounding = ":sr" if self.stochastic else ""
+        return f"{self.fmt}:{self.group_size}:{'H' if self.hadamard else '-'}:{self.scales}{rounding}"
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether values are rounded stochastically."""
+        return self.rounding == "stochastic"
 
     @property
     def element_bits(self) -> int:

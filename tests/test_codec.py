@@ -381,3 +381,49 @@ def test_spec_parses_from_text():
     assert tj.QuantSpec.parse("e2m3:4:H:e8m0").element_bits == 6
     with pytest.raises(ValueError, match="group_size 2 does not fill whole bytes in the 6-bit 'e3m2'"):
         tj.QuantSpec("e3m2", 2)
+
+
+@pytest.mark.parametrize(("fmt", "value", "below", "above"), [("int4", 2.3, 2.0, 3.0), ("e2m1", 2.4, 2.0, 3.0)])
+def test_stochastic_rounding_is_unbiased_and_reproducible(fmt, value, below, above):
+    """Each value lands on one of its two grid neighbours, up with probability equal to
+    its distance from the lower one: the mean over many positions is the value (to the
+    binomial error), where rounding to nearest keeps the whole offset. The same input
+    rounds the same way again, eagerly or jitted."""
+    wire = formats.WIRE_FORMATS[fmt]
+    values = jnp.concatenate([jnp.full(20000, value, jnp.float32), jnp.full(20000, -value, jnp.float32)])
+    rounded = np.asarray(formats.cast_to_wire(values, wire, stochastic=True), np.float64)
+    assert set(np.unique(np.abs(rounded))) == {below, above}
+    share = (value - below) / (above - below)
+    binomial = (above - below) * np.sqrt(share * (1 - share) / 20000)
+    assert abs(rounded[:20000].mean() - value) < 4 * binomial
+    assert abs(rounded[20000:].mean() + value) < 4 * binomial
+    nearest = np.asarray(formats.cast_to_wire(values, wire), np.float64)
+    assert abs(nearest[:20000].mean() - value) > 10 * binomial
+    again = np.asarray(jax.jit(lambda v: formats.cast_to_wire(v, wire, stochastic=True))(values), np.float64)
+    np.testing.assert_array_equal(again, rounded)
+
+
+def test_stochastic_rounding_averages_out_through_the_codec():
+    """The same row at 512 positions of a message: decoded with stochastic rounding their
+    mean approaches the row (each position rounds its own way), while rounding to nearest
+    repeats one error in every copy. The rounding runs the jnp path in every kernel mode."""
+    row = _random((1, 256), seed=11)
+    x = jnp.asarray(np.repeat(row, 512, axis=0))
+    spec = tj.QuantSpec.parse("int4:32:H:bf16:sr")
+    assert spec.stochastic and spec.text == "int4:32:H:bf16:sr"
+    mean_error = lambda s, mode="jnp": (
+        np.linalg.norm(np.asarray(tj.decompress(tj.compress(x, s, kernel_mode=mode)), np.float64).mean(0) - row[0])
+        / np.linalg.norm(row[0])
+    )
+    nearest = dataclasses.replace(spec, rounding="nearest")
+    assert mean_error(spec) < 0.1 * mean_error(nearest)
+    assert 0.02 < mean_error(nearest) < 0.2
+    np.testing.assert_array_equal(
+        np.asarray(tj.compress(x, spec, kernel_mode="interpret").payload), np.asarray(tj.compress(x, spec).payload)
+    )
+    with pytest.raises(ValueError, match="stochastic rounding takes the integer and sub-byte float formats"):
+        tj.QuantSpec.parse("e4m3:128:H:dual:sr")
+    with pytest.raises(ValueError, match="unknown rounding 'up'"):
+        tj.QuantSpec(fmt="int8", rounding="up")
+    with pytest.raises(ValueError, match=r"is not fmt:group_size:H\|-:scales\[:sr\]"):
+        tj.QuantSpec.parse("int8:128:H:bf16:rr")
