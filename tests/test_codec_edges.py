@@ -17,13 +17,25 @@ from jax.sharding import PartitionSpec as P
 import taco_jax as tj
 
 PRESETS = ("fp8", "taco", "taco+")
+# Below 8 bits (the jnp path in every kernel mode): the 4-bit preset and the 6-bit E2M3.
+FEWER_BITS = ("taco4", "e2m3")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 KERNELS = ("jnp", "interpret")
 SHAPE = (4, 256)
 RANKS = 4
 RING = tuple((i, (i + 1) % RANKS) for i in range(RANKS))
-# Relative error of a group (its norm) that every 8-bit preset stays within.
+# Relative error of a group (its norm) that every 8-bit preset, and E2M3, stays within;
+# INT4 in groups of 32 within three times that.
 GROUP_BOUND = 0.1
+BOUND = {"taco4": 3 * GROUP_BOUND}
+
+
+def _config(name: str, **overrides) -> tj.TacoConfig:
+    """A preset, or "e2m3": taco+ with E2M3 (groups of 128, bfloat16 scales) both ways."""
+    if name == "e2m3":
+        spec = tj.QuantSpec.parse("e2m3:128:H:bf16")
+        return tj.TacoConfig.preset("taco+", forward=spec, backward=spec, **overrides)
+    return tj.TacoConfig.preset(name, **overrides)
 
 
 def _values(dtype, binade: int, seed: int, shape=SHAPE, headroom: float = 1.0) -> np.ndarray:
@@ -48,7 +60,7 @@ def _binades(dtype):
 
 @functools.cache
 def _round_trip(preset: str, kernels: str):
-    spec = tj.TacoConfig.preset(preset).forward
+    spec = _config(preset).forward
     return jax.jit(lambda x: tj.decompress(tj.compress(x, spec, kernel_mode=kernels), kernel_mode=kernels))
 
 
@@ -58,8 +70,9 @@ def _sum_of_shards(preset: str, kernels: str):
     return jax.jit(lambda x: tj.decompress_sum(tj.compress(x, spec, kernel_mode=kernels), kernel_mode=kernels))
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize(
+    ("preset", "kernels"), [*((p, k) for p in PRESETS for k in KERNELS), *((p, "jnp") for p in FEWER_BITS)]
+)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_every_finite_value_decodes_finite_and_close(preset, kernels, data, seed):
@@ -70,7 +83,7 @@ def test_every_finite_value_decodes_finite_and_close(preset, kernels, data, seed
     got = np.asarray(_round_trip(preset, kernels)(jnp.asarray(x, dtype)), np.float64)
     assert np.isfinite(got).all()
     errors = _group_errors(got, x)
-    assert (errors < GROUP_BOUND).all() and errors.max() > 0
+    assert (errors < BOUND.get(preset, GROUP_BOUND)).all() and errors.max() > 0
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -117,7 +130,7 @@ def _on_mesh(op: str, preset: str, scalar: bool):
     """jit(shard_map) of `op` over 4 devices: (compressed, lax), each taking the ranks'
     inputs stacked on axis 0 and returning the ranks' results stacked on axis 0."""
     mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
-    config = tj.TacoConfig.preset(preset, min_bytes=0, kernel_mode="jnp")
+    config = _config(preset, min_bytes=0, kernel_mode="jnp")
     run = lambda fn: jax.jit(
         jax.shard_map(
             lambda v: fn(v[0][0] if scalar else v[0])[None],
@@ -161,7 +174,7 @@ def test_tiled_scalars_are_refused_as_lax_refuses_them(op):
         trace(compressed)
 
 
-@pytest.mark.parametrize("preset", ["taco", "taco+"])
+@pytest.mark.parametrize("preset", ["taco", "taco+", *FEWER_BITS])
 @pytest.mark.parametrize("op", OPS)
 def test_float32_near_its_largest_value_through_every_collective(op, preset):
     """Each rank's values up to float32's largest / (2 x ranks), so that every exact sum
@@ -171,7 +184,7 @@ def test_float32_near_its_largest_value_through_every_collective(op, preset):
     got, want = np.asarray(compressed(x), np.float64), np.asarray(plain(x), np.float64)
     assert np.isfinite(want).all() and np.isfinite(got).all()
     errors = _group_errors(got, want)
-    assert (errors < 2 * GROUP_BOUND).all() and errors.max() > 0
+    assert (errors < 2 * BOUND.get(preset, GROUP_BOUND)).all() and errors.max() > 0
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
