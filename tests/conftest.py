@@ -33,8 +33,19 @@ def _has_gpu() -> bool:
         return False
 
 
+def _fast_compiles() -> bool:
+    """Whether XLA compiles without its backend optimizations (the oldest leg of `make
+    test`): two separately compiled programs may then round float8 casts differently."""
+    return "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
+
+
 def pytest_collection_modifyitems(config, items):
     _cover_products(items)
+    if _fast_compiles():
+        skip = pytest.mark.skip(reason="holds two compiled programs bit-equal: runs with the production compiler")
+        for item in items:
+            if "production_compiler" in item.keywords:
+                item.add_marker(skip)
     if _has_gpu():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

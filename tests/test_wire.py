@@ -91,6 +91,7 @@ def _decompress_message_case(fmt, scale_format, groups, interpret):
 
 
 @pytest.mark.cover
+@pytest.mark.production_compiler
 @pytest.mark.parametrize("groups", [64, 45], ids=["aligned", "odd"])
 @pytest.mark.parametrize("fmt,scale_format", KERNEL_CASES)
 def test_message_kernels_interpret(fmt, scale_format, groups):
