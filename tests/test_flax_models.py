@@ -210,29 +210,35 @@ def test_nnx_generation_is_the_functional_generation(name):
     assert flax_modules.generate(model, prompts, max_new_tokens=5) == want and len(want[0]) == 5
 
 
-# The earlier per-block NNX state, saved by that module from `init_params(config, key(0))`.
+# The earlier per-block NNX state ("state/...") as that module saved it from
+# `init_params(config, key(0))`, and those parameters ("functional/...").
 _BLOCK_STATE_CONFIGS = {
     "gpt2": GPT2Config(vocab_size=64, max_positions=16, d_model=32, n_layers=2, n_heads=4, d_ff=64),
     "qwen2": Qwen2Config(vocab_size=64, max_positions=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48),
 }
 
 
+def _nested(flat: dict, prefix: str) -> dict:
+    tree: dict = {}
+    for key, value in flat.items():
+        if key.startswith(prefix + "/"):
+            *parents, leaf = key.removeprefix(prefix + "/").split("/")
+            node = tree
+            for name in parents:
+                node = node.setdefault(name, {})
+            node[leaf] = value
+    return tree
+
+
 @pytest.mark.parametrize("family", list(_BLOCK_STATE_CONFIGS))
 def test_earlier_block_state_converts_and_is_refused_unconverted(family):
     config = _BLOCK_STATE_CONFIGS[family]
     flat = safetensors.numpy.load_file(DATA / f"nnx_blocks_{family}.safetensors")
-    state: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split("/")
-        node = state
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
+    state, want = _nested(flat, "state"), _nested(flat, "functional")
     mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match="params_from_blocks"):
         flax_modules.from_params(config, state, mesh=mesh, taco=tj.TacoConfig.preset("off"))
     converted = flax_modules.params_from_blocks(config, state)
-    want = models.init_params(config, jax.random.key(0))
     assert jax.tree.structure(converted) == jax.tree.structure(want)
     for got, ref in zip(jax.tree.leaves(converted), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
