@@ -46,11 +46,11 @@ $(NEWEST_STAMP): pyproject.toml
 train: $(STAMP)
 	$(CPU_DEVICES) $(PY) -m taco_jax.train
 
-# The newest leg's environment installs while the oldest leg runs (pip waits on the
-# network and the disk more than on the cores), then that leg runs.
+# Lint, the docs build and the newest leg's environment (pip waits on the network and
+# the disk more than on the cores) run while the oldest leg runs; then the newest leg.
 NEWEST_ENV := $(if $(NEWEST_PYTHON),$(NEWEST_STAMP),)
-test: lint docs
-	$(MAKE) --no-print-directory -j2 test-oldest $(NEWEST_ENV)
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j4 lint docs test-oldest $(NEWEST_ENV)
 	$(MAKE) --no-print-directory test-newest
 
 # Formatting, lint rules and types (configured in pyproject.toml).

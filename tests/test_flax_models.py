@@ -173,7 +173,7 @@ def test_overlapped_layers_equal_the_collective_path(name, sequence_parallel):
     config, params, tokens = _setup(name)
     mesh = tj.make_mesh(2, 1, 4)
 
-    def run(preset, overlap):
+    def run(preset, overlap, grads=True):
         model = flax_modules.from_params(
             config,
             params,
@@ -183,14 +183,14 @@ def test_overlapped_layers_equal_the_collective_path(name, sequence_parallel):
             overlap=overlap,
         )
         logits = nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1])
-        grads = nnx.jit(nnx.grad(_loss))(model, tokens)
-        return [np.asarray(logits, np.float64)] + [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+        leaves = jax.tree.leaves(nnx.jit(nnx.grad(_loss))(model, tokens)) if grads else []
+        return [np.asarray(logits, np.float64)] + [np.asarray(g, np.float64) for g in leaves]
 
     plain, overlapped = run("off", False), run("off", True)
     for got, want in zip(overlapped, plain, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max() + 1e-9)
-    compressed = run("taco+", True)
-    assert 1e-5 < _rel(compressed[0], plain[0]) < 0.05
+    (compressed,) = run("taco+", True, grads=False)
+    assert 1e-5 < _rel(compressed, plain[0]) < 0.05
 
 
 @pytest.mark.parametrize("name", FAMILIES)
