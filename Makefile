@@ -43,7 +43,16 @@ $(NEWEST_STAMP): pyproject.toml
 	$(NEWEST_PY) -m pip install -q -e '.[flax,train,test]'
 	touch $(NEWEST_STAMP)
 
-train: $(STAMP)
+# What the trainer needs (no test, reference-model or docs tools), at the versions the
+# oldest leg tests; `make test` installs the rest into the same environment.
+TRAIN_STAMP := $(VENV)/.installed-train
+$(TRAIN_STAMP): pyproject.toml .ci/oldest.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c .ci/oldest.txt -e '.[flax,train]'
+	touch $(TRAIN_STAMP)
+
+train: $(TRAIN_STAMP)
 	$(CPU_DEVICES) $(PY) -m taco_jax.train
 
 # Lint, the docs build and the newest leg's environment (pip waits on the network and
