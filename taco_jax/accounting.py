@@ -75,6 +75,12 @@ class WireLedger:
             for axis in axes
         }
 
+    def uncompressed_by_axis(self, axes: tuple[str, ...]) -> dict[str, int]:
+        """What `by_axis` would be with every collective uncompressed (in its own dtype)."""
+        return {
+            axis: sum(r.repeats * r.uncompressed_sent_bytes for r in self.records if r.axis == axis) for axis in axes
+        }
+
 
 # The ledgers of the enclosing `record_wire` blocks; whether `paused` is in effect.
 _LEDGERS: TraceScope[tuple[WireLedger, ...]] = TraceScope("wire ledgers", ())

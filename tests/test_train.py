@@ -422,7 +422,7 @@ def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
     state = (params, opt_state, feedback)
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, jax.tree.map(lambda x: x.sharding, state))
     tokens = data_lib.batch_maker(cfg, mesh)(load("shakespeare", val_fraction=0.05).train, 0, cfg.batch_size)
-    wire, _ = metrics.wire_bytes_per_step(train_step, state, tokens)
+    wire = metrics.wire_bytes_per_step(train_step, state, tokens).sent
     hlo = train_step.lower(*state, tokens, jnp.bool_(False)).compile().as_text()
     compiled = {"tensor": 0, "pipe": 0, "data": 0}
     for collective in tj.collectives_in_hlo(hlo):
@@ -633,8 +633,10 @@ def test_tp_overlap_trains_as_the_collective_path_does(tmp_path, sequence_parall
     (off, off_rows), (on, on_rows) = runs["off"], runs["on"]
     np.testing.assert_allclose([r["loss"] for r in on_rows], [r["loss"] for r in off_rows], rtol=1e-5)
     assert on["wire_bytes_by_axis"] == off["wire_bytes_by_axis"] and on["wire_bytes_by_axis"]["tensor"] > 0
-    # Uncompressed float32 messages are twice the size of the same traffic in bf16.
+    # Uncompressed float32 messages are twice the size of the same traffic in bf16, and
+    # exactly what the same collectives send uncompressed.
     assert off["wire_fraction_by_axis"] == {"tensor": 2.0, "data": 2.0}
+    assert off["wire_fraction_of_uncompressed_by_axis"] == {"tensor": 1.0, "data": 1.0}
 
 
 def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, capsys):
@@ -684,17 +686,22 @@ def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, cap
 
 def test_the_default_demo_says_it_sends_fewer_bytes_than_bf16(tmp_path, capsys):
     """The embedded default (8 CPU devices, tensor=4, taco+) ends with one line giving each
-    axis's bytes as a share of bf16: with no link to measure, the all-reduces take the
-    algorithm that sends fewer bytes, so tensor traffic is below bf16's (about half)."""
+    axis's bytes as a share of what the same collectives send uncompressed, with the
+    axis's preset: with no link to measure, the all-reduces take the algorithm that sends
+    fewer bytes, so 8-bit tensor traffic is about a quarter of the float32 it replaces
+    (half of bf16's); the data axis is plain."""
     from taco_jax.train import cli
 
     out = tmp_path / "demo"
     args = ["--no-progress", "--steps", "2", "--out", str(out), "eval_every=2", "eval_batches=1", "checkpoint_every=2"]
     assert cli.main(args) == 0
-    fractions = json.loads((out / "summary.json").read_text())["wire_fraction_by_axis"]
-    assert 0.4 < fractions["tensor"] < 0.6
+    summary = json.loads((out / "summary.json").read_text())
+    fractions = summary["wire_fraction_of_uncompressed_by_axis"]
+    assert 0.2 < fractions["tensor"] < 0.3 and fractions["data"] == 1.0
+    assert 0.4 < summary["wire_fraction_by_axis"]["tensor"] < 0.6
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line == cli.wire_fraction_line(fractions) and f"tensor {100 * fractions['tensor']:.0f}%" in line
+    assert line == cli.wire_fraction_line(summary)
+    assert f"tensor {100 * fractions['tensor']:.0f}% (taco+)" in line and "data 100% (off)" in line
 
 
 def test_every_trainer_key_is_described_for_the_configuration_reference():

@@ -134,13 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(strict_json.dumps(summary, indent=1))
-    if "wire_fraction_by_axis" in summary:
-        print(wire_fraction_line(summary["wire_fraction_by_axis"]), file=sys.stderr)
+    if "wire_fraction_of_uncompressed_by_axis" in summary:
+        print(wire_fraction_line(summary), file=sys.stderr)
     return 0
 
 
-def wire_fraction_line(fractions: dict[str, float]) -> str:
-    """One line saying what each mesh axis sends per step as a share of the same traffic
-    in bf16, e.g. "bytes sent per step vs bf16: tensor 51%, data 100%"."""
-    shares = ", ".join(f"{axis} {100 * share:.0f}%" for axis, share in fractions.items())
-    return f"bytes sent per step vs bf16: {shares or 'nothing crosses a mesh axis'}"
+def wire_fraction_line(summary: dict) -> str:
+    """One line saying what each mesh axis sends per step as a share of what the same
+    collectives send uncompressed, with the axis's preset, e.g. "bytes sent per step
+    against the same collectives uncompressed: tensor 26% (taco+), data 100% (off)"."""
+    presets = {"tensor": summary["taco"], "pipe": summary["taco_pipe"], "data": summary["taco_data"]}
+    shares = ", ".join(
+        f"{axis} {100 * share:.0f}% ({presets[axis]})"
+        for axis, share in summary["wire_fraction_of_uncompressed_by_axis"].items()
+    )
+    return f"bytes sent per step against the same collectives uncompressed: {shares or 'nothing crosses a mesh axis'}"

@@ -3,6 +3,7 @@ per step), the samples at each evaluation, the run's summary and the loss plot."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,12 +22,27 @@ from .pipeline import bubble_fraction
 from .run_state import SAMPLE_PROMPT_TOKENS, RunState
 
 
-def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: jax.Array) -> tuple[dict, dict]:
-    """Bytes each rank sends per optimizer step on every mesh axis, as sent and as plain
-    bfloat16: ({"tensor": .., "pipe": .., "data": ..}, the same as bf16), from the
-    collectives traced in one step, each counted as often as the loops around it run
-    (the layers' scan, the accumulation steps). (Scalars, e.g. the loss's mean over
-    data, and forward messages recomputed under `remat` are not counted.)
+@dataclasses.dataclass(frozen=True)
+class WireBytes:
+    """Bytes each rank sends per optimizer step on every mesh axis ({"tensor": ..,
+    "pipe": .., "data": ..}).
+
+    Attributes:
+      sent: as sent (compressed where the run compresses).
+      uncompressed: what the same collectives send uncompressed, in their own dtypes.
+      bf16: the same traffic as plain bfloat16.
+    """
+
+    sent: dict[str, int]
+    uncompressed: dict[str, int]
+    bf16: dict[str, int]
+
+
+def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: jax.Array) -> WireBytes:
+    """The `WireBytes` of one optimizer step, from the collectives traced in one step,
+    each counted as often as the loops around it run (the layers' scan, the accumulation
+    steps). (Scalars, e.g. the loss's mean over data, and forward messages recomputed
+    under `remat` are not counted.)
 
     Args:
       train_step: from `trainer.make_step_functions`.
@@ -35,7 +51,9 @@ def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: ja
     """
     with tj.record_wire() as ledger:
         train_step.lower(*state, tokens, jnp.bool_(False))
-    return ledger.by_axis(tj.MESH_AXES), ledger.by_axis(tj.MESH_AXES, bf16=True)
+    return WireBytes(
+        ledger.by_axis(tj.MESH_AXES), ledger.uncompressed_by_axis(tj.MESH_AXES), ledger.by_axis(tj.MESH_AXES, bf16=True)
+    )
 
 
 class MetricsLog:
@@ -96,15 +114,17 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def summary(
-    run: RunState, rows: list[dict], wire: dict, wire_bf16: dict, stopped_by: str | None, seconds: float
-) -> dict:
+def _fractions(part: dict, whole: dict) -> dict:
+    return {axis: round(part[axis] / whole[axis], 4) for axis in part if whole[axis]}
+
+
+def summary(run: RunState, rows: list[dict], wire: WireBytes, stopped_by: str | None, seconds: float) -> dict:
     """The run's summary (summary.json).
 
     Args:
       run: the run after its last step.
       rows: metrics.jsonl's rows ([] off the main process).
-      wire, wire_bf16: bytes one step sends per mesh axis, as sent and as bf16.
+      wire: the bytes one step sends per mesh axis.
       stopped_by: the signal that stopped the run, or None.
       seconds: the loop's wall-clock time.
     """
@@ -123,12 +143,14 @@ def summary(
         "seconds": round(seconds, 1),
         "taco_pipe": cfg.compression.pipe.preset,
         "taco_data": cfg.compression.data.preset,
-        "wire_bytes_per_step": wire[TENSOR_AXIS],
-        "wire_bytes_per_step_bf16": wire_bf16[TENSOR_AXIS],
-        "wire_bytes_by_axis": wire,
-        "wire_bytes_bf16_by_axis": wire_bf16,
-        # What each axis sends as a share of the same traffic in bf16 (above 1: more).
-        "wire_fraction_by_axis": {axis: round(wire[axis] / wire_bf16[axis], 4) for axis in wire if wire_bf16[axis]},
+        "wire_bytes_per_step": wire.sent[TENSOR_AXIS],
+        "wire_bytes_per_step_bf16": wire.bf16[TENSOR_AXIS],
+        "wire_bytes_by_axis": wire.sent,
+        "wire_bytes_bf16_by_axis": wire.bf16,
+        # What each axis sends as a share of the same traffic in bf16 (float32 traffic: 2),
+        # and of what the same collectives send uncompressed (1: not compressed).
+        "wire_fraction_by_axis": _fractions(wire.sent, wire.bf16),
+        "wire_fraction_of_uncompressed_by_axis": _fractions(wire.sent, wire.uncompressed),
         "pipeline_bubble": bubble_fraction(cfg.mesh.pipe, cfg.microbatches),
         **calibration_summary(run.calibration),
     }

@@ -34,7 +34,7 @@ from .calibrate import calibrate_run, calibration_summary
 from .compression import feedback_specs, init_error_feedback, taco_config
 from .config import TrainConfig, overlap_sites, to_dict
 from .errors import TrainingError
-from .metrics import MetricsLog, plot_losses, sample_text, summary, wire_bytes_per_step
+from .metrics import MetricsLog, WireBytes, plot_losses, sample_text, summary, wire_bytes_per_step
 from .pipeline import pipeline_loss
 from .run_state import RunState, checkpoint_state, start_run
 from .signals import StopFlag
@@ -227,7 +227,7 @@ class TrainLoop:
       batch_of: (tokens, position, size) -> the global batch at that data position.
       train_step, eval_step: from `make_step_functions`.
       shardings: of (params, optimizer state, feedback), kept across recompilations.
-      wire, wire_bf16: bytes one step sends per mesh axis, compressed and as bf16.
+      wire: the bytes one step sends per mesh axis.
       log: metrics.jsonl.
       collector: what calibration observes until `calibrate_at`; None once calibrated.
       calibrate_at: the step after which the run calibrates, or None.
@@ -241,8 +241,7 @@ class TrainLoop:
     train_step: jax.stages.Wrapped
     eval_step: jax.stages.Wrapped
     shardings: tuple[dict, dict, dict]
-    wire: dict
-    wire_bf16: dict
+    wire: WireBytes
     log: MetricsLog
     collector: tj.calibration.Collector | None
     calibrate_at: int | None
@@ -306,7 +305,7 @@ def _loop_of(run: RunState, cfg: TrainConfig, resume: bool) -> TrainLoop:
         resolved, run.model_config, run.mesh, run.tx, shardings, run.calibration, collector
     )
     state = (run.params, run.opt_state, run.feedback)
-    wire, wire_bf16 = wire_bytes_per_step(train_step, state, first_batch)
+    wire = wire_bytes_per_step(train_step, state, first_batch)
     return TrainLoop(
         run=run,
         given=cfg,
@@ -315,7 +314,6 @@ def _loop_of(run: RunState, cfg: TrainConfig, resume: bool) -> TrainLoop:
         eval_step=eval_step,
         shardings=shardings,
         wire=wire,
-        wire_bf16=wire_bf16,
         log=MetricsLog(run.out / "metrics.jsonl", run.step, main_process),
         collector=collector,
         calibrate_at=run.step + resolved.calibration_steps if observe else None,
@@ -348,10 +346,10 @@ def run_step(loop: TrainLoop, bar=None) -> dict:
         "grad_norm": _scalar(metrics["grad_norm"]),
         "tokens_per_s": cfg.batch_size * cfg.seq_len / elapsed,
         "step_time_s": elapsed,
-        "wire_bytes": loop.wire[TENSOR_AXIS],
-        "wire_bytes_bf16": loop.wire_bf16[TENSOR_AXIS],
-        "wire_bytes_by_axis": loop.wire,
-        "wire_bytes_bf16_by_axis": loop.wire_bf16,
+        "wire_bytes": loop.wire.sent[TENSOR_AXIS],
+        "wire_bytes_bf16": loop.wire.bf16[TENSOR_AXIS],
+        "wire_bytes_by_axis": loop.wire.sent,
+        "wire_bytes_bf16_by_axis": loop.wire.bf16,
         "skipped_steps": run.bad_total,
         "finite": ok,
     }
@@ -485,7 +483,7 @@ def _train_and_summarize(loop: TrainLoop, progress: bool) -> dict:
     if stop.signal_name and (run.checkpoints.latest_step() or 0) < run.step:
         save_checkpoint(loop)
     rows = loop.log.rows() if loop.main_process else []
-    result = summary(run, rows, loop.wire, loop.wire_bf16, stop.signal_name, time.time() - started)
+    result = summary(run, rows, loop.wire, stop.signal_name, time.time() - started)
     if loop.main_process:
         strict_json.write(run.out / "summary.json", result, indent=1)
         if rows:
