@@ -12,7 +12,7 @@ it is timed: its loss is finite, and the split pattern compiles once.
 Usage:
   python -m benchmarks.codec_cost [--families gpt2,qwen2] [--d-model 2048] [--layers 16]
       [--seq 2048] [--batch 4] [--modes off,taco,taco+[,taco+/jnp]] [--steps 10]
-      [--prefill-batch 4 --prefill-len 512 --prefill-repeats 20]
+      [--prompt-len 512 --repeats 20]
       [--out benchmarks/results/codec_cost.json]
 """
 
@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
+from benchmarks import generation_shapes
 from benchmarks import step as step_benchmark
 from taco_jax import models, strict_json
 from taco_jax.models import flax_modules
@@ -117,16 +118,16 @@ def nnx_step_rows(config, mode: str, args) -> list[dict]:
 
 
 def prefill_row(config, mode: str, args) -> dict:
-    """Generation's prefill of `--prefill-batch` prompts of `--prefill-len` tokens."""
+    """Generation's prefill of `--batch` prompts of `--prompt-len` tokens (the prompts of
+    `benchmarks.generate`), the median of `--repeats` calls."""
     mesh = tj.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     params = models.init_params(config, jax.random.key(0), mesh)
-    rng = np.random.default_rng(1)
-    prompts = rng.integers(0, config.vocab_size, (args.prefill_batch, args.prefill_len)).tolist()
+    prompts = generation_shapes.prompts(args).tolist()
     taco = None if mode == "off" else taco_config(mode)
     run = lambda: models.generate(config, params, prompts, mesh=mesh, taco=taco, max_new_tokens=1, dtype=jnp.bfloat16)
     run()  # compile
     times = []
-    for _ in range(args.prefill_repeats):
+    for _ in range(args.repeats):
         start = time.perf_counter()
         run()
         times.append(1e3 * (time.perf_counter() - start))
@@ -146,20 +147,11 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default="gpt2,qwen2")
-    parser.add_argument("--d-model", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--qwen2-d-ff", type=int, default=5632)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=50304)
+    generation_shapes.add_shape_arguments(parser)  # the model, --batch, the prompts, --repeats
+    parser.set_defaults(repeats=20)
+    parser.add_argument("--seq", type=int, default=2048, help="the training steps' sequence length")
     parser.add_argument("--modes", default="off,taco,taco+", help='presets, or "PRESET/jnp" for the jnp codec path')
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--prefill-batch", type=int, default=4)
-    parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--prefill-repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codec_cost.json"))
     args = parser.parse_args()
     rows: list[dict] = []

@@ -59,20 +59,27 @@ def _metrics(x: np.ndarray, x_hat: np.ndarray) -> dict[str, float]:
     }
 
 
+def measure(x: np.ndarray, parts: np.ndarray, spec: tj.QuantSpec) -> dict[str, float]:
+    """`spec`'s metrics on tensor `x` and its partial sums `parts` (ranks, ...): one round
+    trip's (`_metrics`), the two-shot all-reduce's relative RMSE and the wire ratio."""
+    exact_sum = parts.astype(np.float64).sum(axis=0)
+    two_shot = np.asarray(_two_shot(jnp.asarray(parts), spec), np.float64)
+    return {
+        **_metrics(x, np.asarray(_round_trip(jnp.asarray(x), spec))),
+        "two_shot_rel_rmse": float(np.linalg.norm(two_shot - exact_sum) / np.linalg.norm(exact_sum)),
+        "wire_ratio": tj.wire_bytes(x.shape, jnp.float32, spec) / (2 * x.size),
+    }
+
+
 def run(tokens: int, channels: int, ranks: int) -> list[dict]:
     rows = []
     for kind in tp_tensors.KINDS:
         x = tp_tensors.generate(kind, tokens, channels, seed=1)
         parts = tp_tensors.partial_sums(x, ranks, seed=2)
-        exact_sum = parts.astype(np.float64).sum(axis=0)
         for (mode, hadamard), fmt, scales, group in itertools.product(MODES.items(), FMTS, SCALES, GROUPS):
             spec = tj.QuantSpec(fmt=fmt, group_size=group, hadamard=hadamard, scales=scales)
             row = {"tensor": kind, "mode": mode, "fmt": fmt, "scales": scales, "group_size": group}
-            row |= _metrics(x, np.asarray(_round_trip(jnp.asarray(x), spec)))
-            two_shot = np.asarray(_two_shot(jnp.asarray(parts), spec), np.float64)
-            row["two_shot_rel_rmse"] = float(np.linalg.norm(two_shot - exact_sum) / np.linalg.norm(exact_sum))
-            row["wire_ratio"] = tj.wire_bytes(x.shape, jnp.float32, spec) / (2 * x.size)
-            rows.append(row)
+            rows.append(row | measure(x, parts, spec))
         print(f"  {kind}: {len(rows)} configurations done", file=sys.stderr, flush=True)
     return rows
 

@@ -18,12 +18,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 import taco_jax as tj
 from benchmarks import tp_tensors
-from benchmarks.codec_error import _metrics, _round_trip, _two_shot
+from benchmarks.codec_error import measure
 from taco_jax import strict_json
 
 SPECS = (
@@ -46,15 +44,11 @@ def run(tokens: int, channels: int, ranks: int) -> list[dict]:
     for kind in tp_tensors.KINDS:
         x = tp_tensors.generate(kind, tokens, channels, seed=1)
         parts = tp_tensors.partial_sums(x, ranks, seed=2)
-        exact_sum = parts.astype(np.float64).sum(axis=0)
         for text in SPECS:
             spec = tj.QuantSpec.parse(text)
-            row = {"tensor": kind, "spec": text, "bits_per_element": spec.bits_per_element}
-            row |= _metrics(x, np.asarray(_round_trip(jnp.asarray(x), spec)))
-            two_shot = np.asarray(_two_shot(jnp.asarray(parts), spec), np.float64)
-            row["two_shot_rel_rmse"] = float(np.linalg.norm(two_shot - exact_sum) / np.linalg.norm(exact_sum))
-            row["wire_ratio"] = tj.wire_bytes(x.shape, jnp.float32, spec) / (2 * x.size)
-            rows.append(row)
+            rows.append(
+                {"tensor": kind, "spec": text, "bits_per_element": spec.bits_per_element} | measure(x, parts, spec)
+            )
         print(f"  {kind}: done", file=sys.stderr, flush=True)
     return rows
 

@@ -127,17 +127,21 @@ def _quantize(values: jax.Array, spec: QuantSpec, kernel_mode: str) -> tuple[jax
         )
         return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
 
-    def reference(values):
-        return group_codec.quantize_groups(
-            values,
-            fmt=spec.fmt,
-            group_size=spec.group_size,
-            scale_format=spec.scales,
-            transform=spec.hadamard,
-            stochastic=spec.stochastic,
-        )
+    return _dispatch(
+        _kernel_mode(spec, values.dtype, kernel_mode, values.size), kernel, lambda v: _quantize_jnp(v, spec), values
+    )
 
-    return _dispatch(_kernel_mode(spec, values.dtype, kernel_mode, values.size), kernel, reference, values)
+
+def _quantize_jnp(values: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+    """`group_codec.quantize_groups` of `values` with the spec's settings (the jnp path)."""
+    return group_codec.quantize_groups(
+        values,
+        fmt=spec.fmt,
+        group_size=spec.group_size,
+        scale_format=spec.scales,
+        transform=spec.hadamard,
+        stochastic=spec.stochastic,
+    )
 
 
 def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
@@ -205,15 +209,7 @@ def encode(rows: jax.Array, spec: QuantSpec, kernel_mode: str = "auto") -> jax.A
         return messages.reshape(*lead, *messages.shape[1:])
 
     def reference(rows):
-        payload, scales = group_codec.quantize_groups(
-            rows,
-            fmt=spec.fmt,
-            group_size=spec.group_size,
-            scale_format=spec.scales,
-            transform=spec.hadamard,
-            stochastic=spec.stochastic,
-        )
-        return wire.pack(payload, scales, message_layout(groups, spec))
+        return wire.pack(*_quantize_jnp(rows, spec), message_layout(groups, spec))
 
     return _dispatch(_kernel_mode(spec, rows.dtype, kernel_mode, rows.size), kernel, reference, rows)
 
