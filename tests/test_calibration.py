@@ -1,6 +1,7 @@
 """Calibration: permutation strategies and the per-site choice by measured codec error."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -204,7 +205,9 @@ def test_calibration_is_a_static_pytree():
 MIXED = tj.TacoConfig.preset("taco+mixed", min_bytes=0)
 
 
+@functools.cache
 def _observed_mixed():
+    """What the site sends, observed once for the cases below (they only read it)."""
     x = _spread_channels(4, rows=64)
     collector = calibration.Collector()
     with calibration.observing(collector):
