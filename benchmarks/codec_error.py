@@ -138,18 +138,19 @@ def tables(rows: list[dict], group_size: int = 128) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def tensor_arguments(doc: str, out: str) -> argparse.ArgumentParser:
+    """The command line of a codec-error benchmark: tensor size, TP degree, output file."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--channels", type=int, default=4096)
     parser.add_argument("--ranks", type=int, default=4, help="TP degree of the simulated two-shot all-reduce")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/codec_error.json"))
-    args = parser.parse_args()
-    start = time.time()
-    print(f"codec error on {args.tokens}x{args.channels} tensors ({jax.default_backend()})", file=sys.stderr)
-    rows = run(args.tokens, args.channels, args.ranks)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
+    parser.add_argument("--out", type=Path, default=Path(out))
+    return parser
+
+
+def run_meta(args: argparse.Namespace, start: float) -> dict:
+    """What a codec-error result was measured on, and in how long."""
+    return {
         "tokens": args.tokens,
         "channels": args.channels,
         "ranks": args.ranks,
@@ -158,6 +159,15 @@ def main() -> None:
         "jax": jax.__version__,
         "seconds": round(time.time() - start, 1),
     }
+
+
+def main() -> None:
+    args = tensor_arguments(__doc__, "benchmarks/results/codec_error.json").parse_args()
+    start = time.time()
+    print(f"codec error on {args.tokens}x{args.channels} tensors ({jax.default_backend()})", file=sys.stderr)
+    rows = run(args.tokens, args.channels, args.ranks)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = run_meta(args, start)
     args.out.write_text(strict_json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out} (two-shot all-reduce over TP={args.ranks} partial sums)")
     print(tables(rows))

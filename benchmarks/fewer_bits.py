@@ -11,17 +11,12 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
-import platform
 import sys
 import time
-from pathlib import Path
-
-import jax
 
 import taco_jax as tj
 from benchmarks import tp_tensors
-from benchmarks.codec_error import measure
+from benchmarks.codec_error import measure, run_meta, tensor_arguments
 from taco_jax import strict_json
 
 SPECS = (
@@ -74,24 +69,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--channels", type=int, default=4096)
-    parser.add_argument("--ranks", type=int, default=4, help="TP degree of the simulated two-shot all-reduce")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fewer_bits_error.json"))
-    args = parser.parse_args()
+    args = tensor_arguments(__doc__, "benchmarks/results/fewer_bits_error.json").parse_args()
     start = time.time()
     rows = run(args.tokens, args.channels, args.ranks)
-    meta = {
-        "command": "python -m benchmarks.fewer_bits",
-        "tokens": args.tokens,
-        "channels": args.channels,
-        "ranks": args.ranks,
-        "backend": jax.default_backend(),
-        "host": platform.machine(),
-        "jax": jax.__version__,
-        "seconds": round(time.time() - start, 1),
-    }
+    meta = {"command": "python -m benchmarks.fewer_bits", **run_meta(args, start)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(strict_json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
