@@ -69,7 +69,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # The documentation site, strict: a broken link, a missing reference or an undocumented
-# public name fails it (docs/hooks.py). Written to build/site.
+# public name fails it (mkdocs_hooks.py). Written to build/site.
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
 

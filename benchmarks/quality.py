@@ -76,6 +76,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -207,7 +208,28 @@ def _corpus(run: dict) -> str:
 
 def report(results: list[dict], models: list[str], variants: list[str], out: Path, name: str, mesh: str) -> str:
     """Markdown table per corpus x model x variant; writes NAME.md and NAME.png next to
-    the JSON. Paired val-loss gaps above +0.3% are in bold."""
+    the JSON."""
+    text, panels = table(results, models, variants)
+    (out / f"{name}.md").write_text(text + "\n")
+    plot(results, panels, variants, out / f"{name}.png", mesh)
+    return text
+
+
+def chosen_runs(record: dict) -> list[dict]:
+    """The runs of a results file at each model's chosen learning rate (all runs where
+    no learning rate was swept; runs measured before runs named theirs take the file's)."""
+    settings = record["settings"]
+    runs = [{"lr": float(settings["lr"]), **r} for r in record["runs"]]
+    if not settings.get("lr_sweep"):
+        return runs
+    models = settings["models"].split(",")
+    lrs = _learning_rates(settings["lr_sweep"], models, float(settings["lr"]))
+    return [r for r in runs if r["model"] in lrs and r["lr"] == lrs[r["model"]]]
+
+
+def table(results: list[dict], models: list[str], variants: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """The Markdown table per corpus x model x variant (paired val-loss gaps above +0.3%
+    in bold), and the (corpus, model) panels it holds."""
     lines = [
         "| corpus | model | variant | seeds | train loss | val loss | val gap vs off | paired val gap | "
         "paired train gap | bytes vs bf16 per axis |",
@@ -245,10 +267,7 @@ def report(results: list[dict], models: list[str], variants: list[str], out: Pat
                     f"{100 * spread:.2f}% of the mean | | | | |"
                 )
                 lines.append(f"| {corpus} | {model} | {_resolution(mine, base)} | | | | | | | |")
-    table = "\n".join(lines)
-    (out / f"{name}.md").write_text(table + "\n")
-    _plot(results, panels, variants, out / f"{name}.png", mesh)
-    return table
+    return "\n".join(lines), panels
 
 
 def _resolution(runs: list[dict], base: dict, target: float = 0.1) -> str:
@@ -293,7 +312,9 @@ def _paired(runs: list[dict], base: dict, key: str, flag: float | None = None) -
     return f"**{text}**" if flag is not None and np.mean(gaps) > flag else text
 
 
-def _plot(results: list[dict], panels: list[tuple[str, str]], variants: list[str], path: Path, title: str) -> None:
+def plot(
+    results: list[dict], panels: list[tuple[str, str]], variants: list[str], path: Path | BinaryIO, title: str
+) -> None:
     """Per (corpus, model): loss curves (top) and the paired gap to `off` along training
     (bottom)."""
     import matplotlib

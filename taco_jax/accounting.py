@@ -31,6 +31,9 @@ class WireRecord:
       repeats: times the traced call runs per call of the traced function: the trip
         counts of the loops around it (`repeated`), as a loop body is traced once. The
         byte counts above are per run; the ledger's sums multiply them by `repeats`.
+      reason: why it went as it did: the quantizer's spec text where compressed, else
+        what kept it plain ("mode off", "under min_bytes (...)", "the link profile
+        measured plain faster", ...).
     """
 
     site: str
@@ -45,6 +48,7 @@ class WireRecord:
     axis: str
     bf16_sent_bytes: int
     repeats: int = 1
+    reason: str = ""
 
 
 @dataclasses.dataclass
@@ -74,6 +78,22 @@ class WireLedger:
             axis: sum(r.repeats * (r.bf16_sent_bytes if bf16 else r.sent_bytes) for r in self.records if r.axis == axis)
             for axis in axes
         }
+
+    def report(self) -> str:
+        """A table of the recorded collectives, one line per site, op and direction: the
+        per-rank message, the bytes each rank sends, their share of the uncompressed
+        collective's and why the message went compressed or plain.
+
+        Returns:
+          The table as text (a header and no rows when nothing was recorded).
+        """
+        rows = [("site", "op", "direction", "message per rank", "sent", "of plain", "why")]
+        for r in self.records:
+            share = f"{100 * r.sent_bytes / r.uncompressed_sent_bytes:.1f}%" if r.uncompressed_sent_bytes else "-"
+            message = f"{r.dtype}{list(r.shape)}"
+            rows.append((r.site, r.op, r.direction, message, f"{r.repeats * r.sent_bytes:,} B", share, r.reason))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
     def uncompressed_by_axis(self, axes: tuple[str, ...]) -> dict[str, int]:
         """What `by_axis` would be with every collective uncompressed (in its own dtype)."""

@@ -101,6 +101,7 @@ class Call:
             spec=None if plan is None else plan.spec,
             sent=sent,
             plain_sent=plain_sent,
+            reason=plain_reason(x, self.config) if plan is None else plan.spec.text,
         )
 
 
@@ -300,6 +301,22 @@ def planned_spec(
     return plan.spec(spec), None if plan.is_identity else plan
 
 
+def plain_reason(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> str:
+    """Why `config` sends `x` uncompressed (`plan_message` gave no plan): the first of the
+    mode, the dtype, the shape and the size that rules compression out; else the link
+    profile, which measured the plain collective faster."""
+    nbytes = x.size * x.dtype.itemsize
+    if not config.enabled:
+        return "mode off"
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return f"{jnp.dtype(x.dtype).name} is not floating-point"
+    if x.ndim == 0 or x.size == 0:
+        return "scalar or empty: no channels to group"
+    if nbytes < config.min_bytes:
+        return f"under min_bytes ({nbytes:,} < {config.min_bytes:,} B)"
+    return "the link profile measured plain faster"
+
+
 def compressible(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> bool:
     """Whether `config` compresses `x`: a non-empty float array with at least one axis
     of at least `min_bytes` (an empty one has nothing to send and a scalar no channels
@@ -438,10 +455,11 @@ def record_collective(
     spec: QuantSpec | None,
     sent: int,
     plain_sent: int,
+    reason: str,
 ) -> None:
     """Record a collective's wire bytes per rank: `sent` as it travels (`spec` None:
-    uncompressed), `plain_sent` as the uncompressed collective in x's dtype; scaled to
-    2-byte elements that is the bf16 figure."""
+    uncompressed), `plain_sent` as the uncompressed collective in x's dtype (scaled to
+    2-byte elements that is the bf16 figure), and the `reason` it went so."""
     itemsize = jnp.dtype(x.dtype).itemsize
     accounting.record(
         accounting.WireRecord(
@@ -456,6 +474,7 @@ def record_collective(
             uncompressed_sent_bytes=int(plain_sent),
             axis=str(axis_name),
             bf16_sent_bytes=int(plain_sent) * 2 // itemsize,
+            reason=reason,
         )
     )
 
@@ -470,5 +489,13 @@ def record_plain_all_reduce(x: jax.Array, axis_name: str, *, site: str, directio
     with `jax.lax` directly."""
     plain = ring_all_reduce_bytes(x.size * jnp.dtype(x.dtype).itemsize, lax.axis_size(axis_name))
     record_collective(
-        x, site=site, op="all_reduce", direction=direction, axis_name=axis_name, spec=None, sent=plain, plain_sent=plain
+        x,
+        site=site,
+        op="all_reduce",
+        direction=direction,
+        axis_name=axis_name,
+        spec=None,
+        sent=plain,
+        plain_sent=plain,
+        reason="a plain lax reduction",
     )

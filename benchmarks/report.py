@@ -1,0 +1,581 @@
+"""The measurement tables and figures of README.md and docs/, rendered from the result
+files under benchmarks/results/, so that a page cannot drift from its source.
+
+A page asks for a table with a marker pair, and this module writes the table between
+them (the card, date, command and file of each source below it):
+
+    <!-- results: step_vs_torch -->
+    ...generated...
+    <!-- /results -->
+
+and for a figure with `<!-- figure: NAME -->`, which the docs build replaces with the
+figure, drawn from its result file, and the same source line.
+
+    python -m benchmarks.report           # rewrite every generated table in place
+    python -m benchmarks.report --check   # exit 1 if a page differs from its sources
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks/results"
+PAGES = ("README.md", "docs")
+TABLE = re.compile(r"(<!-- results: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+FIGURE = re.compile(r"<!-- figure: (?P<name>[\w-]+) -->")
+# A measured figure in prose or a table: a number with a unit of time, speed, size or a
+# share, a speed-up ("1.20x") or an error bar ("0.31 ± 0.02").
+MEASUREMENT = re.compile(
+    r"(?<![\w.])[-+−]?\d+(?:\.\d+)?(?:\s?(?:%|ms\b|us\b|µs\b|TB/s|GB/s|GiB\b)|x\b)|\d\s?±\s?\d"
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a table's numbers come from.
+
+    Attributes:
+      file: the result file, relative to benchmarks/results/.
+      command: the command that wrote it.
+      card: the accelerator it ran on ("CPU" for the host).
+      date: the day it ran.
+    """
+
+    file: str
+    command: str
+    card: str = ""
+    date: str = ""
+
+    def line(self) -> str:
+        """One line naming the file, card, date and command."""
+        meta = _meta(load(self.file))
+        card = self.card or meta.get("card") or meta.get("device") or meta.get("device_kind", "")
+        date = self.date or meta.get("date", "")
+        parts = [f"`benchmarks/results/{self.file}`", card, date, f"`{self.command}`"]
+        return " · ".join(p for p in parts if p)
+
+
+def load(name: str) -> dict:
+    """A result file's JSON."""
+    return json.loads((RESULTS / name).read_text())
+
+
+def _meta(record: dict) -> dict:
+    return record.get("meta", record) if isinstance(record, dict) else {}
+
+
+def _rows(name: str) -> list[dict]:
+    return load(name)["rows"]
+
+
+def _pct(value: float, digits: int = 0) -> str:
+    return f"{100 * value:.{digits}f}%"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+# ----------------------------------------------------------------------------- tables
+
+FAMILIES = {"gpt2": "GPT 0.91B", "qwen2": "Qwen2 0.93B"}
+STEP_COMMAND = "python -m benchmarks.step --families gpt2,qwen2 --modes off,taco,taco+"
+
+
+def _step_ms(name: str) -> dict[tuple[str, str], float]:
+    return {(r["family"], r["mode"]): r["step_ms"] for r in _rows(name)}
+
+
+def step_vs_torch() -> tuple[str, list[Source]]:
+    """The one-GPU training step against PyTorch's on the same card, in one run."""
+    file = "step_h200_vs_torch.json"
+    rows, ms = _rows(file), _step_ms(file)
+    mfu = {(r["family"], r["mode"]): r["mfu"] for r in rows}
+    body = []
+    for family, label in FAMILIES.items():
+        torch, off = ms[family, "torch"], ms[family, "off"]
+        body.append(
+            [
+                label,
+                f"{torch:.1f} ms ({_pct(mfu[family, 'torch'], 1)} MFU)",
+                f"{off:.1f} ms ({off / torch:.2f}x torch's time, {_pct(mfu[family, 'off'], 1)} MFU)",
+                *(f"{ms[family, mode]:.1f} ms ({_pct(ms[family, mode] / off - 1, 1)})" for mode in ("taco", "taco+")),
+            ]
+        )
+    head = ["step, one GPU", "PyTorch", "off", "taco", "taco+"]
+    command = f"XLA_FLAGS=--xla_gpu_enable_triton_gemm=false {STEP_COMMAND} --reference torch"
+    return _table(head, body), [Source(file, command)]
+
+
+def step_layers() -> tuple[str, list[Source]]:
+    """The same step with the layers in a scan against unrolled (the default)."""
+    scanned, unrolled = _step_ms("step_layers_scanned.json"), _step_ms("step_layers_unrolled.json")
+    body = []
+    for family, label in FAMILIES.items():
+        for mode in ("off", "taco"):
+            before, after = scanned[family, mode], unrolled[family, mode]
+            body.append([label, mode, f"{before:.1f} ms", f"{after:.1f} ms", f"{before / after:.2f}x"])
+    command = "python -m benchmarks.step --families gpt2,qwen2 --modes off,taco --profile"
+    sources = [Source(f"step_layers_{kind}.json", command) for kind in ("scanned", "unrolled")]
+    return _table(["model", "mode", "layers scanned", "unrolled", "speed-up"], body), sources
+
+
+def step_tp2() -> tuple[str, list[Source]]:
+    """The TP=2 step on two GPUs over NVLink and over the slow-link proxy."""
+    body, sources = [], []
+    for link, file in (("NVLink", "step_tp2_nvlink_flash_attention.json"), ("slow link", "step_tp2_slowlink_flash_attention.json")):
+        ms = _step_ms(file)
+        off = ms["gpt2", "off"]
+        cells = [f"{off:.1f} ms"]
+        for mode in ("taco", "taco+", "default"):
+            cells.append(f"{ms['gpt2', mode]:.1f} ms, {off / ms['gpt2', mode]:.2f}x")
+        body.append([link, *cells])
+        prefix = "NCCL_P2P_DISABLE=1 " if "slow" in link else ""
+        sources.append(Source(file, f"{prefix}python -m benchmarks.step --mesh 1,1,2 --modes off,taco,taco+,default"))
+    head = ["0.91B GPT step, TP=2", "off", "taco", "taco+", "default (`taco_policy=auto`)"]
+    return _table(head, body), sources
+
+
+def collectives() -> tuple[str, list[Source]]:
+    """Compressed collectives against bf16 on the slow link, per message size."""
+    file = "collectives_slowlink.json"
+    rows = _rows(file)
+    sizes = sorted({r["mib_per_rank"] for r in rows if r["mib_per_rank"] >= 64})
+    body = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        def cell(part: str, preset: str, key: str, best: Callable = max) -> str:
+            picked = [r for r in rows if (r["op"], r["part"], r["preset"]) == (op, part, preset)]
+            values = {s: best(r[key] for r in picked if r["mib_per_rank"] == s) for s in sizes}
+            return " / ".join(f"{values[s]:.2f}" for s in sizes)
+
+        body.append(
+            [
+                op,
+                cell("plain", "off (bf16)", "ms", min) + " ms",
+                cell("bytes", "taco+", "speedup") + "x",
+                cell("library", "taco+", "speedup") + "x",
+            ]
+        )
+    head = [" / ".join(f"{s:.0f}" for s in sizes) + " MiB per rank", "bf16", "bytes alone", "library (taco+, best route)"]
+    return _table(head, body), [Source(file, "NCCL_P2P_DISABLE=1 python -m benchmarks.collectives")]
+
+
+def kernel_shares(file: str) -> dict[tuple[str, str, str, tuple[int, int]], float]:
+    """Per (op, kernel, preset, shape): the GPU kernel's bandwidth as a share of the
+    fastest copy's (XLA's or PyTorch's) of the same bytes, in GPU time."""
+    timings = load(file)["timings"]
+    copy: dict[tuple[int, int], float] = {}
+    for r in timings:
+        if r["op"] == "copy":
+            shape = (r["tokens"], r["channels"])
+            copy[shape] = max(copy.get(shape, 0.0), r["device_tb_per_s"])
+    return {
+        (r["op"], r["impl"], r["preset"], (r["tokens"], r["channels"])): r["device_tb_per_s"]
+        / copy[r["tokens"], r["channels"]]
+        for r in timings
+        if r["impl"] in ("gluon", "pallas")
+    }
+
+
+def kernels(file: str = "kernels.json") -> tuple[str, list[Source]]:
+    """Each codec op on its Gluon and its Pallas kernel, as a share of a copy's bandwidth."""
+    shares = kernel_shares(file)
+    keys = list(shares)
+    shapes = list(dict.fromkeys(k[3] for k in keys))
+    presets = [p for p in ("taco", "taco+", "fp8") if any(k[2] == p for k in keys)]
+    impls = [i for i in ("gluon", "pallas") if any(k[1] == i for k in keys)]
+
+    def cell(op: str, impl: str, shape: tuple[int, int]) -> str:
+        return " / ".join(_pct(shares[op, impl, p, shape]) if (op, impl, p, shape) in shares else "–" for p in presets)
+
+    head = ["op (" + " / ".join(presets) + ")"] + [f"{impl} {t} x {c}" for t, c in shapes for impl in impls]
+    body = [[op] + [cell(op, impl, shape) for shape in shapes for impl in impls] for op in dict.fromkeys(k[0] for k in keys)]
+    shape_text = ",".join(f"{t}x{c}" for t, c in shapes)
+    return _table(head, body), [Source(file, f"python -m benchmarks.kernels --no-sweep --shapes {shape_text}")]
+
+
+def quality(file: str = "quality_stable.json") -> tuple[str, list[Source]]:
+    """Paired validation-loss gaps to bf16 per corpus, model and preset."""
+    from benchmarks import quality as harness
+
+    record = load(file)
+    settings = record["settings"]
+    text, _ = harness.table(
+        harness.chosen_runs(record), settings["models"].split(","), settings["variants"].split(",")
+    )
+    return text, [quality_source(file)]
+
+
+QUALITY_COMMANDS = {
+    "quality_stable.json": "python -m benchmarks.quality --simulate --tag stable --corpora CORPUS "
+    "--models gpt2-40m,qwen2-40m --variants off,off-control,fp8,taco,taco+,int4+H --seeds 3 --steps 1600 "
+    "--batch-size 8 --seq-len 128 --lr-sweep 3e-4,1.5e-4 (one run per corpus)",
+    "quality_pipe_data.json": "python -m benchmarks.quality --simulate --mesh 2,2,2 --microbatches 2 --tag pipe_data "
+    "--variants off,pipe-taco,pipe-taco+,data-taco,data-taco+,data-int4+H,all-taco+ --models gpt2-mini,qwen2-mini "
+    "--seeds 5",
+}
+QUALITY_DATES = {"quality_stable.json": "2026-12-02 to 2026-12-03", "quality_pipe_data.json": "2026-11-30"}
+
+
+def quality_source(file: str) -> Source:
+    """The source line of a quality harness's results file."""
+    return Source(file, QUALITY_COMMANDS[file], card="NVIDIA H200", date=QUALITY_DATES[file])
+
+
+def gradient_fidelity() -> tuple[str, list[Source]]:
+    """Each preset's gradient error against the minibatch noise, at checkpoints of one run."""
+    file = "gradient_fidelity.json"
+    record = load(file)
+
+    def overall(entry: dict) -> float:  # the whole gradient's relative error
+        return float(entry["all"]["rel_error"])
+
+    presets = [p for p in next(iter(record["steps"].values()))["presets"]]
+    body = []
+    for step, at in record["steps"].items():
+        if step == "0":
+            continue
+        noise = overall(at["noise"])
+        cells = [f"{_pct(overall(at['presets'][p]), 1)} ({noise / overall(at['presets'][p]):.0f}x below)" for p in presets]
+        body.append([step, _pct(noise), *cells])
+    command = (
+        "python -m benchmarks.gradient_fidelity --simulate --model gpt2-40m --corpus shakespeare "
+        "--steps 1600 --checkpoints 0,400,1600 --lr 1.5e-4 --batch-size 8 --seq-len 128"
+    )
+    head = ["step", "minibatch noise", *presets]
+    return _table(head, body), [Source(file, command, card=record["device"], date="2026-12-02")]
+
+
+CODEC_SPECS = (
+    ("fp8", "e4m3", "single"),
+    ("fp8", "int8", "single"),
+    ("taco", "e4m3", "dual"),
+    ("taco", "e4m3", "bf16"),
+    ("taco", "e5m2", "dual"),
+    ("taco", "int8", "dual"),
+    ("taco", "int8", "bf16"),
+    ("taco", "int8", "e8m0"),
+)
+TENSORS = ("gaussian", "activation", "gradient", "lognormal")
+
+
+def codec_error() -> tuple[str, list[Source]]:
+    """Relative RMSE per format, single-shot / through a two-shot all-reduce, G=128."""
+    file = "codec_error.json"
+    rows = [r for r in _rows(file) if r["group_size"] == 128]
+    body = []
+    for mode, fmt, scales in CODEC_SPECS:
+        mine = {r["tensor"]: r for r in rows if (r["mode"], r["fmt"], r["scales"]) == (mode, fmt, scales)}
+        if not mine:
+            continue
+        ratio = next(iter(mine.values()))["wire_ratio"]
+        cells = [f"{_pct(mine[t]['rel_rmse'], 2)} / {_pct(mine[t]['two_shot_rel_rmse'], 2)}" for t in TENSORS]
+        body.append([mode, fmt, scales, f"{ratio:.3f}", *cells])
+    head = ["mode", "fmt", "scales", "wire / bf16", *TENSORS]
+    return _table(head, body), [Source(file, "python -m benchmarks.codec_error", card="CPU", date="2026-11-29")]
+
+
+def fewer_bits() -> tuple[str, list[Source]]:
+    """Relative RMSE of the formats below 8 bits against E4M3's."""
+    file = "fewer_bits_error.json"
+    rows = _rows(file)
+    reference = {r["tensor"]: r["rel_rmse"] for r in rows if r["spec"] == "e4m3:128:H:dual"}
+    body = []
+    for spec in dict.fromkeys(r["spec"] for r in rows):
+        mine = {r["tensor"]: r for r in rows if r["spec"] == spec}
+        worst = max(mine[t]["rel_rmse"] / reference[t] for t in TENSORS)
+        cells = [f"{_pct(mine[t]['rel_rmse'], 2)} / {_pct(mine[t]['two_shot_rel_rmse'], 2)}" for t in TENSORS]
+        body.append([spec, f"{mine[TENSORS[0]]['wire_ratio']:.3f}", *cells, f"{worst:.2f}"])
+    head = ["spec", "wire / bf16", *TENSORS, "worst x E4M3"]
+    return _table(head, body), [Source(file, load(file)["meta"]["command"], card="CPU", date="2026-12-05")]
+
+
+def captured_error() -> tuple[str, list[Source]]:
+    """The codec's error on the models' own tensors, per corpus: relative RMSE, median
+    over sites, forward / backward."""
+    files = [f"captured_error_{c}.json" for c in ("shakespeare", "python-docs", "python-code")]
+    picked = ("e4m3 + H (taco)", "int8 + H (taco+)", "int4 + H", "int8 calibrated")
+
+    def median(rows: list[dict], spec: str, direction: str) -> str:
+        return _pct(float(np.median([r["rel_rmse"] for r in rows if (r["spec"], r["direction"]) == (spec, direction)])), 2)
+
+    body = []
+    for file in files:
+        corpus = file.removeprefix("captured_error_").removesuffix(".json")
+        for model, rows in load(file).items():
+            body.append([corpus, model, *(f"{median(rows, s, 'forward')} / {median(rows, s, 'backward')}" for s in picked)])
+    command = "python -m benchmarks.captured_error --simulate --models gpt2-40m,qwen2-40m --corpus CORPUS --steps 400 --tag CORPUS"
+    sources = [Source(file, command, card="NVIDIA H200", date="2026-12-01") for file in files]
+    return _table(["corpus", "model", *picked], body), sources
+
+
+def generate() -> tuple[str, list[Source]]:
+    """Prefill and decode wall-clock time with and without compression."""
+    file = "generate_h200_repeats.json"
+    rows = {(r["family"], r["mode"]): r for r in _rows(file)}
+    body = []
+    for family, label in FAMILIES.items():
+        off, taco = rows[family, "off"], rows[family, "taco+"]
+        body.append(
+            [
+                label,
+                f"{off['prefill_ms']:.1f} ms",
+                f"{taco['prefill_ms']:.1f} ms ({_pct(taco['prefill_ms'] / off['prefill_ms'] - 1)})",
+                f"{off['decode_ms_per_token']:.2f} ms",
+                f"{taco['decode_ms_per_token']:.2f} ms",
+            ]
+        )
+    head = ["model, batch 4", "prefill 512, off", "prefill, taco+", "decode per token, off", "decode, taco+"]
+    command = "python -m benchmarks.generate --modes off,taco+ --repeats 20"
+    return _table(head, body), [Source(file, command, card="NVIDIA H200", date="2026-12-03")]
+
+
+def step_pipe_data() -> tuple[str, list[Source]]:
+    """Compressed data-parallel and pipeline traffic on two GPUs."""
+    cases = (
+        ("step_dp2_slowlink_0.91b.json", "data 2", "slow"),
+        ("step_dp2_slowlink.json", "data 2", "slow"),
+        ("step_dp2_nvlink.json", "data 2", "NVLink"),
+        ("step_pp2_slowlink.json", "pipe 2", "slow"),
+    )
+    body, sources = [], []
+    for file, mesh, link in cases:
+        rows = _rows(file)
+        off = next(r for r in rows if r["mode"] == "off")
+        for row in rows:
+            if row["mode"] == "off":
+                continue
+            size = f"{row['params'] / 1e9:.2f}B"
+            speedup = off["step_ms"] / row["step_ms"]
+            body.append([mesh, link, size, f"{off['step_ms']:.1f} ms", f"{row['mode']} {row['step_ms']:.1f} ms", f"{speedup:.2f}x"])
+        prefix = "NCCL_P2P_DISABLE=1 " if link == "slow" else ""
+        mesh_arg = "2,1,1" if mesh.startswith("data") else "1,2,1"
+        sources.append(Source(file, f"{prefix}python -m benchmarks.step --mesh {mesh_arg}"))
+    head = ["mesh", "link", "model", "off", "compressed", "speed-up"]
+    return _table(head, body), sources
+
+
+def permutation_cost() -> tuple[str, list[Source]]:
+    """A calibrated permutation's gathers against the GEMM that produces the message."""
+    file = "permutation_cost.json"
+    body = [
+        [
+            f"{r['tokens']}x{r['channels']}",
+            r["preset"],
+            f"{r['matmul_ms']:.3f} ms",
+            f"{r['compress_ms']:.3f} / {r['compress_perm_ms']:.3f} ms",
+            f"{r['decompress_ms']:.3f} / {r['decompress_perm_ms']:.3f} ms",
+            _pct((r["compress_perm_ms"] + r["decompress_perm_ms"] - r["compress_ms"] - r["decompress_ms"]) / r["matmul_ms"]),
+        ]
+        for r in _rows(file)
+    ]
+    head = ["message", "preset", "GEMM", "compress / + gather", "decompress / + gather", "gathers vs GEMM"]
+    return _table(head, body), [Source(file, "python -m benchmarks.permutation_cost", card=load(file)["device"], date="2026-11-29")]
+
+
+def headline() -> tuple[str, list[Source]]:
+    """One line per claim, each from its result file."""
+    stable = load("quality_stable.json")
+    from benchmarks import quality as harness
+
+    runs = harness.chosen_runs(stable)
+    gaps: dict[str, list[float]] = {}
+    for corpus, model in {(r["corpus"], r["model"]) for r in runs}:
+        mine = [r for r in runs if (r["corpus"], r["model"]) == (corpus, model)]
+        base = {r["seed"]: r for r in mine if r["variant"] == "off"}
+        for variant in ("taco+", "int4+H"):
+            picked = [r for r in mine if r["variant"] == variant]
+            gaps.setdefault(variant, []).append(float(np.mean(harness._paired_gaps(picked, base, "val_loss"))))
+    wire = {r["variant"]: harness._bytes(r) for r in runs}
+    slow, nvlink = _step_ms("step_tp2_slowlink_flash_attention.json"), _step_ms("step_tp2_nvlink_flash_attention.json")
+    gluon = [100 * share for (_, impl, _, _), share in kernel_shares("kernels.json").items() if impl == "gluon"]
+    prefill = {(r["family"], r["mode"]): r for r in _rows("generate_h200_repeats.json")}
+    prefill_cost = [prefill[f, "taco+"]["prefill_ms"] / prefill[f, "off"]["prefill_ms"] - 1 for f in FAMILIES]
+    decode = [r["decode_ms_per_token"] for r in prefill.values()]
+    body = [
+        ["bytes", f"`taco+` sends {wire['taco+']} of bf16's bytes (`taco` {wire['taco']}, `int4+H` {wire['int4+H']})", "quality_stable.json"],
+        [
+            "quality",
+            f"paired validation-loss gap to bf16, 3 corpora x 2 models: `taco+` {min(gaps['taco+']):+.2f} to "
+            f"{max(gaps['taco+']):+.2f}%, `int4+H` {min(gaps['int4+H']):+.2f} to {max(gaps['int4+H']):+.2f}%",
+            "quality_stable.json",
+        ],
+        [
+            "step, slow link",
+            f"TP=2 step of a 0.91B GPT on two GPUs: `taco+` {slow['gpt2', 'off'] / slow['gpt2', 'taco+']:.2f}x bf16's speed, "
+            f"the default policy {slow['gpt2', 'off'] / slow['gpt2', 'default']:.2f}x",
+            "step_tp2_slowlink_flash_attention.json",
+        ],
+        [
+            "step, NVLink",
+            f"`taco+` everywhere {nvlink['gpt2', 'off'] / nvlink['gpt2', 'taco+']:.2f}x; the default policy keeps "
+            f"messages plain: {nvlink['gpt2', 'off'] / nvlink['gpt2', 'default']:.2f}x",
+            "step_tp2_nvlink_flash_attention.json",
+        ],
+        ["kernels", f"Gluon kernels at {min(gluon):.0f}-{max(gluon):.0f}% of a copy's bandwidth (GPU time)", "kernels.json"],
+        [
+            "inference",
+            f"compressed prefill costs {_pct(min(prefill_cost))}-{_pct(max(prefill_cost))} in wall-clock time; "
+            f"decode {min(decode):.2f}-{max(decode):.2f} ms/token at 0.9B",
+            "generate_h200_repeats.json",
+        ],
+    ]
+    body = [[claim, text, f"`{file}`"] for claim, text, file in body]
+    sources = [
+        quality_source("quality_stable.json"),
+        *step_tp2()[1],
+        *kernels()[1],
+        *generate()[1],
+    ]
+    return _table(["", "result", "file"], body), sources
+
+
+TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
+    "headline": headline,
+    "step_vs_torch": step_vs_torch,
+    "step_layers": step_layers,
+    "step_tp2": step_tp2,
+    "collectives": collectives,
+    "kernels": kernels,
+    "kernels_4096": lambda: kernels("kernels_4096x4096.json"),
+    "quality": quality,
+    "quality_pipe_data": lambda: quality("quality_pipe_data.json"),
+    "gradient_fidelity": gradient_fidelity,
+    "codec_error": codec_error,
+    "fewer_bits": fewer_bits,
+    "captured_error": captured_error,
+    "generate": generate,
+    "step_pipe_data": step_pipe_data,
+    "permutation_cost": permutation_cost,
+}
+
+
+def render_table(name: str) -> str:
+    """The Markdown a `<!-- results: NAME -->` block holds: the table and its sources."""
+    try:
+        view = TABLES[name]
+    except KeyError:
+        raise ValueError(f"no results table named {name!r}; expected one of {sorted(TABLES)}") from None
+    text, sources = view()
+    lines = "\n".join(f"<small>Source: {source.line()}</small><br>" for source in sources)
+    return f"{text}\n\n{lines.removesuffix('<br>')}\n"
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _quality_figure(file: str) -> tuple[bytes, Source]:
+    from benchmarks import quality as harness
+
+    record = load(file)
+    settings = record["settings"]
+    runs = harness.chosen_runs(record)
+    variants = settings["variants"].split(",")
+    _, panels = harness.table(runs, settings["models"].split(","), variants)
+    buffer = io.BytesIO()
+    harness.plot(runs, panels, variants, buffer, settings["mesh"])
+    return buffer.getvalue(), quality_source(file)
+
+
+def _step_tp2_figure() -> tuple[bytes, Source]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = ("off", "taco", "taco+", "default")
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for offset, (link, file) in enumerate(
+        (("NVLink", "step_tp2_nvlink_flash_attention.json"), ("slow link", "step_tp2_slowlink_flash_attention.json"))
+    ):
+        ms = _step_ms(file)
+        ax.bar([i + 0.4 * offset for i in range(len(modes))], [ms["gpt2", m] for m in modes], 0.4, label=link)
+    ax.set_xticks([i + 0.2 for i in range(len(modes))], modes)
+    ax.set_ylabel("step time, ms")
+    ax.set_title("0.91B GPT, TP=2 on two GPUs")
+    ax.legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue(), step_tp2()[1][1]
+
+
+FIGURES: dict[str, Callable[[], tuple[bytes, Source]]] = {
+    "quality": lambda: _quality_figure("quality_stable.json"),
+    "quality_pipe_data": lambda: _quality_figure("quality_pipe_data.json"),
+    "step_tp2": _step_tp2_figure,
+}
+
+
+def render_figure(name: str, url: str) -> str:
+    """The Markdown a `<!-- figure: NAME -->` marker becomes, the PNG at `url`."""
+    if name not in FIGURES:
+        raise ValueError(f"no figure named {name!r}; expected one of {sorted(FIGURES)}")
+    return f"![{name}]({url})\n\n<small>Source: {FIGURE_SOURCES[name]().line()}</small>\n"
+
+
+FIGURE_SOURCES: dict[str, Callable[[], Source]] = {
+    "quality": lambda: quality_source("quality_stable.json"),
+    "quality_pipe_data": lambda: quality_source("quality_pipe_data.json"),
+    "step_tp2": lambda: step_tp2()[1][1],
+}
+
+
+# ----------------------------------------------------------------------------- pages
+
+
+def pages() -> Iterator[Path]:
+    """README.md and every page under docs/."""
+    yield ROOT / "README.md"
+    yield from sorted((ROOT / "docs").rglob("*.md"))
+
+
+def rendered(text: str) -> str:
+    """`text` with every results block rewritten from its sources."""
+    return TABLE.sub(lambda m: m.group(1) + render_table(m.group("name")) + m.group(4), text)
+
+
+def hand_typed(text: str) -> list[str]:
+    """Measured figures outside generated blocks and code: the lines that hold them."""
+    text = TABLE.sub("", text)
+    found, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced and MEASUREMENT.search(re.sub(r"`[^`]*`", "", line)):
+            found.append(line.strip())
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only report pages that differ from their sources")
+    args = parser.parse_args()
+    stale = []
+    for page in pages():
+        text = page.read_text()
+        fresh = rendered(text)
+        if fresh != text:
+            stale.append(page.relative_to(ROOT))
+            if not args.check:
+                page.write_text(fresh)
+    verb = "differ from their sources" if args.check else "rewritten"
+    print(f"{len(stale)} pages {verb}" + "".join(f"\n  {p}" for p in stale))
+    sys.exit(1 if args.check and stale else 0)
+
+
+if __name__ == "__main__":
+    main()
