@@ -397,7 +397,7 @@ def headline() -> tuple[str, list[Source]]:
         for variant in ("taco+", "int4+H"):
             picked = [r for r in mine if r["variant"] == variant]
             gaps.setdefault(variant, []).append(float(np.mean(harness._paired_gaps(picked, base, "val_loss"))))
-    wire = {r["variant"]: harness._bytes(r) for r in runs}
+    wire = {r["variant"]: harness._bytes(r).removeprefix("tensor ") for r in runs}
     slow, nvlink = _step_ms("step_tp2_slowlink_flash_attention.json"), _step_ms("step_tp2_nvlink_flash_attention.json")
     gluon = [100 * share for (_, impl, _, _), share in kernel_shares("kernels.json").items() if impl == "gluon"]
     prefill = {(r["family"], r["mode"]): r for r in _rows("generate_h200_repeats.json")}
