@@ -118,6 +118,17 @@ def record_wire() -> Iterator[WireLedger]:
 
     Yields:
       The `WireLedger` being filled.
+
+    Examples:
+      >>> import jax, taco_jax as tj
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh, config = tj.make_mesh(data=2, tensor=4), tj.TacoConfig.preset("taco+", min_bytes=0)
+      >>> f = jax.shard_map(
+      ...     lambda x: tj.all_reduce(x, "tensor", config, site="out"), mesh=mesh, in_specs=P("tensor"), out_specs=P())
+      >>> with tj.record_wire() as ledger:
+      ...     _ = jax.jit(f).lower(jax.ShapeDtypeStruct((4, 64, 256), "float32"))
+      >>> ledger.by_site(), ledger.uncompressed_total()
+      ({'out': 25344}, 98304)
     """
     ledger = WireLedger()
     with _LEDGERS.set((*_LEDGERS.get(), ledger)):

@@ -4,10 +4,11 @@ from statistics of the tensors each compressed collective actually sends.
 A permutation reorders the channels (last axis) before grouping, so that each group of G
 channels is well conditioned for the codec. Strategies, from per-channel RMS:
 
-  identity    no reordering (the state before calibration)
-  cluster     channels sorted by RMS: each group holds channels of similar magnitude
-  interleave  sorted channels dealt round-robin over the groups: each group gets a mix of
-              high- and low-energy channels
+| strategy | order |
+|---|---|
+| `identity` | no reordering (the state before calibration) |
+| `cluster` | channels sorted by RMS: each group holds channels of similar magnitude |
+| `interleave` | sorted channels dealt round-robin over the groups: each group gets a mix of high- and low-energy channels |
 
 How it runs: inside `with observing(collector):` every compressed collective traced
 reports, per call site and direction, the per-channel sum of squares of what it would

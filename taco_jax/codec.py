@@ -328,6 +328,16 @@ def compress(x: jax.Array, spec: QuantSpec, perm: ArrayLike | None = None, *, ke
     Raises:
       ValueError: non-float input, last axis not divisible by the group size, or a
         permutation of the wrong length / not a permutation.
+
+    Examples:
+      >>> import jax, taco_jax as tj
+      >>> x = jax.random.normal(jax.random.key(0), (256, 1024), "bfloat16")
+      >>> c = tj.compress(x, tj.QuantSpec.parse("int8:128:H:bf16"))
+      >>> c.payload.dtype, c.nbytes / x.nbytes
+      (dtype('int8'), 0.5078125)
+      >>> error = jax.numpy.linalg.norm((tj.decompress(c) - x).astype("float32")) / jax.numpy.linalg.norm(x.astype("float32"))
+      >>> bool(0.001 < error < 0.01)
+      True
     """
     if not isinstance(spec, QuantSpec):
         raise ValueError(f"spec must be a QuantSpec, got {type(spec).__name__}")
@@ -419,6 +429,13 @@ def wire_bytes(shape: Sequence[int], dtype: jnp.dtype, spec: QuantSpec | None) -
 
     Raises:
       ValueError: last axis not divisible by the group size.
+
+    Examples:
+      >>> import taco_jax as tj
+      >>> tj.wire_bytes((8192, 2048), "bfloat16", None)
+      33554432
+      >>> tj.wire_bytes((8192, 2048), "bfloat16", tj.QuantSpec.parse("e4m3:128:H:dual"))
+      17825792
     """
     size = math.prod(shape)
     if spec is None:

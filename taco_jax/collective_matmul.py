@@ -12,16 +12,12 @@ by the permutes, and decoded where it arrives; a reduce-scatter sums the k messa
 a chunk in float32 and transforms back once, as the all-to-all form does. The wire
 bytes equal the collective's, and so does the ledger entry.
 
-  all_gather_matmul       all-gather along the sequence, then x @ w for each weight;
-                          backward: matmul_reduce_scatter of the cotangents (and the
-                          weight gradients from the gathered input, kept 8-bit)
-  matmul_reduce_scatter   x @ w, reduce-scattered along the sequence; backward:
-                          all_gather_matmul of the cotangent
-  matmul_all_reduce       x @ w summed over the ranks (no sequence parallelism): the
-                          two-shot all-reduce whose reduce-scatter runs by shifts beside
-                          the matmuls of the row blocks; backward: local matmuls
-  copy_matmul             x @ w for a replicated x; backward: the input gradient's
-                          matmul_all_reduce
+| function | forward | backward |
+|---|---|---|
+| `all_gather_matmul` | all-gather along the sequence, then x @ w for each weight | `matmul_reduce_scatter` of the cotangents (and the weight gradients from the gathered input, kept 8-bit) |
+| `matmul_reduce_scatter` | x @ w, reduce-scattered along the sequence | `all_gather_matmul` of the cotangent |
+| `matmul_all_reduce` | x @ w summed over the ranks (no sequence parallelism): the two-shot all-reduce whose reduce-scatter runs by shifts beside the matmuls of the row blocks | local matmuls |
+| `copy_matmul` | x @ w for a replicated x | the input gradient's `matmul_all_reduce` |
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ gradient is taken outside, by `jax.grad` / `nnx.grad`, and is exact (mode "off")
 codec error. (An island manual over "tensor" alone lets the compiler re-shard the 8-bit
 messages over "data" in between, adding collectives; hence the whole mesh.)
 
-  ColumnParallelLinear  flax.nnx: x replicated over "tensor" -> (..., out) sharded over it
-  RowParallelLinear     flax.nnx: (..., in) sharded over "tensor" -> compressed all-reduce
-  ParallelDotGeneral    the same matmuls as a `dot_general` for `flax.linen.Dense` /
-                        `nnx.Linear` (the Transformer Engine / MaxText pattern)
+| layer | what it does |
+|---|---|
+| `ColumnParallelLinear` | `flax.nnx`: x replicated over "tensor" -> (..., out) sharded over it |
+| `RowParallelLinear` | `flax.nnx`: (..., in) sharded over "tensor" -> compressed all-reduce |
+| `ParallelDotGeneral` | the same matmuls as a `dot_general` for `flax.linen.Dense` / `nnx.Linear` (the Transformer Engine / MaxText pattern) |
 
 With `sequence_parallel=True` activations outside the pair are split over "tensor" along
 the sequence axis (the one before the features): the column layer gathers it, the row

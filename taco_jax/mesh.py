@@ -40,6 +40,13 @@ def make_mesh(data: int = 1, pipe: int = 1, tensor: int = 1, devices: Sequence[j
 
     Raises:
       ValueError: a degree below 1, or data * pipe * tensor != the number of devices.
+
+    Examples:
+      On 8 devices (on a CPU: `XLA_FLAGS=--xla_force_host_platform_device_count=8`):
+
+      >>> import taco_jax as tj
+      >>> dict(tj.make_mesh(data=2, tensor=4).shape)
+      {'data': 2, 'pipe': 1, 'tensor': 4}
     """
     shape = (data, pipe, tensor)
     for name, size in zip(MESH_AXES, shape):

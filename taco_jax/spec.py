@@ -83,6 +83,13 @@ class QuantSpec:
 
         Raises:
           ValueError: malformed text or an invalid field.
+
+        Examples:
+          >>> spec = QuantSpec.parse("int8:128:H:bf16")
+          >>> spec.fmt, spec.group_size, spec.hadamard, spec.scales
+          ('int8', 128, True, 'bf16')
+          >>> spec.bits_per_element
+          8.125
         """
         parts = text.split(":")
         if (
@@ -236,6 +243,13 @@ class TacoConfig:
 
         Raises:
           ValueError: unknown preset name or field.
+
+        Examples:
+          >>> config = TacoConfig.preset("taco+", min_bytes=0)
+          >>> config.forward.text, config.backward.text
+          ('int8:128:H:bf16', 'int8:128:H:bf16')
+          >>> config.compresses(1024), TacoConfig.preset("taco+").compresses(1024)
+          (True, False)
         """
         try:
             config = PRESETS[name]

@@ -2,36 +2,25 @@
 
 Use them inside `jax.shard_map`. Where the gradient may be taken:
 
-  check_vma=True (JAX's default)  inside or outside the shard_map. JAX tracks which
-                                  values vary over which axes; `copy_to_tp` needs `x`
-                                  replicated over the axis, `reduce_from_tp` partial
-                                  results varying over it (else ValueError).
-  check_vma=False                 inside the shard_map only (each rank differentiates its
-                                  own copy of the loss; Megatron's convention). With the
-                                  gradient outside, JAX's transpose of the shard_map
-                                  would scale weight gradients by 1/axis size, so
-                                  `copy_to_tp` and `reduce_from_tp` raise instead.
+| `shard_map` | where the gradient may be taken |
+|---|---|
+| `check_vma=True` (JAX's default) | inside or outside the shard_map. JAX tracks which values vary over which axes; `copy_to_tp` needs `x` replicated over the axis, `reduce_from_tp` partial results varying over it (else ValueError). |
+| `check_vma=False` | inside the shard_map only (each rank differentiates its own copy of the loss; Megatron's convention). With the gradient outside, JAX's transpose of the shard_map would scale weight gradients by 1/axis size, so `copy_to_tp` and `reduce_from_tp` raise instead. |
 
 Forward messages use `config.forward`, backward messages `config.backward`; the
 quantizer itself is never differentiated (straight-through).
 
-  copy_to_tp            identity forward, all-reduce backward      (Megatron's f)
-  reduce_from_tp        all-reduce forward, identity backward      (Megatron's g)
-  gather_from_sp        all-gather forward, reduce-scatter backward
-  reduce_scatter_to_sp  reduce-scatter forward, all-gather backward
-  gather_matmul         gather_from_sp followed by column-parallel matmuls, saving the
-                        gathered input for the backward pass in its 8-bit wire form;
-                        overlap=True: as a collective matmul (taco_jax.collective_matmul)
-  matmul_reduce_scatter a row-parallel matmul followed by reduce_scatter_to_sp;
-                        overlap=True: as a collective matmul
-  copy_matmul           copy_to_tp followed by column-parallel matmuls; overlap=True:
-                        the backward all-reduce as a collective matmul
-  matmul_all_reduce     a row-parallel matmul followed by reduce_from_tp; overlap=True:
-                        as a collective matmul
-  sum_sequence_parallel_grads
-                        sum over the axis the gradients of replicated parameters
-                        applied to sequence shards (check_vma=False; JAX does it itself
-                        under check_vma=True)
+| mapping | what it does |
+|---|---|
+| `copy_to_tp` | identity forward, all-reduce backward (Megatron's f) |
+| `reduce_from_tp` | all-reduce forward, identity backward (Megatron's g) |
+| `gather_from_sp` | all-gather forward, reduce-scatter backward |
+| `reduce_scatter_to_sp` | reduce-scatter forward, all-gather backward |
+| `gather_matmul` | `gather_from_sp` followed by column-parallel matmuls, saving the gathered input for the backward pass in its 8-bit wire form; `overlap=True`: as a collective matmul (`taco_jax.collective_matmul`) |
+| `matmul_reduce_scatter` | a row-parallel matmul followed by `reduce_scatter_to_sp`; `overlap=True`: as a collective matmul |
+| `copy_matmul` | `copy_to_tp` followed by column-parallel matmuls; `overlap=True`: the backward all-reduce as a collective matmul |
+| `matmul_all_reduce` | a row-parallel matmul followed by `reduce_from_tp`; `overlap=True`: as a collective matmul |
+| `sum_sequence_parallel_grads` | sum over the axis the gradients of replicated parameters applied to sequence shards (`check_vma=False`; JAX does it itself under `check_vma=True`) |
 """
 
 from __future__ import annotations

@@ -156,12 +156,18 @@ class TrainConfig:
         and compresses only where that was measured faster, written to
         OUT/link_profile.json; elsewhere every message is compressed), "always" (every
         message of at least taco_min_bytes), or a link_profile.json to reuse.
-      taco_forward, taco_backward: replace the preset's forward / backward quantizer,
-        as "fmt:group_size:H|-:scales" (e.g. "int4:128:H:bf16"); empty: the preset's.
+      taco_forward: replace the preset's quantizer of forward-pass messages
+        (activations), as "fmt:group_size:H|-:scales[:sr]" (e.g. "int4:128:H:bf16");
+        empty: the preset's.
+      taco_backward: replace the preset's quantizer of backward-pass messages
+        (activation gradients), written as taco_forward's; empty: the preset's.
       taco_pipe: TACO preset for what pipeline stages send each other (activations
         forward with the preset's forward quantizer, their gradients backward with its
         backward one); "off": plain sends.
-      taco_pipe_forward, taco_pipe_backward: replace taco_pipe's quantizers (as taco_forward).
+      taco_pipe_forward: replace taco_pipe's quantizer of the activations sent forward
+        (written as taco_forward's).
+      taco_pipe_backward: replace taco_pipe's quantizer of the gradients sent back
+        (written as taco_forward's).
       taco_data: TACO preset for the data-parallel gradient reduction (one bucket per
         step through the compressed two-shot all-reduce with the preset's backward
         quantizer, with error feedback: each data rank keeps what its quantizers dropped,
@@ -185,10 +191,16 @@ class TrainConfig:
       seq_len: tokens per sequence.
       microbatches: pipeline microbatches per accumulation step (GPipe schedule).
       grad_accum: gradient-accumulation steps per optimizer step.
-      lr, warmup_steps, decay_steps, min_lr_ratio: peak learning rate; warmup_steps linear
-        warmup, then cosine to lr * min_lr_ratio at decay_steps (0: at `steps`; set it to
-        stop early and resume on the same schedule).
-      weight_decay, beta1, beta2, grad_clip: AdamW and global-norm clipping.
+      lr: peak learning rate, reached after warmup_steps.
+      warmup_steps: steps of linear warmup from 0 to lr.
+      decay_steps: the step at which the cosine decay after warmup reaches
+        lr * min_lr_ratio (0: at `steps`; set it to stop early and resume on the same
+        schedule).
+      min_lr_ratio: the learning rate at decay_steps, as a fraction of lr.
+      weight_decay: AdamW's decoupled weight decay, on the weight matrices only.
+      beta1: AdamW's first-moment decay.
+      beta2: AdamW's second-moment decay.
+      grad_clip: the largest global gradient norm; larger gradients are scaled down to it.
       compute_dtype: "float32" or "bfloat16" (parameters and optimizer stay float32).
       remat: activation checkpointing per layer: "none", "dots" (keep matmul outputs,
         recompute the rest) or "block" (keep each layer's input only); trades
@@ -200,12 +212,14 @@ class TrainConfig:
       tokenizer: local HuggingFace tokenizer folder (tokenizer.json), for a text `data`.
       data_dtype: element type of a raw .bin token file (uint16 as nanoGPT, or uint32).
       val_fraction: tail of the corpus held out for validation.
-      eval_every, eval_batches: validation cadence and size.
+      eval_every: steps between validations.
+      eval_batches: validation batches per validation.
       sample_tokens: at each evaluation, continue the validation split's first 32 tokens
         greedily by this many (`models.generate`, prefill compressed as the run's tensor
         traffic), print the text and keep it as the metrics row's "sample"; 0: none.
       out: run directory (checkpoints, metrics.jsonl, loss.png).
-      checkpoint_every, keep_checkpoints: checkpoint cadence and how many to keep.
+      checkpoint_every: steps between checkpoints.
+      keep_checkpoints: how many of the newest checkpoints to keep.
       max_bad_steps: stop after this many consecutive non-finite steps.
       debug_nan_steps: steps whose gradients are replaced by NaN (tests the skip logic).
       calibration_steps: with a "taco" preset, the tensors every compressed site sends
