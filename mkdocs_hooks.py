@@ -6,6 +6,7 @@ turns every warning, a broken link or a missing reference included, into a failu
 
 from __future__ import annotations
 
+import html
 import importlib
 import inspect
 import json
@@ -65,7 +66,9 @@ def config_reference() -> str:
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for key, text in key_descriptions().items():
         default = json.dumps(defaults[key]).replace("|", "\\|")
-        rows.append(f'| <code class="key">{key}</code> | `{default}` | {text.replace("|", chr(92) + "|")} |')
+        rows.append(
+            f'| <code class="key">{key}</code> | <code class="key">{html.escape(default)}</code> | {text.replace("|", chr(92) + "|")} |'
+        )
     return "\n".join(rows)
 
 

@@ -35,9 +35,7 @@ TABLE = re.compile(r"(<!-- results: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /r
 FIGURE = re.compile(r"<!-- figure: (?P<name>[\w-]+) -->")
 # A measured figure in prose or a table: a number with a unit of time, speed, size or a
 # share, a speed-up ("1.20x") or an error bar ("0.31 ± 0.02").
-MEASUREMENT = re.compile(
-    r"(?<![\w.])[-+−]?\d+(?:\.\d+)?(?:\s?(?:%|ms\b|us\b|µs\b|TB/s|GB/s|GiB\b)|x\b)|\d\s?±\s?\d"
-)
+MEASUREMENT = re.compile(r"(?<![\w.])[-+−]?\d+(?:\.\d+)?(?:\s?(?:%|ms\b|us\b|µs\b|TB/s|GB/s|GiB\b)|x\b)|\d\s?±\s?\d")
 
 
 @dataclass(frozen=True)
@@ -134,7 +132,10 @@ def step_layers() -> tuple[str, list[Source]]:
 def step_tp2() -> tuple[str, list[Source]]:
     """The TP=2 step on two GPUs over NVLink and over the slow-link proxy."""
     body, sources = [], []
-    for link, file in (("NVLink", "step_tp2_nvlink_flash_attention.json"), ("slow link", "step_tp2_slowlink_flash_attention.json")):
+    for link, file in (
+        ("NVLink", "step_tp2_nvlink_flash_attention.json"),
+        ("slow link", "step_tp2_slowlink_flash_attention.json"),
+    ):
         ms = _step_ms(file)
         off = ms["gpt2", "off"]
         cells = [f"{off:.1f} ms"]
@@ -154,6 +155,7 @@ def collectives() -> tuple[str, list[Source]]:
     sizes = sorted({r["mib_per_rank"] for r in rows if r["mib_per_rank"] >= 64})
     body = []
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
+
         def cell(part: str, preset: str, key: str, best: Callable = max) -> str:
             picked = [r for r in rows if (r["op"], r["part"], r["preset"]) == (op, part, preset)]
             values = {s: best(r[key] for r in picked if r["mib_per_rank"] == s) for s in sizes}
@@ -167,7 +169,12 @@ def collectives() -> tuple[str, list[Source]]:
                 cell("library", "taco+", "speedup") + "x",
             ]
         )
-    head = [" / ".join(f"{s:.0f}" for s in sizes) + " MiB per rank", "bf16", "bytes alone", "library (taco+, best route)"]
+    head = [
+        " / ".join(f"{s:.0f}" for s in sizes) + " MiB per rank",
+        "bf16",
+        "bytes alone",
+        "library (taco+, best route)",
+    ]
     return _table(head, body), [Source(file, "NCCL_P2P_DISABLE=1 python -m benchmarks.collectives")]
 
 
@@ -200,7 +207,9 @@ def kernels(file: str = "kernels.json") -> tuple[str, list[Source]]:
         return " / ".join(_pct(shares[op, impl, p, shape]) if (op, impl, p, shape) in shares else "–" for p in presets)
 
     head = ["op (" + " / ".join(presets) + ")"] + [f"{impl} {t} x {c}" for t, c in shapes for impl in impls]
-    body = [[op] + [cell(op, impl, shape) for shape in shapes for impl in impls] for op in dict.fromkeys(k[0] for k in keys)]
+    body = [
+        [op] + [cell(op, impl, shape) for shape in shapes for impl in impls] for op in dict.fromkeys(k[0] for k in keys)
+    ]
     shape_text = ",".join(f"{t}x{c}" for t, c in shapes)
     return _table(head, body), [Source(file, f"python -m benchmarks.kernels --no-sweep --shapes {shape_text}")]
 
@@ -211,9 +220,7 @@ def quality(file: str = "quality_stable.json") -> tuple[str, list[Source]]:
 
     record = load(file)
     settings = record["settings"]
-    text, _ = harness.table(
-        harness.chosen_runs(record), settings["models"].split(","), settings["variants"].split(",")
-    )
+    text, _ = harness.table(harness.chosen_runs(record), settings["models"].split(","), settings["variants"].split(","))
     return text, [quality_source(file)]
 
 
@@ -247,7 +254,9 @@ def gradient_fidelity() -> tuple[str, list[Source]]:
         if step == "0":
             continue
         noise = overall(at["noise"])
-        cells = [f"{_pct(overall(at['presets'][p]), 1)} ({noise / overall(at['presets'][p]):.0f}x below)" for p in presets]
+        cells = [
+            f"{_pct(overall(at['presets'][p]), 1)} ({noise / overall(at['presets'][p]):.0f}x below)" for p in presets
+        ]
         body.append([step, _pct(noise), *cells])
     command = (
         "python -m benchmarks.gradient_fidelity --simulate --model gpt2-40m --corpus shakespeare "
@@ -308,13 +317,17 @@ def captured_error() -> tuple[str, list[Source]]:
     picked = ("e4m3 + H (taco)", "int8 + H (taco+)", "int4 + H", "int8 calibrated")
 
     def median(rows: list[dict], spec: str, direction: str) -> str:
-        return _pct(float(np.median([r["rel_rmse"] for r in rows if (r["spec"], r["direction"]) == (spec, direction)])), 2)
+        return _pct(
+            float(np.median([r["rel_rmse"] for r in rows if (r["spec"], r["direction"]) == (spec, direction)])), 2
+        )
 
     body = []
     for file in files:
         corpus = file.removeprefix("captured_error_").removesuffix(".json")
         for model, rows in load(file).items():
-            body.append([corpus, model, *(f"{median(rows, s, 'forward')} / {median(rows, s, 'backward')}" for s in picked)])
+            body.append(
+                [corpus, model, *(f"{median(rows, s, 'forward')} / {median(rows, s, 'backward')}" for s in picked)]
+            )
     command = "python -m benchmarks.captured_error --simulate --models gpt2-40m,qwen2-40m --corpus CORPUS --steps 400 --tag CORPUS"
     sources = [Source(file, command, card="NVIDIA H200", date="2026-12-01") for file in files]
     return _table(["corpus", "model", *picked], body), sources
@@ -358,7 +371,16 @@ def step_pipe_data() -> tuple[str, list[Source]]:
                 continue
             size = f"{row['params'] / 1e9:.2f}B"
             speedup = off["step_ms"] / row["step_ms"]
-            body.append([mesh, link, size, f"{off['step_ms']:.1f} ms", f"{row['mode']} {row['step_ms']:.1f} ms", f"{speedup:.2f}x"])
+            body.append(
+                [
+                    mesh,
+                    link,
+                    size,
+                    f"{off['step_ms']:.1f} ms",
+                    f"{row['mode']} {row['step_ms']:.1f} ms",
+                    f"{speedup:.2f}x",
+                ]
+            )
         prefix = "NCCL_P2P_DISABLE=1 " if link == "slow" else ""
         mesh_arg = "2,1,1" if mesh.startswith("data") else "1,2,1"
         sources.append(Source(file, f"{prefix}python -m benchmarks.step --mesh {mesh_arg}"))
@@ -376,12 +398,17 @@ def permutation_cost() -> tuple[str, list[Source]]:
             f"{r['matmul_ms']:.3f} ms",
             f"{r['compress_ms']:.3f} / {r['compress_perm_ms']:.3f} ms",
             f"{r['decompress_ms']:.3f} / {r['decompress_perm_ms']:.3f} ms",
-            _pct((r["compress_perm_ms"] + r["decompress_perm_ms"] - r["compress_ms"] - r["decompress_ms"]) / r["matmul_ms"]),
+            _pct(
+                (r["compress_perm_ms"] + r["decompress_perm_ms"] - r["compress_ms"] - r["decompress_ms"])
+                / r["matmul_ms"]
+            ),
         ]
         for r in _rows(file)
     ]
     head = ["message", "preset", "GEMM", "compress / + gather", "decompress / + gather", "gathers vs GEMM"]
-    return _table(head, body), [Source(file, "python -m benchmarks.permutation_cost", card=load(file)["device"], date="2026-11-29")]
+    return _table(head, body), [
+        Source(file, "python -m benchmarks.permutation_cost", card=load(file)["device"], date="2026-11-29")
+    ]
 
 
 def headline() -> tuple[str, list[Source]]:
@@ -404,7 +431,11 @@ def headline() -> tuple[str, list[Source]]:
     prefill_cost = [prefill[f, "taco+"]["prefill_ms"] / prefill[f, "off"]["prefill_ms"] - 1 for f in FAMILIES]
     decode = [r["decode_ms_per_token"] for r in prefill.values()]
     body = [
-        ["bytes", f"`taco+` sends {wire['taco+']} of bf16's bytes (`taco` {wire['taco']}, `int4+H` {wire['int4+H']})", "quality_stable.json"],
+        [
+            "bytes",
+            f"`taco+` sends {wire['taco+']} of bf16's bytes (`taco` {wire['taco']}, `int4+H` {wire['int4+H']})",
+            "quality_stable.json",
+        ],
         [
             "quality",
             f"paired validation-loss gap to bf16, 3 corpora x 2 models: `taco+` {min(gaps['taco+']):+.2f} to "
@@ -423,7 +454,11 @@ def headline() -> tuple[str, list[Source]]:
             f"messages plain: {nvlink['gpt2', 'off'] / nvlink['gpt2', 'default']:.2f}x",
             "step_tp2_nvlink_flash_attention.json",
         ],
-        ["kernels", f"Gluon kernels at {min(gluon):.0f}-{max(gluon):.0f}% of a copy's bandwidth (GPU time)", "kernels.json"],
+        [
+            "kernels",
+            f"Gluon kernels at {min(gluon):.0f}-{max(gluon):.0f}% of a copy's bandwidth (GPU time)",
+            "kernels.json",
+        ],
         [
             "inference",
             f"compressed prefill costs {_pct(min(prefill_cost))}-{_pct(max(prefill_cost))} in wall-clock time; "
