@@ -145,6 +145,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write(rows: list[dict], out: Path) -> None:
+    """The result file: the presets' own rows (off, taco, taco+) under "rows", the
+    "PRESET/jnp" rows apart."""
+    result = {
+        "card": jax.devices()[0].device_kind,
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m benchmarks.codec_cost", *sys.argv[1:]]),
+        "rows": [r for r in rows if "/" not in r["mode"]],
+        "jnp_codec_rows": [r for r in rows if "/" in r["mode"]],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(strict_json.dumps(result, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     generation_shapes.add_shape_arguments(parser)  # the model, --batch, the prompts, --repeats
@@ -164,16 +178,7 @@ def main() -> None:
                 rows.append({"path": "train_step", "family": family, "mode": mode, "ms": measured["step_ms"]})
             rows += nnx_step_rows(config, mode, args)
             rows.append(prefill_row(config, mode, args))
-    # The contract's rows are the presets' own (off, taco, taco+); "PRESET/jnp" rows apart.
-    result = {
-        "card": jax.devices()[0].device_kind,
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python -m benchmarks.codec_cost", *sys.argv[1:]]),
-        "rows": [r for r in rows if "/" not in r["mode"]],
-        "jnp_codec_rows": [r for r in rows if "/" in r["mode"]],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(strict_json.dumps(result, indent=1))
+            write(rows, args.out)  # after each mode: a run cut short keeps what it measured
     print(f"wrote {args.out}")
     print(table(rows))
 
