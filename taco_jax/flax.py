@@ -20,6 +20,7 @@ layer reduce-scatters into it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -29,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import tp
+from taco_jax.accounting import WireRecord, record_wire
 from taco_jax.calibration import Calibration
 from taco_jax.mesh import data_axis
 from taco_jax.spec import TacoConfig
@@ -131,7 +133,12 @@ class ParallelDotGeneral:
         island = jax.shard_map(
             lambda x, k: body(x, k, matmul), mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True
         )
-        return island(lhs, rhs)
+        with record_wire() as ledger:
+            out = island(lhs, rhs)
+        small = [r for r in ledger.records if r.reason.startswith("under min_bytes")]
+        if small:
+            _warn_under_min_bytes(small[0])
+        return out
 
     def _batch_axes(self, shape: tuple[int, ...]) -> dict[int, str]:
         """{0: "data"} when the leading axis is a batch axis that splits over "data"."""
@@ -207,6 +214,27 @@ def _parallel_linear(
         kernel_metadata=dict(out_sharding=kernel_axes, mesh=mesh),
         bias_metadata=dict(out_sharding=bias_axes, mesh=mesh),
         **linear_kwargs,
+    )
+
+
+# Whether `_warn_under_min_bytes` has warned in this process.
+_WARNED_UNDER_MIN_BYTES = False
+
+
+def _warn_under_min_bytes(record: WireRecord) -> None:
+    """Warn, once a process, that a layer of a compressing config sent a message plain
+    because of its size: the first thing to know when nothing seems compressed."""
+    global _WARNED_UNDER_MIN_BYTES
+    if _WARNED_UNDER_MIN_BYTES:
+        return
+    _WARNED_UNDER_MIN_BYTES = True
+    warnings.warn(
+        f"taco_jax.flax: the {record.op} of site {record.site!r} sends its {record.dtype}{list(record.shape)} "
+        f"message uncompressed, {record.reason}. Smaller messages cost more to compress than they save; "
+        "TacoConfig.preset(..., min_bytes=0) compresses every size, and `with taco_jax.record_wire() as ledger:` "
+        "around the first call, then `print(ledger.report())`, shows every message and why (this warning is "
+        "shown once).",
+        stacklevel=4,
     )
 
 

@@ -1,6 +1,9 @@
 """taco_jax.flax: parallel layers on global arrays under plain jit (8 CPU devices), against
 dense `nnx.Linear` / `linen.Dense` with the same weights."""
 
+import math
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
+from taco_jax import flax as taco_flax
 from taco_jax.flax import ColumnParallelLinear, ParallelDotGeneral, RowParallelLinear
 
 MESHES = [pytest.param((2, 1, 4), id="dp2_tp4"), pytest.param((1, 1, 8), id="tp8")]
@@ -241,3 +245,26 @@ def test_any_leading_shape_and_a_mesh_with_pipe():
         np.testing.assert_allclose(
             np.asarray(nnx.jit(lambda m, v: m(v))(model, x)), np.asarray(dense(x)), rtol=1e-4, atol=1e-5
         )
+
+
+def test_under_min_bytes_is_reported_and_warned_once(monkeypatch):
+    """A message under `min_bytes` stays plain: the ledger says so with the sizes, and the
+    layers warn once a process (not for a message that is compressed, nor twice)."""
+    mesh = tj.make_mesh(2, 1, 4)
+    x = _place(mesh, _inputs()[0], False)
+    monkeypatch.setattr(taco_flax, "_WARNED_UNDER_MIN_BYTES", False)
+    compressed = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset("taco+", min_bytes=0))
+    with warnings.catch_warnings(record=True) as caught, tj.record_wire() as ledger:
+        warnings.simplefilter("always")
+        nnx.jit(lambda m, x: m(x))(compressed, x)
+    assert not caught and ledger.records[0].reason == "int8:128:H:bf16"
+    plain = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset("taco+"))
+    with pytest.warns(UserWarning, match="under min_bytes") as caught, tj.record_wire() as ledger:
+        nnx.jit(lambda m, x: m(x))(plain, x)
+        nnx.jit(lambda m, x: m(x) + 1)(plain, x)  # traced again: no second warning
+    assert len(caught) == 1
+    record = ledger.records[0]
+    nbytes = math.prod(record.shape) * 4
+    assert record.reason == f"under min_bytes ({nbytes:,} < {8 << 20:,} B)" and not record.compressed
+    line = ledger.report().splitlines()[1]
+    assert line.startswith(record.site) and line.endswith(record.reason) and "100.0%" in line
