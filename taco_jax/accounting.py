@@ -152,12 +152,19 @@ def repeated(times: int) -> Iterator[None]:
         yield
 
 
-def record(entry: WireRecord) -> None:
-    """Add a record, with the enclosing `repeated` trip counts, to every active ledger
-    (none while `paused`)."""
+def current_repeats() -> int:
+    """The trip counts of the enclosing `repeated` blocks, multiplied (1 outside them)."""
+    return _REPEATS.get()
+
+
+def record(entry: WireRecord, *, repeats: int | None = None) -> None:
+    """Add a record to every active ledger (none while `paused`), counted `repeats` times
+    (None: the enclosing `repeated` blocks' trip counts). A backward message is traced
+    when JAX transposes the loop around its forward call, outside that loop's `repeated`
+    block: it carries the forward call's count (`message.Call.repeats`)."""
     ledgers = _LEDGERS.get()
     if not ledgers or _PAUSED.get():
         return
-    entry = dataclasses.replace(entry, repeats=entry.repeats * _REPEATS.get())
+    entry = dataclasses.replace(entry, repeats=entry.repeats * (_REPEATS.get() if repeats is None else repeats))
     for ledger in ledgers:
         ledger.records.append(entry)

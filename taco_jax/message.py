@@ -59,6 +59,9 @@ class Call:
         site after the op ("all_gather", ...).
       calibration: per-site channel permutations and transform decisions; None = the
         identity and the config's transform.
+      repeats: times the call runs per call of the traced function: the trip counts of
+        the loops around it where it is made (`accounting.repeated`), which its
+        backward messages keep when JAX traces them later, outside those loops.
 
     Raises:
       ValueError: `config` is not a `TacoConfig`, or `calibration` not a `Calibration`.
@@ -68,6 +71,7 @@ class Call:
     config: TacoConfig
     site: str | None = None
     calibration: Calibration | None = None
+    repeats: int = dataclasses.field(default_factory=accounting.current_repeats)
 
     def __post_init__(self) -> None:
         check_config(self.config, self.calibration)
@@ -102,6 +106,7 @@ class Call:
             sent=sent,
             plain_sent=plain_sent,
             reason=plain_reason(x, self.config) if plan is None else plan.spec.text,
+            repeats=self.repeats,
         )
 
 
@@ -456,10 +461,12 @@ def record_collective(
     sent: int,
     plain_sent: int,
     reason: str,
+    repeats: int | None = None,
 ) -> None:
     """Record a collective's wire bytes per rank: `sent` as it travels (`spec` None:
     uncompressed), `plain_sent` as the uncompressed collective in x's dtype (scaled to
-    2-byte elements that is the bf16 figure), and the `reason` it went so."""
+    2-byte elements that is the bf16 figure), and the `reason` it went so; counted
+    `repeats` times (None: as the enclosing loops run, `accounting.record`)."""
     itemsize = jnp.dtype(x.dtype).itemsize
     accounting.record(
         accounting.WireRecord(
@@ -475,7 +482,8 @@ def record_collective(
             axis=str(axis_name),
             bf16_sent_bytes=int(plain_sent) * 2 // itemsize,
             reason=reason,
-        )
+        ),
+        repeats=repeats,
     )
 
 
