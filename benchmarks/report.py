@@ -31,8 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks/results"
 PAGES = ("README.md", "docs")
-TABLE = re.compile(r"(<!-- results: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
-FIGURE = re.compile(r"<!-- figure: (?P<name>[\w-]+) -->")
+TABLE = re.compile(r"^(<!-- results: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /results -->)$", re.S | re.M)
+FIGURE = re.compile(r"^<!-- figure: (?P<name>[\w-]+) -->$", re.M)  # on a line of its own
 # A measured figure in prose or a table: a number with a unit of time, speed, size or a
 # share, a speed-up ("1.20x") or an error bar ("0.31 ± 0.02").
 MEASUREMENT = re.compile(r"(?<![\w.])[-+−]?\d+(?:\.\d+)?(?:\s?(?:%|ms\b|us\b|µs\b|TB/s|GB/s|GiB\b)|x\b)|\d\s?±\s?\d")
