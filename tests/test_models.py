@@ -442,3 +442,24 @@ def test_decode_steps_read_the_weights_where_they_lie():
     cache_bytes = sum(c.addressable_shards[0].data.nbytes for c in jax.tree.leaves(cache))
     assert memory.temp_size_in_bytes < layer_bytes / 2
     assert memory.alias_size_in_bytes == cache_bytes
+
+
+def test_wire_ledger_counts_every_layer_both_ways():
+    """The ledger of a 4-layer step equals the compiled program's tensor-axis bytes. The
+    layers run as one loop (unrolled): their forward messages are traced once and counted
+    per layer; their backward messages, traced when JAX transposes the loop, too."""
+    config = models.GPT2Config(d_model=256, n_layers=4, n_heads=8, d_ff=1024)
+    mesh = _mesh(2, 1, 4)
+    params = models.init_params(config, jax.random.key(0), mesh)
+    tokens = jnp.zeros((8, 65), jnp.int32)
+    taco = tj.TacoConfig.preset("taco+", min_bytes=0)
+    step = jax.jit(lambda p, t: models.loss_and_grads(config, p, t, mesh=mesh, taco=taco))
+    with tj.record_wire() as ledger:
+        lowered = step.lower(params, tokens)
+    layer_records = [r for r in ledger.records if r.site.startswith("layers.")]
+    assert {(r.direction, r.repeats) for r in layer_records} == {("forward", 4), ("backward", 4)}
+    compiled = 0
+    for collective in tj.collectives_in_hlo(lowered.compile().as_text()):
+        if collective.mesh_axes(mesh) == ("tensor",) and any(shape for _, shape in collective.parts):
+            compiled += collective.sent_bytes
+    assert ledger.by_axis(("tensor",))["tensor"] == compiled
