@@ -10,6 +10,7 @@ import dataclasses
 import doctest
 import importlib
 import io
+import pkgutil
 import re
 import shlex
 import tomllib
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import taco_jax
 from benchmarks import report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +27,10 @@ FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 EXCERPT = "<!-- excerpt -->"
 CHECKER = doctest.OutputChecker()
 OUTPUT_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-# The modules whose docstring examples run (the API reference's).
-DOCTEST_MODULES = ("taco_jax.spec", "taco_jax.codec", "taco_jax.mesh", "taco_jax.accounting", "taco_jax.collectives")
+# Every module of the package: the docstring examples in any of them run.
+DOCTEST_MODULES = sorted(
+    {"taco_jax"} | {m.name for m in pkgutil.walk_packages(taco_jax.__path__, "taco_jax.") if ".__main__" not in m.name}
+)
 
 
 @dataclasses.dataclass
