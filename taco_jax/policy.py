@@ -59,7 +59,13 @@ def default_algorithm(ranks: int, nbytes: int) -> str:
     On GPUs latency decides (`ONE_SHOT_MAX_BYTES`). Elsewhere there is no link whose
     latency could be measured, so bytes decide: per rank, one-shot sends k - 1 compressed
     copies of the message and two-shot 2 (k - 1) / k, fewer for every k > 2 (at 4 ranks
-    one-shot would send more than a bf16 ring all-reduce)."""
+    one-shot would send more than a bf16 ring all-reduce).
+
+    Examples:
+      >>> from taco_jax import policy
+      >>> policy.default_algorithm(2, 64 << 20)  # two ranks: one exchange, one quantization
+      'one_shot'
+    """
     if ranks <= 2:
         return "one_shot"
     if jax.default_backend() != "gpu":

@@ -43,6 +43,11 @@ def dumps(value: Any, **kwargs: Any) -> str:
 
     Returns:
       The JSON text.
+
+    Examples:
+      >>> from taco_jax import strict_json
+      >>> strict_json.dumps({"loss": float("nan"), "step": 3})
+      '{"loss": null, "step": 3}'
     """
     return json.dumps(finite(value), allow_nan=False, **kwargs)
 
