@@ -76,8 +76,8 @@ def _rows(name: str) -> list[dict]:
     return load(name)["rows"]
 
 
-def _pct(value: float, digits: int = 0) -> str:
-    return f"{100 * value:.{digits}f}%"
+def _pct(value: float, digits: int = 0, sign: bool = False) -> str:
+    return f"{100 * value:{'+' if sign else ''}.{digits}f}%"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -108,7 +108,10 @@ def step_vs_torch() -> tuple[str, list[Source]]:
                 label,
                 f"{torch:.1f} ms ({_pct(mfu[family, 'torch'], 1)} MFU)",
                 f"{off:.1f} ms ({off / torch:.2f}x torch's time, {_pct(mfu[family, 'off'], 1)} MFU)",
-                *(f"{ms[family, mode]:.1f} ms ({_pct(ms[family, mode] / off - 1, 1)})" for mode in ("taco", "taco+")),
+                *(
+                    f"{ms[family, mode]:.1f} ms ({_pct(ms[family, mode] / off - 1, 1, sign=True)})"
+                    for mode in ("taco", "taco+")
+                ),
             ]
         )
     head = ["step, one GPU", "PyTorch", "off", "taco", "taco+"]
@@ -344,7 +347,7 @@ def generate() -> tuple[str, list[Source]]:
             [
                 label,
                 f"{off['prefill_ms']:.1f} ms",
-                f"{taco['prefill_ms']:.1f} ms ({_pct(taco['prefill_ms'] / off['prefill_ms'] - 1)})",
+                f"{taco['prefill_ms']:.1f} ms ({_pct(taco['prefill_ms'] / off['prefill_ms'] - 1, sign=True)})",
                 f"{off['decode_ms_per_token']:.2f} ms",
                 f"{taco['decode_ms_per_token']:.2f} ms",
             ]
@@ -411,6 +414,42 @@ def permutation_cost() -> tuple[str, list[Source]]:
     ]
 
 
+CODEC_COST_FILES = ("codec_cost_gpt2.json", "codec_cost_qwen2.json", "codec_cost_gpt2_taco.json")
+CODEC_COST_PATHS = {
+    "train_step": "the trainer's step",
+    "nnx_step": "your NNX step, `nnx.jit`",
+    "nnx_split_step": "your NNX step, split pattern",
+    "prefill": "prefill 4 x 512 (wall clock)",
+}
+
+
+def codec_cost() -> tuple[str, list[Source]]:
+    """Each path a user runs, per mode, on one GPU with every site compressed: the time
+    and its cost over `off` in the same run (a mode measured in another run says so)."""
+    runs = {file: load(file) for file in CODEC_COST_FILES}
+    cells: dict[tuple[str, str, str], tuple[float, str]] = {}
+    for file, record in runs.items():
+        for row in record["rows"]:
+            cells[row["path"], row["family"], row["mode"]] = (row["ms"], file)
+    body = []
+    for family, label in FAMILIES.items():
+        trainer_off = cells["train_step", family, "off"][0]
+        for path, name in CODEC_COST_PATHS.items():
+            off, off_file = cells[path, family, "off"]
+            row = [name, label, f"{off:.1f} ms"]
+            for mode in ("taco", "taco+"):
+                ms, file = cells[path, family, mode]
+                row.append(
+                    f"{ms:.1f} ms ({_pct(ms / off - 1, 1, sign=True)})"
+                    if file == off_file
+                    else f"{ms:.1f} ms (another run)"
+                )
+            vs_trainer = "" if path in ("train_step", "prefill") else _pct(off / trainer_off - 1, 1, sign=True)
+            body.append([*row, vs_trainer])
+    head = ["path", "model", "off", "taco", "taco+", "off vs the trainer's off"]
+    return _table(head, body), [Source(file, record["command"]) for file, record in runs.items()]
+
+
 def headline() -> tuple[str, list[Source]]:
     """One line per claim, each from its result file."""
     stable = load("quality_stable.json")
@@ -427,9 +466,10 @@ def headline() -> tuple[str, list[Source]]:
     wire = {r["variant"]: harness._bytes(r).removeprefix("tensor ") for r in runs}
     slow, nvlink = _step_ms("step_tp2_slowlink_flash_attention.json"), _step_ms("step_tp2_nvlink_flash_attention.json")
     gluon = [100 * share for (_, impl, _, _), share in kernel_shares("kernels.json").items() if impl == "gluon"]
-    prefill = {(r["family"], r["mode"]): r for r in _rows("generate_h200_repeats.json")}
-    prefill_cost = [prefill[f, "taco+"]["prefill_ms"] / prefill[f, "off"]["prefill_ms"] - 1 for f in FAMILIES]
-    decode = [r["decode_ms_per_token"] for r in prefill.values()]
+    decode = [r["decode_ms_per_token"] for r in _rows("generate_h200_repeats.json")]
+    costs = {(r["path"], r["family"], r["mode"]): r["ms"] for f in CODEC_COST_FILES for r in load(f)["rows"]}
+    prefill_cost = [costs["prefill", f, "taco+"] / costs["prefill", f, "off"] - 1 for f in FAMILIES]
+    step_cost = [costs["train_step", f, "taco+"] / costs["train_step", f, "off"] - 1 for f in FAMILIES]
     body = [
         [
             "bytes",
@@ -460,16 +500,23 @@ def headline() -> tuple[str, list[Source]]:
             "kernels.json",
         ],
         [
+            "codec cost, one GPU",
+            f"`taco+` with every site compressed and nothing on the wire: the trainer's step "
+            f"{_pct(min(step_cost), 1, sign=True)} to {_pct(max(step_cost), 1, sign=True)}, the prefill "
+            f"{_pct(min(prefill_cost), sign=True)} to {_pct(max(prefill_cost), sign=True)} in wall-clock time",
+            "codec_cost_gpt2.json, codec_cost_qwen2.json",
+        ],
+        [
             "inference",
-            f"compressed prefill costs {_pct(min(prefill_cost))}-{_pct(max(prefill_cost))} in wall-clock time; "
-            f"decode {min(decode):.2f}-{max(decode):.2f} ms/token at 0.9B",
+            f"decode {min(decode):.2f}-{max(decode):.2f} ms/token at 0.9B on one GPU (plain: its messages are small)",
             "generate_h200_repeats.json",
         ],
     ]
-    body = [[claim, text, f"`{file}`"] for claim, text, file in body]
+    body = [[claim, text, ", ".join(f"`{f}`" for f in files.split(", "))] for claim, text, files in body]
     sources = [
         quality_source("quality_stable.json"),
         *step_tp2()[1],
+        *codec_cost()[1][:2],
         *kernels()[1],
         *generate()[1],
     ]
@@ -493,6 +540,7 @@ TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "generate": generate,
     "step_pipe_data": step_pipe_data,
     "permutation_cost": permutation_cost,
+    "codec_cost": codec_cost,
 }
 
 
