@@ -55,11 +55,12 @@ $(TRAIN_STAMP): pyproject.toml .ci/oldest.txt
 train: $(TRAIN_STAMP)
 	$(CPU_DEVICES) $(PY) -m taco_jax.train
 
-# Lint, the docs build and the newest leg (its environment first: pip waits on the
-# network and the disk more than on the cores) run while the oldest leg runs: the newest
-# leg's tests fill the cores the oldest leg's long tests leave idle near its end.
+# Lint, the docs build and the newest leg's environment (pip waits on the network and
+# the disk more than on the cores) run while the oldest leg runs; then the newest leg.
+NEWEST_ENV := $(if $(NEWEST_PYTHON),$(NEWEST_STAMP),)
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j4 lint docs test-oldest test-newest
+	$(MAKE) --no-print-directory -j4 lint docs test-oldest $(NEWEST_ENV)
+	$(MAKE) --no-print-directory test-newest
 
 # Formatting, lint rules and types (configured in pyproject.toml).
 lint: $(STAMP)
