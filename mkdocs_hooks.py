@@ -105,9 +105,8 @@ def on_pre_build(config) -> None:
 
 def on_files(files, config):
     # Each figure the pages ask for, drawn from its result file into the site.
-    for name, draw in report.FIGURES.items():
-        png, _ = draw()
-        files.append(File.generated(config, f"{FIGURES_DIR}/{name}.png", content=png))
+    for name, figure in report.FIGURES.items():
+        files.append(File.generated(config, f"{FIGURES_DIR}/{name}.png", content=figure.draw()))
     return files
 
 

@@ -132,23 +132,29 @@ def step_layers() -> tuple[str, list[Source]]:
     return _table(["model", "mode", "layers scanned", "unrolled", "speed-up"], body), sources
 
 
+# The TP=2 step on two GPUs, per link (the slow link: NCCL's peer-to-peer path disabled).
+TP2_FILES = {"NVLink": "step_tp2_nvlink_flash_attention.json", "slow link": "step_tp2_slowlink_flash_attention.json"}
+
+
+def tp2_source(link: str) -> Source:
+    """The source line of the TP=2 step over `link`."""
+    prefix = "NCCL_P2P_DISABLE=1 " if link == "slow link" else ""
+    command = f"{prefix}python -m benchmarks.step --mesh 1,1,2 --modes off,taco,taco+,default"
+    return Source(TP2_FILES[link], command)
+
+
 def step_tp2() -> tuple[str, list[Source]]:
     """The TP=2 step on two GPUs over NVLink and over the slow-link proxy."""
-    body, sources = [], []
-    for link, file in (
-        ("NVLink", "step_tp2_nvlink_flash_attention.json"),
-        ("slow link", "step_tp2_slowlink_flash_attention.json"),
-    ):
+    body = []
+    for link, file in TP2_FILES.items():
         ms = _step_ms(file)
         off = ms["gpt2", "off"]
         cells = [f"{off:.1f} ms"]
         for mode in ("taco", "taco+", "default"):
             cells.append(f"{ms['gpt2', mode]:.1f} ms, {off / ms['gpt2', mode]:.2f}x")
         body.append([link, *cells])
-        prefix = "NCCL_P2P_DISABLE=1 " if "slow" in link else ""
-        sources.append(Source(file, f"{prefix}python -m benchmarks.step --mesh 1,1,2 --modes off,taco,taco+,default"))
     head = ["0.91B GPT step, TP=2", "off", "taco", "taco+", "default (`taco_policy=auto`)"]
-    return _table(head, body), sources
+    return _table(head, body), [tp2_source(link) for link in TP2_FILES]
 
 
 def collectives() -> tuple[str, list[Source]]:
@@ -464,7 +470,7 @@ def headline() -> tuple[str, list[Source]]:
             picked = [r for r in mine if r["variant"] == variant]
             gaps.setdefault(variant, []).append(float(np.mean(harness._paired_gaps(picked, base, "val_loss"))))
     wire = {r["variant"]: harness._bytes(r).removeprefix("tensor ") for r in runs}
-    slow, nvlink = _step_ms("step_tp2_slowlink_flash_attention.json"), _step_ms("step_tp2_nvlink_flash_attention.json")
+    slow, nvlink = _step_ms(TP2_FILES["slow link"]), _step_ms(TP2_FILES["NVLink"])
     gluon = [100 * share for (_, impl, _, _), share in kernel_shares("kernels.json").items() if impl == "gluon"]
     decode = [r["decode_ms_per_token"] for r in _rows("generate_h200_repeats.json")]
     costs = {(r["path"], r["family"], r["mode"]): r["ms"] for f in CODEC_COST_FILES for r in load(f)["rows"]}
@@ -486,13 +492,13 @@ def headline() -> tuple[str, list[Source]]:
             "step, slow link",
             f"TP=2 step of a 0.91B GPT on two GPUs: `taco+` {slow['gpt2', 'off'] / slow['gpt2', 'taco+']:.2f}x bf16's speed, "
             f"the default policy {slow['gpt2', 'off'] / slow['gpt2', 'default']:.2f}x",
-            "step_tp2_slowlink_flash_attention.json",
+            TP2_FILES["slow link"],
         ],
         [
             "step, NVLink",
             f"`taco+` everywhere {nvlink['gpt2', 'off'] / nvlink['gpt2', 'taco+']:.2f}x; the default policy keeps "
             f"messages plain: {nvlink['gpt2', 'off'] / nvlink['gpt2', 'default']:.2f}x",
-            "step_tp2_nvlink_flash_attention.json",
+            TP2_FILES["NVLink"],
         ],
         [
             "kernels",
@@ -515,7 +521,7 @@ def headline() -> tuple[str, list[Source]]:
     body = [[claim, text, ", ".join(f"`{f}`" for f in files.split(", "))] for claim, text, files in body]
     sources = [
         quality_source("quality_stable.json"),
-        *step_tp2()[1],
+        *(tp2_source(link) for link in TP2_FILES),
         *codec_cost()[1][:2],
         *kernels()[1],
         *generate()[1],
@@ -558,7 +564,7 @@ def render_table(name: str) -> str:
 # ----------------------------------------------------------------------------- figures
 
 
-def _quality_figure(file: str) -> tuple[bytes, Source]:
+def _quality_figure(file: str) -> bytes:
     from benchmarks import quality as harness
 
     record = load(file)
@@ -568,10 +574,10 @@ def _quality_figure(file: str) -> tuple[bytes, Source]:
     _, panels = harness.table(runs, settings["models"].split(","), variants)
     buffer = io.BytesIO()
     harness.plot(runs, panels, variants, buffer, settings["mesh"])
-    return buffer.getvalue(), quality_source(file)
+    return buffer.getvalue()
 
 
-def _step_tp2_figure() -> tuple[bytes, Source]:
+def _step_tp2_figure() -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -579,9 +585,7 @@ def _step_tp2_figure() -> tuple[bytes, Source]:
 
     modes = ("off", "taco", "taco+", "default")
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    for offset, (link, file) in enumerate(
-        (("NVLink", "step_tp2_nvlink_flash_attention.json"), ("slow link", "step_tp2_slowlink_flash_attention.json"))
-    ):
+    for offset, (link, file) in enumerate(TP2_FILES.items()):
         ms = _step_ms(file)
         ax.bar([i + 0.4 * offset for i in range(len(modes))], [ms["gpt2", m] for m in modes], 0.4, label=link)
     ax.set_xticks([i + 0.2 for i in range(len(modes))], modes)
@@ -592,13 +596,28 @@ def _step_tp2_figure() -> tuple[bytes, Source]:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
-    return buffer.getvalue(), step_tp2()[1][1]
+    return buffer.getvalue()
 
 
-FIGURES: dict[str, Callable[[], tuple[bytes, Source]]] = {
-    "quality": lambda: _quality_figure("quality_stable.json"),
-    "quality_pipe_data": lambda: _quality_figure("quality_pipe_data.json"),
-    "step_tp2": _step_tp2_figure,
+@dataclass(frozen=True)
+class Figure:
+    """A figure of the docs.
+
+    Attributes:
+      draw: the PNG, drawn from the result file.
+      source: the result file's source line.
+    """
+
+    draw: Callable[[], bytes]
+    source: Callable[[], Source]
+
+
+FIGURES: dict[str, Figure] = {
+    "quality": Figure(lambda: _quality_figure("quality_stable.json"), lambda: quality_source("quality_stable.json")),
+    "quality_pipe_data": Figure(
+        lambda: _quality_figure("quality_pipe_data.json"), lambda: quality_source("quality_pipe_data.json")
+    ),
+    "step_tp2": Figure(_step_tp2_figure, lambda: tp2_source("slow link")),
 }
 
 
@@ -606,14 +625,7 @@ def render_figure(name: str, url: str) -> str:
     """The Markdown a `<!-- figure: NAME -->` marker becomes, the PNG at `url`."""
     if name not in FIGURES:
         raise ValueError(f"no figure named {name!r}; expected one of {sorted(FIGURES)}")
-    return f"![{name}]({url})\n\n<small>Source: {FIGURE_SOURCES[name]().line()}</small>\n"
-
-
-FIGURE_SOURCES: dict[str, Callable[[], Source]] = {
-    "quality": lambda: quality_source("quality_stable.json"),
-    "quality_pipe_data": lambda: quality_source("quality_pipe_data.json"),
-    "step_tp2": lambda: step_tp2()[1][1],
-}
+    return f"![{name}]({url})\n\n<small>Source: {FIGURES[name].source().line()}</small>\n"
 
 
 # ----------------------------------------------------------------------------- pages
