@@ -306,10 +306,10 @@ def planned_spec(
     return plan.spec(spec), None if plan.is_identity else plan
 
 
-def plain_reason(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> str:
-    """Why `config` sends `x` uncompressed (`plan_message` gave no plan): the first of the
-    mode, the dtype, the shape and the size that rules compression out; else the link
-    profile, which measured the plain collective faster."""
+def size_or_kind_rules_out(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> str | None:
+    """What keeps `x` off the codec under `config` whatever the link, or None: the mode,
+    a dtype that is not floating-point, a scalar or an empty array (no channels to group,
+    nothing to send) or a size under `min_bytes`."""
     nbytes = x.size * x.dtype.itemsize
     if not config.enabled:
         return "mode off"
@@ -317,21 +317,22 @@ def plain_reason(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> str
         return f"{jnp.dtype(x.dtype).name} is not floating-point"
     if x.ndim == 0 or x.size == 0:
         return "scalar or empty: no channels to group"
-    if nbytes < config.min_bytes:
+    if not config.compresses(nbytes):
         return f"under min_bytes ({nbytes:,} < {config.min_bytes:,} B)"
-    return "the link profile measured plain faster"
+    return None
+
+
+def plain_reason(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> str:
+    """Why `config` sends `x` uncompressed (`plan_message` gave no plan): what rules it
+    out (`size_or_kind_rules_out`), else the link profile, which measured the plain
+    collective faster."""
+    return size_or_kind_rules_out(x, config) or "the link profile measured plain faster"
 
 
 def compressible(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> bool:
-    """Whether `config` compresses `x`: a non-empty float array with at least one axis
-    of at least `min_bytes` (an empty one has nothing to send and a scalar no channels
-    to group, so they take the plain collective)."""
-    return (
-        x.ndim > 0
-        and x.size > 0
-        and jnp.issubdtype(x.dtype, jnp.floating)
-        and config.compresses(x.size * x.dtype.itemsize)
-    )
+    """Whether `config` compresses `x` where the link does not decide: a non-empty float
+    array with at least one axis, of at least `min_bytes`."""
+    return size_or_kind_rules_out(x, config) is None
 
 
 def plan_message(
