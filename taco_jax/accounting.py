@@ -80,9 +80,9 @@ class WireLedger:
         }
 
     def report(self) -> str:
-        """A table of the recorded collectives, one line per site, op and direction: the
-        per-rank message, the bytes each rank sends, their share of the uncompressed
-        collective's and why the message went compressed or plain.
+        """A table of the recorded collectives, one line each: the site, op and direction,
+        the per-rank message, the bytes each rank sends (loops counted), their share of the
+        uncompressed collective's and why the message went compressed or plain.
 
         Returns:
           The table as text (a header and no rows when nothing was recorded).
