@@ -49,6 +49,10 @@ Below 8 bits (calibrated like taco+):
   taco4          the 4-bit preset: INT4, groups of 32, bf16 scales (28.1%)
   taco4-sr       taco4 with stochastic rounding of the gradient messages
   taco+mixed     per site and direction the fewest bits within 1.5x E4M3's error
+Per direction (activations forward, activation gradients backward):
+  e2m3fwd-int4bwd      E2M3 G128 forward, INT4 G32 backward (33.2% of bf16's bytes)
+  e2m3fwd-int4g16bwd   E2M3 G128 forward, INT4 G16 backward (34.8%)
+  int4g16fwd-int4bwd   INT4 G16 forward, INT4 G32 backward (29.7%)
 
 Usage (GPU, one device):
   python -m benchmarks.quality --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
@@ -110,6 +114,10 @@ VARIANTS: dict[str, dict] = {
     "taco4": {"taco": "taco4"},
     "taco4-sr": {"taco": "taco4", "taco_backward": "int4:32:H:bf16:sr"},
     "taco+mixed": {"taco": "taco+mixed"},
+    # Per direction: 6-bit activations, 4-bit activation gradients, and 4-bit forward forms.
+    "e2m3fwd-int4bwd": {"taco": "taco+", "taco_forward": "e2m3:128:H:bf16", "taco_backward": "int4:32:H:bf16"},
+    "e2m3fwd-int4g16bwd": {"taco": "taco+", "taco_forward": "e2m3:128:H:bf16", "taco_backward": "int4:16:H:bf16"},
+    "int4g16fwd-int4bwd": {"taco": "taco+", "taco_forward": "int4:16:H:bf16", "taco_backward": "int4:32:H:bf16"},
 }
 
 
