@@ -197,7 +197,7 @@ def test_bad_layers_are_clear_errors():
         ParallelDotGeneral(mesh, config, "diagonal")
     with pytest.raises(ValueError, match="with a 'tensor' axis"):
         ParallelDotGeneral(jax.make_mesh((8,), ("model",)), config, "column")
-    with pytest.raises(ValueError, match="contracts the last axis"):
+    with pytest.raises(ValueError, match="contracts the last k axes"):
         ParallelDotGeneral(mesh, config, "column")(jnp.ones((4, 16)), jnp.ones((16, 8)), (((0,), (0,)), ((), ())))
 
 
