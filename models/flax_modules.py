@@ -15,6 +15,7 @@ converts the per-block state of the earlier NNX modules (see the changelog).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -28,9 +29,9 @@ import taco_jax as tj
 from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 
 from . import transformer
-from .config import ModelConfig, check_tensor_parallel, check_token_ids, head_dim
+from .config import ModelConfig, check_tensor_parallel, check_token_ids, head_dim, padded_vocab
 from .generate import generate as functional_generate
-from .params import init_params, is_layout_leaf, layout, partition_specs
+from .params import check_arrays, check_params, init_params, partition_specs
 
 _GROUPS = ("embed", "layers", "final")
 
@@ -188,22 +189,13 @@ def functional_params(model: Transformer) -> dict:
     return nnx.state(model, nnx.Param).to_pure_dict()
 
 
-def _check_layout(config: ModelConfig, params: dict) -> None:
-    if "blocks" in params:
+def _check_layout(config: ModelConfig, params: Any) -> None:
+    if isinstance(params, Mapping) and "blocks" in params:
         raise ValueError(
             "these parameters are the per-block state of the earlier NNX modules; convert them with "
             "models.flax_modules.params_from_blocks(config, state) and pass the result"
         )
-    want, got = _leaf_paths(layout(config), is_leaf=is_layout_leaf), _leaf_paths(params)
-    if want != got:
-        raise ValueError(
-            f"parameters do not match the {config.family} layout (models.layout): "
-            f"missing {sorted(want - got)}, unexpected {sorted(got - want)}"
-        )
-
-
-def _leaf_paths(tree: dict, **kwargs: Any) -> set[str]:
-    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree, **kwargs)}
+    check_params(config, params)
 
 
 def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoConfig, **kwargs: Any) -> Transformer:
@@ -221,7 +213,8 @@ def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoC
       The module, its parameters float32 and placed on `mesh` with their partitioning.
 
     Raises:
-      ValueError: parameters of another layout (the earlier per-block state names its
+      ValueError: parameters of another layout, shape or dtype (one error naming each
+        parameter, its shape and the layout's; the earlier per-block state names its
         conversion), and as `Transformer`.
     """
     _check_layout(config, params)
@@ -265,10 +258,16 @@ def params_from_blocks(config: ModelConfig, state: dict) -> dict:
 
     Returns:
       Nested dict of arrays as `models.init_params` gives them.
+
+    Raises:
+      ValueError: a state of other keys, shapes or dtypes than `config` implies (one
+        error naming each parameter, its shape and the expected one).
     """
     L, d, hd = config.n_layers, config.d_model, head_dim(config)
-    blocks = {int(i): block for i, block in state["blocks"].items()}
-    per_layer = jax.tree.map(lambda *a: jnp.stack(a), *[blocks[i] for i in range(L)])
+    if isinstance(state, Mapping) and isinstance(state.get("blocks"), Mapping):
+        state = {**state, "blocks": {str(i): block for i, block in state["blocks"].items()}}
+    check_arrays(_block_shapes(config), state, what="per-block state", against=f"the {config.family} per-block modules")
+    per_layer = jax.tree.map(lambda *a: jnp.stack(a), *[state["blocks"][str(i)] for i in range(L)])
     attn_in, mlp_in = per_layer["attn_in"], per_layer["mlp_in"]
     norm = lambda group, name: {f"{name}_{key}": value for key, value in group.items()}
     stacked = {
@@ -310,3 +309,30 @@ def params_from_blocks(config: ModelConfig, state: dict) -> dict:
     if not config.tie_embeddings:
         params["final"]["head"] = state["head"]
     return params
+
+
+def _block_shapes(config: ModelConfig) -> dict:
+    """The shapes of the earlier per-block modules' state (fused q/k/v projection, head-major;
+    fused gate/up projection for Qwen2)."""
+    d, f, attention = config.d_model, config.d_ff, config.n_heads * head_dim(config)
+    gpt2 = config.family == "gpt2"
+    vocab = (padded_vocab(config), d)
+
+    def linear(n_in: int, n_out: int, bias: bool) -> dict:
+        return {"kernel": (n_in, n_out)} | ({"bias": (n_out,)} if bias else {})
+
+    norm = {"scale": (d,)} | ({"bias": (d,)} if gpt2 else {})
+    block = {
+        "attn_in": linear(d, attention + 2 * config.n_kv_heads * head_dim(config), bias=True),
+        "attn_out": linear(attention, d, bias=gpt2),
+        "mlp_in": linear(d, f if gpt2 else 2 * f, bias=gpt2),
+        "mlp_out": linear(f, d, bias=gpt2),
+        "norm1": norm,
+        "norm2": norm,
+    }
+    state = {"blocks": {str(i): block for i in range(config.n_layers)}, "embed": vocab, "final_norm": norm}
+    if gpt2:
+        state["positions"] = (config.max_positions, d)
+    if not config.tie_embeddings:
+        state["head"] = vocab
+    return state

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 from numpy.typing import DTypeLike
 from safetensors import SafetensorError, safe_open
 
 from .config import GPT2Config, ModelConfig, Qwen2Config, head_dim, padded_vocab
-from .params import is_layout_leaf, layout
+from .params import check_params
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -137,13 +136,29 @@ class _Tensors:
         return value if self.dtype is None else value.astype(self.dtype)
 
     def stack(self, pattern: str, layers: int, transform) -> np.ndarray | None:
-        values = [self.get(pattern.format(i)) for i in range(layers)]
-        return None if any(v is None for v in values) else np.stack([transform(v) for v in values])
+        found = {name: value for name in map(pattern.format, range(layers)) if (value := self.get(name)) is not None}
+        if len(found) < layers:
+            return None
+        laid_out = [_laid_out(name, value, transform) for name, value in found.items()]
+        if len({value.shape for value in laid_out}) > 1:
+            shapes = {name: value.shape for name, value in found.items()}
+            raise ValueError(f"the layers' tensors {pattern.format('N')} differ in shape: {shapes}")
+        return np.stack(laid_out)
+
+
+def _laid_out(name: str, value: np.ndarray, transform) -> np.ndarray:
+    """`transform(value)`, or a ValueError naming the tensor whose shape it cannot take."""
+    try:
+        return transform(value)
+    except ValueError as error:
+        raise ValueError(f"{name} is {value.shape}, which config.json does not imply ({error})") from None
 
 
 def _pad_vocab(table: np.ndarray | None, config: ModelConfig) -> np.ndarray | None:
-    if table is None:
-        return None
+    """The table with zero rows up to the padded vocabulary (as it is where it cannot be:
+    `check_params` then names its shape)."""
+    if table is None or table.ndim != 2 or table.shape[0] > padded_vocab(config):
+        return table
     return np.pad(table, ((0, padded_vocab(config) - table.shape[0]), (0, 0)))
 
 
@@ -211,8 +226,8 @@ def load_hf(path: str | Path, dtype: DTypeLike | None = np.float32) -> tuple[Mod
 
     Raises:
       ValueError: missing files, an unsupported architecture or activation, a
-        config.json with keys missing or wrong, or tensors missing or of shapes the
-        config does not imply (named).
+        config.json with keys missing or wrong, or tensors missing, of shapes the
+        config does not imply or not floating-point (named, with both shapes).
     """
     folder = Path(path)
     if not (folder / "config.json").exists():
@@ -222,32 +237,16 @@ def load_hf(path: str | Path, dtype: DTypeLike | None = np.float32) -> tuple[Mod
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{folder / 'config.json'} cannot be read: {error}") from None
     config = _config_from_hf(hf_config)
-    if isinstance(config, GPT2Config):
-        tensors = _Tensors(_read_folder(folder), ("transformer.",), dtype)
-        params = _gpt2_params(tensors, config)
-    else:
-        tensors = _Tensors(_read_folder(folder), ("model.",), dtype)
-        params = _qwen2_params(tensors, config)
+    tensors = _Tensors(
+        _read_folder(folder), ("transformer.",) if isinstance(config, GPT2Config) else ("model.",), dtype
+    )
+    try:
+        params = _gpt2_params(tensors, config) if isinstance(config, GPT2Config) else _qwen2_params(tensors, config)
+    except ValueError as error:  # a tensor of a shape its layout cannot take
+        raise ValueError(f"{folder}: {error}") from None
     if tensors.missing:
         raise ValueError(
             f"{folder}: {config.family} checkpoint is missing tensors: {sorted(set(tensors.missing))[:10]}"
         )
-    _check_shapes(folder, params, config)
+    check_params(config, params, what=f"{folder}: tensors", against="config.json")
     return config, params
-
-
-def _check_shapes(folder: Path, params: dict, config: ModelConfig) -> None:
-    """Raise ValueError naming every parameter whose shape is not what config.json
-    implies (say, a position table shorter than n_positions)."""
-    expected = jax.tree.map(lambda leaf: leaf[0], layout(config), is_leaf=is_layout_leaf)
-    wrong = [
-        f"{jax.tree_util.keystr(path)} is {tuple(value.shape)}, config.json implies {tuple(shape)}"
-        for (path, value), shape in zip(
-            jax.tree_util.tree_flatten_with_path(params)[0],
-            jax.tree.leaves(expected, is_leaf=lambda leaf: isinstance(leaf, tuple)),
-            strict=True,
-        )
-        if tuple(value.shape) != tuple(shape)
-    ]
-    if wrong:
-        raise ValueError(f"{folder}: tensors do not match config.json: {'; '.join(wrong[:5])}")

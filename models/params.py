@@ -6,6 +6,7 @@ their own), so the same parameters and checkpoints serve every mesh.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -94,6 +95,63 @@ def layout(config: ModelConfig) -> dict:
 def is_layout_leaf(node) -> bool:
     """True for a (shape, logical axes) leaf of `layout`."""
     return isinstance(node, tuple) and len(node) == 2 and isinstance(node[1], tuple)
+
+
+def check_arrays(expected: Mapping, tree: Any, *, what: str, against: str) -> None:
+    """Raise ValueError unless `tree` is a nested dict with exactly the keys of `expected`
+    (a nested dict of shape tuples) holding, at each of its shapes, a floating-point array
+    of that shape: the check every parameter loader runs before it uses anything.
+
+    Args:
+      expected: nested dict of shapes (tuples of ints).
+      tree: what was given.
+      what: how the message names `tree` (e.g. "parameters").
+      against: how it names `expected` (e.g. "the gpt2 layout (models.layout)").
+
+    Raises:
+      ValueError: one, naming the missing and unexpected paths, or each path whose
+        array has another shape (both shapes) or a dtype that is not floating-point.
+    """
+    if not isinstance(tree, Mapping):
+        raise ValueError(f"{what} must be a nested dict of arrays, got {type(tree).__name__}")
+    want = _by_path(expected, is_leaf=lambda node: isinstance(node, tuple))
+    got = _by_path(tree)
+    missing, unexpected = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    if missing or unexpected:
+        raise ValueError(f"{what} do not match {against}: missing {missing}, unexpected {unexpected}")
+    wrong = [problem for path, shape in want.items() if (problem := _array_problem(path, got[path], shape))]
+    if wrong:
+        more = f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""
+        raise ValueError(f"{what} do not match {against}: {'; '.join(wrong[:5])}{more}")
+
+
+def _by_path(tree: Any, **kwargs: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree, **kwargs)}
+
+
+def _array_problem(path: str, value: Any, shape: tuple) -> str | None:
+    """What is wrong with `value` as a parameter of `shape`, or None."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        return f"{path} is a {type(value).__name__}, expected an array of shape {tuple(shape)}"
+    if tuple(value.shape) != tuple(shape):
+        return f"{path} is {tuple(value.shape)}, expected {tuple(shape)}"
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        return f"{path} is {jnp.dtype(value.dtype).name}, expected a floating-point dtype (float32)"
+    return None
+
+
+def check_params(config: ModelConfig, params: Any, *, what: str = "parameters", against: str | None = None) -> None:
+    """Raise ValueError unless `params` are `config`'s parameters (`check_arrays` against
+    `layout`): the same keys, shapes, and floating-point dtypes.
+
+    Args:
+      config: the model configuration.
+      params: nested dict of arrays (host, device or `jax.ShapeDtypeStruct`).
+      what: how the message names `params`.
+      against: how it names the expected layout (default: the family's layout).
+    """
+    shapes = jax.tree.map(lambda leaf: leaf[0], layout(config), is_leaf=is_layout_leaf)
+    check_arrays(shapes, params, what=what, against=against or f"the {config.family} layout (models.layout)")
 
 
 def _spec(logical_axes: tuple) -> P:

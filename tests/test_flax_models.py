@@ -1,6 +1,7 @@
 """GPT-2 and Qwen2 as Flax NNX modules (models.flax_modules) against the functional
 models: logits, gradients and a user's own nnx + optax loop (8 CPU devices)."""
 
+import dataclasses
 import functools
 import pathlib
 
@@ -18,6 +19,7 @@ import taco_jax as tj
 from taco_jax import models
 from taco_jax.models import flax_modules
 from taco_jax.models.config import GPT2Config, Qwen2Config
+from taco_jax.models.params import is_layout_leaf
 
 DATA = pathlib.Path(__file__).parent / "data"
 
@@ -245,3 +247,77 @@ def test_earlier_block_state_converts_and_is_refused_unconverted(family):
     other = _BLOCK_STATE_CONFIGS["qwen2" if family == "gpt2" else "gpt2"]
     with pytest.raises(ValueError, match=f"do not match the {other.family} layout"):
         flax_modules.from_params(other, converted, mesh=mesh, taco=tj.TacoConfig.preset("off"))
+
+
+def _zeros(config, dtype=np.float32) -> dict:
+    """Parameters of `config`'s layout, all zero (no device work)."""
+    return jax.tree.map(lambda leaf: np.zeros(leaf[0], dtype), models.layout(config), is_leaf=is_layout_leaf)
+
+
+_GPT2 = _BLOCK_STATE_CONFIGS["gpt2"]
+
+
+def _with(params: dict, group: str, name: str, value) -> dict:
+    return params | {group: params[group] | {name: value}}
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (
+            _zeros(dataclasses.replace(_GPT2, d_model=64)),  # another model, the same names
+            r"\['embed'\]\['positions'\] is \(16, 64\), expected \(16, 32\)",
+        ),
+        (
+            _with(_zeros(_GPT2), "embed", "tokens", np.zeros((128, 32), np.int32)),
+            r"'tokens'\] is int32, expected a float",
+        ),
+        (
+            _with(_zeros(_GPT2), "final", "norm_bias", "zeros"),
+            r"'norm_bias'\] is a str, expected an array of shape \(32,\)",
+        ),
+        (_with(_zeros(_GPT2), "final", "norm_bias", None), r"missing \[\"\['final'\]\['norm_bias'\]\"\]"),
+        ([_zeros(_GPT2)], "parameters must be a nested dict of arrays, got list"),
+    ],
+    ids=["other_model", "int_dtype", "not_an_array", "none", "not_a_dict"],
+)
+def test_from_params_refuses_other_shapes_and_dtypes(params, message):
+    """Before anything is built or compiled: one error naming the parameter and both shapes."""
+    mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=message):
+        flax_modules.from_params(_GPT2, params, mesh=mesh, taco=tj.TacoConfig.preset("off"))
+
+
+def _transposed_attn_in(blocks: dict) -> dict:
+    first = blocks["0"]
+    return {0: first | {"attn_in": first["attn_in"] | {"kernel": first["attn_in"]["kernel"].T}}, 1: blocks["1"]}
+
+
+# How a state goes wrong -> what the error says (block keys as ints or strings).
+_BAD_BLOCK_STATES = {
+    "missing_layer": (
+        lambda state: state | {"blocks": {"0": state["blocks"]["0"]}},
+        r"missing \[\"\['blocks'\]\['1'\]\['attn_in'\]\['bias'\]\"",
+    ),
+    "transposed": (
+        lambda state: state | {"blocks": _transposed_attn_in(state["blocks"])},
+        r"\['attn_in'\]\['kernel'\] is \(96, 32\), expected \(32, 96\)",
+    ),
+    "extra_key": (
+        lambda state: state | {"blocks": state["blocks"] | {"x": state["blocks"]["1"]}},
+        r"unexpected \[\"\['blocks'\]\['x'\]",
+    ),
+    "no_positions": (
+        lambda state: {key: value for key, value in state.items() if key != "positions"},
+        r"missing \[\"\['positions'\]\"\]",
+    ),
+    "none": (lambda state: None, "per-block state must be a nested dict of arrays, got NoneType"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_BLOCK_STATES))
+def test_params_from_blocks_refuses_bad_state_by_name(case):
+    edit, message = _BAD_BLOCK_STATES[case]
+    state = _nested(safetensors.numpy.load_file(DATA / "nnx_blocks_gpt2.safetensors"), "state")
+    with pytest.raises(ValueError, match=message):
+        flax_modules.params_from_blocks(_GPT2, edit(state))

@@ -248,7 +248,12 @@ def test_clear_errors(hf_folders, tmp_path):
     (configured / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     hf = json.loads((folder / "config.json").read_text())
     for changed, message in [
-        ({"n_positions": 128}, r"\['positions'\] is \(64, 64\), config.json implies \(128, 64\)"),
+        (
+            {"n_positions": 128},
+            r"tensors do not match config.json: \['embed'\]\['positions'\] is \(64, 64\), expected \(128, 64\)",
+        ),
+        ({"n_embd": 32}, r"configured: h.0.attn.c_attn.weight is \(64, 192\), which config.json does not imply"),
+        ({"vocab_size": 100}, r"\['embed'\]\['tokens'\] is \(300, 64\), expected \(128, 64\)"),
         ({"activation_function": "relu"}, "activation_function 'relu' is not supported"),
         ({"n_head": None}, "config.json has no n_head"),
         ({"n_layer": 2.5}, "n_layer must be a positive integer"),
