@@ -13,7 +13,7 @@ from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
 
 from .config import ModelConfig, check_tensor_parallel, check_token_ids
 from .params import partition_specs, shard_params
-from .transformer import Parallelism, cross_entropy, local_logits
+from .transformer import Parallelism, cross_entropy, local_logits, taco_config
 
 
 def _mesh_or_default(mesh: Mesh | None) -> Mesh:
@@ -32,7 +32,7 @@ def _prepare(
     mesh = _mesh_or_default(mesh)
     check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
     calibration = calibration if calibration is not None else tj.calibration.Calibration()
-    return mesh, Parallelism(taco or tj.TacoConfig.preset("off"), sequence_parallel, calibration=calibration)
+    return mesh, Parallelism(taco_config(taco), sequence_parallel, calibration=calibration)
 
 
 def logits(
@@ -41,7 +41,7 @@ def logits(
     tokens: jax.Array,
     *,
     mesh: Mesh | None = None,
-    taco: tj.TacoConfig | None = None,
+    taco: tj.TacoConfig | str | None = None,
     sequence_parallel: bool = False,
     calibration: tj.calibration.Calibration | None = None,
 ) -> jax.Array:
@@ -52,7 +52,8 @@ def logits(
       params: parameters (host or device; placed on `mesh` with their partition specs).
       tokens: (B, S) int token ids.
       mesh: (data, pipe, tensor) mesh; one device if None.
-      taco: compression of the tensor-parallel collectives (uncompressed if None).
+      taco: compression of the tensor-parallel collectives: a `TacoConfig` or a preset
+        name (`TacoConfig.preset(name)`); uncompressed if None.
       sequence_parallel: run norms and residuals on sequence shards.
       calibration: per-site channel permutations / transform decisions (None: identity).
 
@@ -62,7 +63,8 @@ def logits(
     Raises:
       ValueError: token ids outside [0, vocab_size); the tensor axis does not divide
         the heads, kv heads, MLP width or vocabulary (or the sequence, with sequence
-        parallelism).
+        parallelism); an unknown preset name.
+      TypeError: `taco` neither a `TacoConfig`, a preset name nor None.
     """
     check_token_ids(tokens, config)
     mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)
@@ -109,7 +111,7 @@ def loss_and_grads(
     tokens: jax.Array,
     *,
     mesh: Mesh | None = None,
-    taco: tj.TacoConfig | None = None,
+    taco: tj.TacoConfig | str | None = None,
     sequence_parallel: bool = False,
     calibration: tj.calibration.Calibration | None = None,
 ) -> tuple[jax.Array, dict]:
@@ -120,7 +122,8 @@ def loss_and_grads(
       params: parameters (placed on `mesh` with their partition specs).
       tokens: (B, S + 1) int token ids, B divisible by the data axis.
       mesh: (data, pipe, tensor) mesh; one device if None.
-      taco: compression of the tensor-parallel collectives (uncompressed if None).
+      taco: compression of the tensor-parallel collectives: a `TacoConfig` or a preset
+        name (`TacoConfig.preset(name)`); uncompressed if None.
       sequence_parallel: run norms and residuals on sequence shards.
       calibration: per-site channel permutations / transform decisions (None: identity).
 
@@ -128,7 +131,7 @@ def loss_and_grads(
       (loss, grads), grads sharded like the parameters.
 
     Raises:
-      ValueError: as `logits`.
+      ValueError, TypeError: as `logits`.
     """
     check_token_ids(tokens, config)
     mesh, par = _prepare(config, mesh, taco, sequence_parallel, calibration)

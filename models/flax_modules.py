@@ -74,7 +74,7 @@ class Transformer(nnx.Module):
         config: ModelConfig,
         *,
         mesh: Mesh,
-        taco: tj.TacoConfig,
+        taco: tj.TacoConfig | str,
         rngs: nnx.Rngs,
         sequence_parallel: bool = False,
         dtype: Any = jnp.float32,
@@ -87,7 +87,9 @@ class Transformer(nnx.Module):
           config: `models.GPT2Config` or `models.Qwen2Config`.
           mesh: (data, pipe, tensor) mesh from `taco_jax.make_mesh`, pipe = 1; the
             parameters are born on it.
-          taco: `TacoConfig` of the tensor-parallel collectives.
+          taco: compression of the tensor-parallel collectives: a `TacoConfig`, or a
+            preset name as the trainer's `--taco` takes it (`TacoConfig.preset(name)`,
+            e.g. "taco+").
           rngs: `nnx.Rngs` for initialization (`models.init_params` with its params key).
           sequence_parallel: norms and residuals on sequence shards over "tensor".
           dtype: compute dtype of the matmuls (parameters stay float32).
@@ -99,7 +101,8 @@ class Transformer(nnx.Module):
         Raises:
           ValueError: a pipelined mesh; the tensor axis does not divide the heads, kv
             heads, MLP width or padded vocabulary; an overlap that is not a bool or a set
-            of overlap sites; an unknown remat policy.
+            of overlap sites; an unknown remat policy; an unknown preset name.
+          TypeError: `taco` neither a `TacoConfig` nor a preset name.
         """
         if mesh.shape[PIPE_AXIS] != 1:
             raise ValueError(
@@ -109,7 +112,7 @@ class Transformer(nnx.Module):
         check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
         self.config, self.mesh = config, mesh
         self.parallelism = transformer.Parallelism(
-            taco=taco,
+            taco=transformer.taco_config(taco),
             sequence_parallel=sequence_parallel,
             compute_dtype=dtype,
             calibration=calibration if calibration is not None else tj.calibration.Calibration(),
@@ -198,7 +201,9 @@ def _check_layout(config: ModelConfig, params: Any) -> None:
     check_params(config, params)
 
 
-def from_params(config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoConfig, **kwargs: Any) -> Transformer:
+def from_params(
+    config: ModelConfig, params: dict, *, mesh: Mesh, taco: tj.TacoConfig | str, **kwargs: Any
+) -> Transformer:
     """A `Transformer` holding `params` (from `models.init_params`, `models.load_hf` or a
     trainer checkpoint).
 

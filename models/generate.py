@@ -33,7 +33,7 @@ from . import layers
 from .api import _mesh_or_default
 from .config import ModelConfig, check_tensor_parallel
 from .params import partition_specs, shard_params
-from .transformer import Parallelism, _block, _embed, final_norm, logits_from_hidden
+from .transformer import Parallelism, _block, _embed, final_norm, logits_from_hidden, taco_config
 
 # Prompt lengths are padded up to a power of two at least this long, so prompts of
 # similar lengths share one compiled prefill.
@@ -282,7 +282,7 @@ def prompt_logits(
     prompts: list[list[int]],
     *,
     mesh: Mesh | None = None,
-    taco: tj.TacoConfig | None = None,
+    taco: tj.TacoConfig | str | None = None,
     dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> np.ndarray:
     """The next-token logits at the end of each prompt, through generation's prefill
@@ -300,12 +300,12 @@ def prompt_logits(
       float32 (len(prompts), vocab_size).
 
     Raises:
-      ValueError: as `generate`.
+      ValueError, TypeError: as `generate`.
     """
     _check(config, prompts, 1, 0.0, 0, 1.0)
     _check_dtype(dtype)
+    par = Parallelism(taco_config(taco), compute_dtype=jnp.dtype(dtype))
     batch = _Batch(config, _mesh_or_default(mesh), prompts, 1)
-    par = Parallelism(taco or tj.TacoConfig.preset("off"), compute_dtype=jnp.dtype(dtype))
     prefill = batch.compiled(_prefill_logits, config, par, batch.cache_length)
     placed = _place(params, config, batch.mesh, par.compute_dtype)
     _, logits = prefill(placed, batch.tokens, batch.lengths)
@@ -318,14 +318,14 @@ def generate(
     prompts: list[list[int]],
     *,
     mesh: Mesh | None = None,
-    taco: tj.TacoConfig | None = None,
+    taco: tj.TacoConfig | str | None = None,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
     eos_id: int | None = None,
-    decode_taco: tj.TacoConfig | None = None,
+    decode_taco: tj.TacoConfig | str | None = None,
     dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> list[list[int]]:
     """Continue each prompt with the model, through a KV cache.
@@ -335,7 +335,8 @@ def generate(
       params: parameters in the global layout (host or device arrays).
       prompts: token id lists, of any lengths.
       mesh: (data, 1, tensor) mesh from `taco_jax.make_mesh`; one device if None.
-      taco: compression of the prefill's tensor-parallel collectives (None: uncompressed).
+      taco: compression of the prefill's tensor-parallel collectives: a `TacoConfig` or
+        a preset name (`TacoConfig.preset(name)`, e.g. "taco+"); None: uncompressed.
       max_new_tokens: tokens generated at most per prompt.
       temperature: 0 is greedy; above, the softmax temperature of sampling.
       top_k: sample among the k most likely tokens (0: all).
@@ -344,8 +345,8 @@ def generate(
         uses the key folded with t and then i, so the samples depend on the prompts,
         the seed and the sampling settings, never on the mesh or the batch padding.
       eos_id: stop a sequence after this token (included).
-      decode_taco: compression of the decode steps' collectives (None: uncompressed,
-        as their few rows per layer are latency-bound).
+      decode_taco: compression of the decode steps' collectives, as `taco` (None:
+        uncompressed, as their few rows per layer are latency-bound).
       dtype: compute dtype of the weights (cast once), activations and KV cache;
         bfloat16 on GPUs.
 
@@ -356,22 +357,22 @@ def generate(
       ValueError: empty prompts, token ids outside the vocabulary, a prompt plus
         max_new_tokens longer than the model's positions, bad sampling arguments (a
         temperature that is not finite, a top_k that is not an integer), a seed outside
-        [0, 2**32), a dtype that is not floating-point, a pipelined mesh, or a tensor
-        axis that does not divide the (kv) heads.
+        [0, 2**32), a dtype that is not floating-point, a pipelined mesh, a tensor
+        axis that does not divide the (kv) heads, or an unknown preset name.
+      TypeError: `taco` or `decode_taco` neither a `TacoConfig`, a preset name nor
+        None (naming it).
     """
     _check(config, prompts, max_new_tokens, temperature, top_k, top_p)
     _check_seed(seed)
     _check_dtype(dtype)
-    off, compute = tj.TacoConfig.preset("off"), jnp.dtype(dtype)
+    compute = jnp.dtype(dtype)
+    prefill_par = Parallelism(taco_config(taco), compute_dtype=compute)
+    decode_par = Parallelism(taco_config(decode_taco, "decode_taco"), compute_dtype=compute)
     sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     batch = _Batch(config, _mesh_or_default(mesh), prompts, max_new_tokens)
     chunk = min(DECODE_CHUNK, max_new_tokens - 1)
-    prefill = batch.compiled(
-        _prefill, config, Parallelism(taco or off, compute_dtype=compute), sampling, batch.cache_length
-    )
-    decode = batch.compiled(
-        _decode_chunk, config, Parallelism(decode_taco or off, compute_dtype=compute), sampling, chunk
-    )
+    prefill = batch.compiled(_prefill, config, prefill_par, sampling, batch.cache_length)
+    decode = batch.compiled(_decode_chunk, config, decode_par, sampling, chunk)
     placed = _place(params, config, batch.mesh, compute)
     key = jax.random.key(seed)
     cache, drawn = prefill(placed, batch.tokens, batch.lengths, jax.random.fold_in(key, 0))

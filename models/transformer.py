@@ -75,6 +75,30 @@ class Parallelism:
             raise ValueError(f"unknown remat policy {self.remat!r}; expected one of {list(REMAT_POLICIES)}")
 
 
+def taco_config(value: tj.TacoConfig | str | None, argument: str = "taco") -> tj.TacoConfig:
+    """The `TacoConfig` an entry point's `argument` names: a `TacoConfig` as it is, a
+    preset name as `TacoConfig.preset(name)` (the trainer's `--taco` names, with their
+    default `min_bytes`), None as mode "off" (uncompressed).
+
+    Raises:
+      TypeError: any other type (naming `argument`).
+      ValueError: an unknown preset name (naming `argument`).
+    """
+    if value is None:
+        return tj.TacoConfig.preset("off")
+    if isinstance(value, tj.TacoConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            return tj.TacoConfig.preset(value)
+        except ValueError as error:
+            raise ValueError(f"{argument}: {error}") from None
+    raise TypeError(
+        f"{argument} must be a taco_jax.TacoConfig, a preset name ({', '.join(tj.PRESETS)}) or None, "
+        f"got {type(value).__name__}"
+    )
+
+
 # What a layer keeps for its backward pass (jax.checkpoint policies); None = no remat.
 REMAT_POLICIES = {
     "none": None,

@@ -202,13 +202,14 @@ def test_nnx_generation_is_the_functional_generation(name):
     (greedy, TP=2, Qwen2 with grouped kv heads)."""
     config, params, _ = _setup(name)
     mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
-    model = flax_modules.from_params(config, params, mesh=mesh, taco=tj.TacoConfig.preset("off"))
+    model = flax_modules.from_params(config, params, mesh=mesh, taco="off")  # a preset name
+    assert model.taco == tj.TacoConfig.preset("off")
     back = flax_modules.functional_params(model)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     prompts = [[5, 9, 2, 7], [11, 3]]
-    want = models.generate(config, params, prompts, mesh=mesh, max_new_tokens=5)
+    want = models.generate(config, params, prompts, mesh=mesh, taco="off", decode_taco="off", max_new_tokens=5)
     assert flax_modules.generate(model, prompts, max_new_tokens=5) == want and len(want[0]) == 5
 
 
@@ -321,3 +322,18 @@ def test_params_from_blocks_refuses_bad_state_by_name(case):
     state = _nested(safetensors.numpy.load_file(DATA / "nnx_blocks_gpt2.safetensors"), "state")
     with pytest.raises(ValueError, match=message):
         flax_modules.params_from_blocks(_GPT2, edit(state))
+
+
+def test_taco_takes_a_preset_name_and_names_itself_when_wrong():
+    """A preset name is `TacoConfig.preset(name)`; another type or name is refused before
+    anything is built."""
+    mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
+
+    def build(taco):
+        return nnx.eval_shape(lambda: flax_modules.Transformer(_GPT2, mesh=mesh, taco=taco, rngs=nnx.Rngs(0)))
+
+    assert build("taco+mixed").taco == tj.TacoConfig.preset("taco+mixed")
+    with pytest.raises(TypeError, match="taco must be a taco_jax.TacoConfig, a preset name"):
+        build(8)
+    with pytest.raises(ValueError, match="taco: unknown TACO preset 'taco9'"):
+        build("taco9")

@@ -427,6 +427,22 @@ def test_compressed_prefill_and_sampling(hf_folders):
     assert all(len(s) == 8 or s[-1] == greedy[0][2] for s in stopped)
 
 
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda *a: models.generate(*a, taco=8), TypeError, "taco must be a taco_jax.TacoConfig, a preset name"),
+        (lambda *a: models.generate(*a, decode_taco=True), TypeError, "decode_taco must be a taco_jax.TacoConfig"),
+        (lambda *a: models.prompt_logits(*a, taco="taco9"), ValueError, "taco: unknown TACO preset 'taco9'"),
+    ],
+    ids=["generate_int", "decode_bool", "prompt_logits_name"],
+)
+def test_generation_names_a_bad_taco_before_compiling(call, error, message):
+    config = models.GPT2Config(vocab_size=64, max_positions=64, d_model=32, n_layers=1, n_heads=4, d_ff=64)
+    params = jax.eval_shape(lambda: models.init_params(config, jax.random.key(0)))
+    with pytest.raises(error, match=message):
+        call(config, params, [[1, 2, 3]])
+
+
 def test_decode_steps_read_the_weights_where_they_lie():
     """The compiled decode loop's live intermediates stay well below one layer's weights:
     each GEMM reads its layer's buffer in place (a scan over the stacked weights copies
