@@ -349,8 +349,15 @@ def test_standalone_calibration_feeds_other_runs(tmp_path):
     assert not (Path(observing.out) / "metrics.jsonl").exists()  # nothing was trained
     decided = calibrate.load_calibration(summary["file"])
     run = _cfg(tmp_path, "uses_it", taco="taco+mixed", steps=2, calibration_file=summary["file"])
-    assert trainer.train(run, progress=False)["calibrated_sites"] == 6
+    loop = trainer.setup_train_loop(run)
+    try:
+        trainer.train_loop(loop, signals.StopFlag())
+        reported, compiled, _ = _loop_bytes(loop)
+    finally:
+        loop.run.close()
+    assert loop.run.calibration == decided and reported == compiled
     row = _rows(run.out)[-1]
+    assert row["wire_bytes_by_axis"] == compiled
     assert 0 < row["wire_bytes_by_axis"]["tensor"] < 0.5 * row["wire_bytes_bf16_by_axis"]["tensor"]
     assert not (Path(run.out) / "calibration.json").exists()  # loaded, not observed
     checkpoint = Checkpointer(Path(run.out) / "checkpoints", 3)
@@ -422,17 +429,59 @@ def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
     train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, jax.tree.map(lambda x: x.sharding, state))
     tokens = data_lib.batch_maker(cfg, mesh)(load("shakespeare", val_fraction=0.05).train, 0, cfg.batch_size)
     wire = metrics.wire_bytes_per_step(train_step, state, tokens).sent
+    compiled = _compiled_bytes_by_axis(train_step, state, tokens, mesh)
+    assert wire == compiled and all(compiled.values())
+    trainer.train(dataclasses.replace(cfg, steps=1), progress=False)
+    assert _rows(cfg.out)[0]["wire_bytes_by_axis"] == wire
+
+
+def _compiled_bytes_by_axis(train_step, state, tokens, mesh) -> dict[str, int]:
+    """What each rank sends per step on each mesh axis, read from the compiled step's
+    non-scalar collectives, each attributed to its axis by its replica groups."""
     hlo = train_step.lower(*state, tokens, jnp.bool_(False)).compile().as_text()
     compiled = {"tensor": 0, "pipe": 0, "data": 0}
     for collective in tj.collectives_in_hlo(hlo):
         arrays = [int(np.prod(shape)) * dtype_bytes(dtype) for dtype, shape in collective.parts if shape]
-        if not arrays:
-            continue  # scalars (the loss, the gradient norm)
+        if not arrays or collective.group_size == 1:
+            continue  # scalars (the loss, the gradient norm); a sum over one device sends nothing
         (axis,) = collective.mesh_axes(mesh)
         compiled[axis] += collective.sent_bytes * sum(arrays) // collective.result_bytes
-    assert wire == compiled and all(compiled.values())
-    trainer.train(dataclasses.replace(cfg, steps=1), progress=False)
-    assert _rows(cfg.out)[0]["wire_bytes_by_axis"] == wire
+    return compiled
+
+
+def _loop_bytes(loop) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """What the loop reports one step sends, what its compiled step sends, and what
+    `wire_bytes_per_step` counts once the step is compiled, per axis."""
+    run = loop.run
+    state, tokens = (run.params, run.opt_state, run.feedback), loop.batch_of(run.corpus.train, 0, run.cfg.batch_size)
+    compiled = _compiled_bytes_by_axis(loop.train_step, state, tokens, run.mesh)
+    return loop.wire.sent, compiled, metrics.wire_bytes_per_step(loop.train_step, state, tokens).sent
+
+
+def test_reported_wire_bytes_are_those_of_the_compiled_step_after_calibration(tmp_path):
+    """The bytes in the metrics rows and the summary are those of the step that trains:
+    off and taco4 report their compiled steps, also when the step was traced before the
+    count; taco+mixed calibrated in the run reports, from the calibrated step on, what
+    the calibrated step sends (taco+: `test_bytes_per_axis_in_metrics_equal_the_compiled_collectives`;
+    taco+mixed from a file: `test_standalone_calibration_feeds_other_runs`)."""
+    for preset in ("off", "taco4"):
+        loop = trainer.setup_train_loop(_cfg(tmp_path, preset, taco=preset, calibration_steps=0))
+        try:
+            reported, compiled, counted_after_compiling = _loop_bytes(loop)
+        finally:
+            loop.run.close()
+        assert reported == compiled == counted_after_compiling and compiled["tensor"] > 0
+    in_run = _cfg(tmp_path, "in_run", taco="taco+mixed", steps=2, calibration_steps=1)
+    loop = trainer.setup_train_loop(in_run)
+    try:
+        trainer.train_loop(loop, signals.StopFlag())
+        reported, compiled, _ = _loop_bytes(loop)
+        summary = metrics.summary(loop.run, _rows(in_run.out), loop.wire, None, 0.0)
+    finally:
+        loop.run.close()
+    before, after = (row["wire_bytes_by_axis"] for row in _rows(in_run.out))
+    assert reported == compiled == after == summary["wire_bytes_by_axis"]
+    assert after["tensor"] < 0.9 * before["tensor"] and sum(summary["sites_with_fewer_bits"].values()) >= 1
 
 
 def test_resume_refuses_a_changed_run_and_keeps_its_config(tmp_path):

@@ -39,18 +39,23 @@ class WireBytes:
 
 
 def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: jax.Array) -> WireBytes:
-    """The `WireBytes` of one optimizer step, from the collectives traced in one step,
-    each counted as often as the loops around it run (the layers' scan, the accumulation
-    steps). (Scalars, e.g. the loss's mean over data, and forward messages recomputed
-    under `remat` are not counted.)
+    """The `WireBytes` of one optimizer step of `train_step` as it is compiled: the
+    collectives of one trace of its function, each counted as often as the loops around
+    it run (the layers' scan, the accumulation steps). (Scalars, e.g. the loss's mean
+    over data, and forward messages recomputed under `remat` are not counted.)
+
+    The function is traced anew under a wrapper of its own: jit reuses an earlier trace
+    of `train_step`, during which the ledger may not have been recording. The trace is
+    the one the compiled step has (the same function on the same shapes).
 
     Args:
       train_step: from `trainer.make_step_functions`.
       state: (params, opt_state, feedback) as train_step takes them.
       tokens: a global batch.
     """
+    step = train_step.__wrapped__
     with tj.record_wire() as ledger:
-        train_step.lower(*state, tokens, jnp.bool_(False))
+        jax.jit(lambda *args: step(*args)).trace(*state, tokens, jnp.bool_(False))
     return WireBytes(
         ledger.by_axis(tj.MESH_AXES), ledger.uncompressed_by_axis(tj.MESH_AXES), ledger.by_axis(tj.MESH_AXES, bf16=True)
     )

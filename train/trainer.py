@@ -227,7 +227,8 @@ class TrainLoop:
       batch_of: (tokens, position, size) -> the global batch at that data position.
       train_step, eval_step: from `make_step_functions`.
       shardings: of (params, optimizer state, feedback), kept across recompilations.
-      wire: the bytes one step sends per mesh axis.
+      wire: the bytes one step of `train_step` sends per mesh axis (counted again
+        whenever the step is compiled anew, as after calibration).
       log: metrics.jsonl.
       collector: what calibration observes until `calibrate_at`; None once calibrated.
       calibrate_at: the step after which the run calibrates, or None.
@@ -304,8 +305,7 @@ def _loop_of(run: RunState, cfg: TrainConfig, resume: bool) -> TrainLoop:
     train_step, eval_step = make_step_functions(
         resolved, run.model_config, run.mesh, run.tx, shardings, run.calibration, collector
     )
-    state = (run.params, run.opt_state, run.feedback)
-    wire = wire_bytes_per_step(train_step, state, first_batch)
+    wire = wire_bytes_per_step(train_step, (run.params, run.opt_state, run.feedback), first_batch)
     return TrainLoop(
         run=run,
         given=cfg,
@@ -370,7 +370,8 @@ def run_step(loop: TrainLoop, bar=None) -> dict:
 
 
 def _calibrate(loop: TrainLoop, bar) -> None:
-    """Decide the calibration from what the collector observed and recompile the steps."""
+    """Decide the calibration from what the collector observed, recompile the steps and
+    count what the new step sends (the calibration may give sites fewer bits)."""
     run = loop.run
     assert loop.collector is not None
     run.calibration = calibrate_run(run.cfg, loop.collector, run.out if loop.main_process else None, bar)
@@ -378,6 +379,8 @@ def _calibrate(loop: TrainLoop, bar) -> None:
     loop.train_step, loop.eval_step = make_step_functions(
         run.cfg, run.model_config, run.mesh, run.tx, loop.shardings, run.calibration
     )
+    tokens = loop.batch_of(run.corpus.train, run.step, run.cfg.batch_size)
+    loop.wire = wire_bytes_per_step(loop.train_step, (run.params, run.opt_state, run.feedback), tokens)
 
 
 def evaluate(loop: TrainLoop) -> float:
