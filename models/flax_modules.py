@@ -15,6 +15,7 @@ converts the per-block state of the earlier NNX modules (see the changelog).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,6 +56,30 @@ def _placed(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     return jax.tree.map(lambda value, spec: jax.device_put(value, sharding(spec)), params, partition_specs(config))
 
 
+# Whether `_warn_uncalibrated` has warned in this process.
+_WARNED_UNCALIBRATED = False
+
+
+def _warn_uncalibrated(taco: tj.TacoConfig, calibration: tj.calibration.Calibration | None) -> None:
+    """Warn, once a process, that a config whose `fewer_bits` only calibration can choose
+    (taco+mixed) runs without one: every message then goes in the config's own formats."""
+    global _WARNED_UNCALIBRATED
+    calibrated = isinstance(calibration, tj.calibration.Calibration) and bool(calibration.plans)
+    if taco.fewer_bits is None or calibrated or _WARNED_UNCALIBRATED:
+        return
+    _WARNED_UNCALIBRATED = True
+    warnings.warn(
+        f"Transformer: taco has fewer_bits (as taco+mixed), which calibration chooses, but no calibration was "
+        f"given, so every message goes as {taco.forward.text} forward and {taco.backward.text} backward (as "
+        "taco+), none in fewer bits. To calibrate: trace and run model.loss inside "
+        "`with taco_jax.calibration.observing(collector):`, then `calibration, report = "
+        "taco_jax.calibration.calibrate(collector, taco)` and build the model again with "
+        "`from_params(config, functional_params(model), mesh=mesh, taco=taco, calibration=calibration)` "
+        "(docs/guides/calibration.md). This warning is shown once.",
+        stacklevel=3,
+    )
+
+
 class Transformer(nnx.Module):
     """GPT-2 or Qwen2 (by `config.family`) with compressed tensor parallelism.
 
@@ -93,7 +118,11 @@ class Transformer(nnx.Module):
           rngs: `nnx.Rngs` for initialization (`models.init_params` with its params key).
           sequence_parallel: norms and residuals on sequence shards over "tensor".
           dtype: compute dtype of the matmuls (parameters stay float32).
-          calibration: per-site channel permutations / transform decisions.
+          calibration: per-site channel permutations / transform decisions (and, with
+            `taco.fewer_bits`, formats) from `taco_jax.calibration.calibrate`. A `taco`
+            with `fewer_bits` (taco+mixed) and no calibration warns once a process and
+            runs as its own formats (taco+): it does not raise, because that
+            uncalibrated model is the one calibration observes.
           overlap: True (every site of `models.layers.OVERLAP_SITES`) or a set of those
             sites: their tensor-parallel matmuls and collectives as collective matmuls.
           remat: activation checkpointing of each layer ("none", "dots", "block").
@@ -110,9 +139,11 @@ class Transformer(nnx.Module):
                 "the trainer (train.pipeline) runs pipelined meshes"
             )
         check_tensor_parallel(config, mesh.shape[TENSOR_AXIS])
+        taco = transformer.taco_config(taco)
+        _warn_uncalibrated(taco, calibration)
         self.config, self.mesh = config, mesh
         self.parallelism = transformer.Parallelism(
-            taco=transformer.taco_config(taco),
+            taco=taco,
             sequence_parallel=sequence_parallel,
             compute_dtype=dtype,
             calibration=calibration if calibration is not None else tj.calibration.Calibration(),

@@ -4,6 +4,7 @@ models: logits, gradients and a user's own nnx + optax loop (8 CPU devices)."""
 import dataclasses
 import functools
 import pathlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -332,8 +333,31 @@ def test_taco_takes_a_preset_name_and_names_itself_when_wrong():
     def build(taco):
         return nnx.eval_shape(lambda: flax_modules.Transformer(_GPT2, mesh=mesh, taco=taco, rngs=nnx.Rngs(0)))
 
-    assert build("taco+mixed").taco == tj.TacoConfig.preset("taco+mixed")
+    assert build("taco+").taco == tj.TacoConfig.preset("taco+")
     with pytest.raises(TypeError, match="taco must be a taco_jax.TacoConfig, a preset name"):
         build(8)
     with pytest.raises(ValueError, match="taco: unknown TACO preset 'taco9'"):
         build("taco9")
+
+
+def test_taco_mixed_without_calibration_warns_once(monkeypatch):
+    """taco+mixed's fewer bits come from calibration: without one, a warning (once a
+    process) says the model runs as taco+ and how to calibrate; calibrated, none."""
+    monkeypatch.setattr(flax_modules, "_WARNED_UNCALIBRATED", False)
+    mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
+
+    def build(taco, calibration=None):
+        return nnx.eval_shape(
+            lambda: flax_modules.Transformer(_GPT2, mesh=mesh, taco=taco, rngs=nnx.Rngs(0), calibration=calibration)
+        )
+
+    with pytest.warns(UserWarning, match=r"no calibration .* int8:128:H:bf16 forward .*calibration.calibrate\("):
+        build("taco+mixed")
+    plan = tj.calibration.ChannelPlan(tuple(range(_GPT2.d_model)), hadamard=True, quant=None)
+    calibrated = tj.calibration.Calibration((("layers.mlp.out", "forward", plan),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build("taco+mixed")  # warned already
+        monkeypatch.setattr(flax_modules, "_WARNED_UNCALIBRATED", False)
+        build("taco+mixed", calibrated)
+        build("taco+")
