@@ -59,10 +59,10 @@ def _contracted_count(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], di
     """
     try:
         (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-        lhs_dims = tuple(int(d) % len(lhs_shape) for d in lhs_contracting)
-        rhs_dims = tuple(int(d) % len(rhs_shape) for d in rhs_contracting)
+        lhs_dims = tuple(int(d) + len(lhs_shape) * (int(d) < 0) for d in lhs_contracting)
+        rhs_dims = tuple(int(d) + len(rhs_shape) * (int(d) < 0) for d in rhs_contracting)
         batched = bool(len(lhs_batch) or len(rhs_batch))
-    except (TypeError, ValueError, ZeroDivisionError):
+    except (TypeError, ValueError):
         lhs_dims, rhs_dims, batched = (), (), True
     k = len(lhs_dims)
     if (

@@ -1,6 +1,8 @@
 """taco_jax.flax: parallel layers on global arrays under plain jit (8 CPU devices), against
 dense `nnx.Linear` / `linen.Dense` with the same weights."""
 
+import collections
+import dataclasses
 import math
 import warnings
 
@@ -11,7 +13,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
@@ -197,8 +200,139 @@ def test_bad_layers_are_clear_errors():
         ParallelDotGeneral(mesh, config, "diagonal")
     with pytest.raises(ValueError, match="with a 'tensor' axis"):
         ParallelDotGeneral(jax.make_mesh((8,), ("model",)), config, "column")
-    with pytest.raises(ValueError, match="contracts the last k axes"):
-        ParallelDotGeneral(mesh, config, "column")(jnp.ones((4, 16)), jnp.ones((16, 8)), (((0,), (0,)), ((), ())))
+
+
+# Attention-shaped N-D kernels: (embed, heads, head_dim) column, (heads, head_dim, embed) row.
+BATCH, SEQ, EMBED, HEADS, HEAD_DIM = 4, 4, 8, 2, 4
+COLUMN_DIMS, ROW_DIMS = (((2,), (0,)), ((), ())), (((2, 3), (0, 1)), ((), ()))
+BATCH_AXES = ("data", "fsdp")
+# Where each layout puts the activation outside the pair (batch over data x fsdp).
+ACTIVATION_SPECS = {
+    "replicated": P(BATCH_AXES),
+    "sequence": P(BATCH_AXES, "tensor"),
+    "feature": P(BATCH_AXES, None, "tensor"),
+}
+
+
+@pytest.fixture(scope="module")
+def fsdp_mesh():
+    """(data 2, fsdp 2, tensor 2): a mesh `tj.make_mesh` does not make (MaxText's axes)."""
+    return Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+
+
+def _attention_pair_loss(params, x, target, column, row):
+    """A column matmul into heads and a row matmul out of them, as `column` and `row`
+    dot_generals."""
+    query_kernel, out_kernel = params
+    heads = jnp.tanh(column(x, query_kernel, COLUMN_DIMS))
+    return jnp.mean(jnp.tanh(row(heads, out_kernel, ROW_DIMS)) * target)
+
+
+def _attention_pair_inputs(mesh, layout):
+    """(kernels, x, target) placed as the layout has them outside the pair."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    kernels = (
+        jax.device_put(
+            jax.random.normal(keys[0], (EMBED, HEADS, HEAD_DIM)) / 3, NamedSharding(mesh, P(None, "tensor"))
+        ),
+        jax.device_put(jax.random.normal(keys[1], (HEADS, HEAD_DIM, EMBED)) / 3, NamedSharding(mesh, P("tensor"))),
+    )
+    activation = NamedSharding(mesh, ACTIVATION_SPECS[layout])
+    x, target = (jax.device_put(jax.random.normal(k, (BATCH, SEQ, EMBED)), activation) for k in keys[2:])
+    return kernels, x, target
+
+
+def _pair(mesh, mode, layout):
+    config = tj.TacoConfig.preset(mode, min_bytes=0)
+    return tuple(
+        ParallelDotGeneral(mesh, config, kind, site=f"attention.{kind}", layout=layout, batch_axes=BATCH_AXES)
+        for kind in ("column", "row")
+    )
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sequence", "feature"])
+def test_nd_dot_general_matches_lax_dot_general(fsdp_mesh, layout):
+    """3-D kernels, column and row, batch over data x fsdp: the loss and its gradients
+    (kernels and input) equal lax.dot_general's with mode off, and are close but not
+    equal with taco+ (all three in one compiled program)."""
+    value_and_grad = jax.value_and_grad(_attention_pair_loss, argnums=(0, 1))
+
+    def losses_and_grads(params, x, target):
+        return {
+            "reference": value_and_grad(params, x, target, lax.dot_general, lax.dot_general),
+            **{mode: value_and_grad(params, x, target, *_pair(fsdp_mesh, mode, layout)) for mode in ("off", "taco+")},
+        }
+
+    results = jax.jit(losses_and_grads)(*_attention_pair_inputs(fsdp_mesh, layout))
+    want = jax.tree.leaves(results["reference"])
+    for mode in ("off", "taco+"):
+        for index, (got, exact) in enumerate(zip(jax.tree.leaves(results[mode]), want, strict=True)):
+            assert got.shape == exact.shape, (mode, index)
+            if mode == "off":
+                np.testing.assert_allclose(np.asarray(got), np.asarray(exact), rtol=1e-5, atol=1e-7, err_msg=index)
+            else:
+                assert COMPRESSED_MIN < _rel(got, exact) < COMPRESSED_MAX, (index, _rel(got, exact))
+
+
+def test_feature_layout_sends_uint8_and_nothing_more_on_the_batch_axes(fsdp_mesh):
+    """The feature-sharded pair's compiled train step: the activation gather and
+    reduce-scatter go u8 on the tensor axis, with no plain re-sharding collective beside
+    them (only the scalar loss sum), and the batch axes carry no more bytes than plain
+    GSPMD's program (the islands split the batch over data x fsdp)."""
+    kernels, x, target = _attention_pair_inputs(fsdp_mesh, "feature")
+    batch_axes_bytes, tensor_collectives = {}, {}
+    for name, pair in (("plain", (lax.dot_general,) * 2), ("taco+", _pair(fsdp_mesh, "taco+", "feature"))):
+        step = jax.jit(jax.value_and_grad(lambda p, v, t: _attention_pair_loss(p, v, t, *pair), argnums=(0, 1)))
+        batch_axes_bytes[name] = collections.Counter()
+        for collective in tj.collectives_in_hlo(step.lower(kernels, x, target).compile().as_text()):
+            axes = collective.mesh_axes(fsdp_mesh)
+            if set(axes) & set(BATCH_AXES):
+                batch_axes_bytes[name][axes, collective.op] += collective.sent_bytes
+            elif axes == ("tensor",):
+                tensor_collectives.setdefault(name, []).append(collective)
+    # The kernels' gradients summed over data x fsdp, as plain; nothing gathers the batch.
+    assert batch_axes_bytes["taco+"] and batch_axes_bytes["taco+"] <= batch_axes_bytes["plain"], batch_axes_bytes
+    compressed = [c for c in tensor_collectives["taco+"] if c.dtype == "u8"]
+    plain = [c for c in tensor_collectives["taco+"] if c.dtype != "u8"]
+    assert {c.op for c in compressed} == {"all-gather", "all-to-all"}, compressed
+    assert all(c.shape == () for c in plain), plain
+    assert any(c.dtype == "f32" and c.shape != () for c in tensor_collectives["plain"])
+
+
+def test_bad_dot_generals_are_clear_errors(fsdp_mesh):
+    """Raised before anything compiles, naming the value."""
+    config = tj.TacoConfig.preset("taco")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ParallelDotGeneral(fsdp_mesh, config, "column", layout="diagonal")
+    with pytest.raises(ValueError, match="cannot be combined with layout='feature'"):
+        ParallelDotGeneral(fsdp_mesh, config, "column", sequence_parallel=True, layout="feature")
+    with pytest.raises(ValueError, match="overlap=True runs with layout"):
+        ParallelDotGeneral(fsdp_mesh, config, "row", layout="feature", overlap=True)
+    with pytest.raises(ValueError, match="name the tensor-parallel axis 'tensor'"):
+        ParallelDotGeneral(fsdp_mesh, config, "row", batch_axes=("data", "tensor"))
+    with pytest.raises(ValueError, match="with a 'model' axis"):
+        ParallelDotGeneral(fsdp_mesh, config, "column", axis_name="model")
+    column = ParallelDotGeneral(fsdp_mesh, config, "column", batch_axes=BATCH_AXES)
+    x, kernel = jnp.ones((4, 2, 8)), jnp.ones((8, 2, 4))
+    bad_dimension_numbers = [
+        (((1,), (0,)), ((), ())),  # not the last input axis
+        (((2,), (1,)), ((), ())),  # not the first kernel axis
+        (((2,), (0,)), ((0,), (0,))),  # batch dimensions
+        (((), ()), ((), ())),  # nothing contracted
+        (((1, 2), (0, 1)), ((), ())),  # unequal sizes
+        (((2,), (0, 1)), ((), ())),  # unequal counts
+        (((5,), (0,)), ((), ())),  # out of range
+    ]
+    for dimension_numbers in bad_dimension_numbers:
+        with pytest.raises(ValueError, match="contracts the last k axes") as raised:
+            column(x, kernel, dimension_numbers)
+        assert f"{dimension_numbers} for shapes (4, 2, 8) x (8, 2, 4)" in str(raised.value)
+    with pytest.raises(ValueError, match=r"sharded_dim=0 of a column-parallel kernel .* output axes \[1, 2\]"):
+        dataclasses.replace(column, sharded_dim=0)(x, kernel, COLUMN_DIMS)
+    with pytest.raises(ValueError, match=r"axis 0 of the input of shape \(3, 2, 8\) .* \('data', 'fsdp'\) of 4"):
+        column(jnp.ones((3, 2, 8)), kernel, COLUMN_DIMS)
+    with pytest.raises(ValueError, match="has none before its sequence and contracted axes"):
+        dataclasses.replace(column, layout="sequence")(x[0], kernel, (((1,), (0,)), ((), ())))
 
 
 @pytest.mark.gpu
