@@ -1,7 +1,8 @@
 """Compressed tensor parallelism for Flax models sharded the JAX way (`jax.jit` + shardings).
 
 Each layer holds its own `jax.shard_map` island over the whole mesh, its input's leading
-(batch) axis split over "data" where it divides, with JAX's default `check_vma=True`: the
+(batch) axis split over "data" where it divides (`ParallelDotGeneral.batch_axes`: over any
+mesh axes, e.g. data x fsdp), with JAX's default `check_vma=True`: the
 gradient is taken outside, by `jax.grad` / `nnx.grad`, and is exact (mode "off") or within
 codec error. (An island manual over "tensor" alone lets the compiler re-shard the 8-bit
 messages over "data" in between, adding collectives; hence the whole mesh.)
@@ -10,11 +11,13 @@ messages over "data" in between, adding collectives; hence the whole mesh.)
 |---|---|
 | `ColumnParallelLinear` | `flax.nnx`: x replicated over "tensor" -> (..., out) sharded over it |
 | `RowParallelLinear` | `flax.nnx`: (..., in) sharded over "tensor" -> compressed all-reduce |
-| `ParallelDotGeneral` | the same matmuls as a `dot_general` for `flax.linen.Dense` / `nnx.Linear` (the Transformer Engine / MaxText pattern) |
+| `ParallelDotGeneral` | the same matmuls as a `dot_general` for `flax.linen.Dense` / `DenseGeneral` / `nnx.Linear`, N-D kernels included (the Transformer Engine / MaxText pattern) |
 
 With `sequence_parallel=True` activations outside the pair are split over "tensor" along
 the sequence axis (the one before the features): the column layer gathers it, the row
-layer reduce-scatters into it.
+layer reduce-scatters into it. `ParallelDotGeneral(layout="feature")` splits them on the
+feature axis instead: the column gathers the feature shards, the row reduce-scatters
+back onto them.
 """
 
 from __future__ import annotations
