@@ -25,7 +25,10 @@ SITE_ATTN_OUT = "layers.attn.out"
 SITE_MLP_IN = "layers.mlp.in"
 SITE_MLP_OUT = "layers.mlp.out"
 SITE_HEAD_IN = "head.in"
+# The loss's per-token statistics, summed exact over the vocabulary shards (not compressed).
 SITE_LOSS_PEAK = "loss.peak"
+SITE_LOSS_SUM_EXP = "loss.sum_exp"
+SITE_LOSS_TARGET = "loss.target_logit"
 # The sites whose matmul and collective can run as a collective matmul (`overlap`).
 OVERLAP_SITES = (SITE_ATTN_IN, SITE_ATTN_OUT, SITE_MLP_IN, SITE_MLP_OUT, SITE_HEAD_IN)
 

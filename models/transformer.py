@@ -22,7 +22,7 @@ from jax import lax
 import taco_jax as tj
 from taco_jax import accounting
 from taco_jax.mesh import TENSOR_AXIS
-from taco_jax.message import record_plain_all_reduce
+from taco_jax.message import record_collective, ring_all_reduce_bytes
 
 from . import layers
 from .config import ModelConfig, Qwen2Config, padded_vocab
@@ -287,19 +287,47 @@ def loss_from_hidden(config: ModelConfig, params: dict, hidden, targets, par: Pa
     """
     logits = logits_from_hidden(config, params, hidden, par)
     peak = lax.stop_gradient(logits.max(-1)).astype(jnp.float32)
-    record_plain_all_reduce(peak, TENSOR_AXIS, site=layers.SITE_LOSS_PEAK)
+    _record_loss_statistic(peak, layers.SITE_LOSS_PEAK)
     peak = lax.pmax(peak, TENSOR_AXIS)
-    # Statistics summed over the vocabulary shards; identity backward (each rank
-    # differentiates its own copy of the loss).
-    sum_exp = tj.tp.reduce_from_tp(
-        jnp.exp(logits.astype(jnp.float32) - peak[..., None]).sum(-1), TENSOR_AXIS, _UNCOMPRESSED
+    sum_exp = _sum_loss_statistic(
+        jnp.exp(logits.astype(jnp.float32) - peak[..., None]).sum(-1), layers.SITE_LOSS_SUM_EXP
     )
     start, local = _vocab_range(config)
     offset = targets - start
     mine = (offset >= 0) & (offset < local)
     picked = jnp.take_along_axis(logits, jnp.where(mine, offset, 0)[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    target_logit = tj.tp.reduce_from_tp(jnp.where(mine, picked, 0.0), TENSOR_AXIS, _UNCOMPRESSED)
+    target_logit = _sum_loss_statistic(jnp.where(mine, picked, 0.0), layers.SITE_LOSS_TARGET)
     return jnp.mean(jnp.log(sum_exp) + peak - target_logit)
+
+
+# Why the loss's statistics go uncompressed whatever the config: one float32 per token
+# (a d_model-th of an activation message), and any codec error would be the loss's own.
+LOSS_STATISTIC_REASON = "a per-token loss statistic: small, kept exact"
+
+
+def _record_loss_statistic(x: jax.Array, site: str) -> None:
+    """Enter the exact all-reduce of `x` over the tensor axis in the wire ledger, with
+    `LOSS_STATISTIC_REASON`."""
+    plain = ring_all_reduce_bytes(x.size * x.dtype.itemsize, lax.axis_size(TENSOR_AXIS))
+    record_collective(
+        x,
+        site=site,
+        op="all_reduce",
+        direction="forward",
+        axis_name=TENSOR_AXIS,
+        spec=None,
+        sent=plain,
+        plain_sent=plain,
+        reason=LOSS_STATISTIC_REASON,
+    )
+
+
+def _sum_loss_statistic(x: jax.Array, site: str) -> jax.Array:
+    """`x` summed exact over the vocabulary shards (the tensor axis); identity backward
+    (each rank differentiates its own copy of the loss)."""
+    _record_loss_statistic(x, site)
+    with accounting.paused():  # recorded above, with its reason
+        return tj.tp.reduce_from_tp(x, TENSOR_AXIS, _UNCOMPRESSED)
 
 
 def cross_entropy(config: ModelConfig, params: dict, tokens, par: Parallelism):

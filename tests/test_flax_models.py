@@ -361,3 +361,20 @@ def test_taco_mixed_without_calibration_warns_once(monkeypatch):
         monkeypatch.setattr(flax_modules, "_WARNED_UNCALIBRATED", False)
         build("taco+mixed", calibrated)
         build("taco+")
+
+
+def test_ledger_names_the_loss_reductions_and_why_they_are_exact():
+    """The loss's vocabulary-parallel statistics are rows of their own sites, plain because
+    they are per-token statistics (not "mode off" under a compressing config); every
+    other row of the step is compressed (traced only)."""
+    mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
+    taco = tj.TacoConfig.preset("taco+", min_bytes=0)
+    model = nnx.eval_shape(lambda: flax_modules.Transformer(_GPT2, mesh=mesh, taco=taco, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((2, 9), jnp.int32)
+    with tj.record_wire() as ledger:
+        jax.eval_shape(lambda s, t: nnx.value_and_grad(lambda m: m.loss(t))(nnx.merge(graphdef, s)), state, tokens)
+    plain = {(r.site, r.reason) for r in ledger.records if not r.compressed}
+    reason = "a per-token loss statistic: small, kept exact"
+    assert plain == {(site, reason) for site in ("loss.peak", "loss.sum_exp", "loss.target_logit")}
+    assert all(r.shape == (2, 8) and r.sent_bytes == 2 * 8 * 4 for r in ledger.records if not r.compressed)
