@@ -1,0 +1,799 @@
+"""Compressed tensor parallelism for MaxText: its quantization hook answered by taco_jax.
+
+MaxText (0.2.5) runs every dense matmul through `DenseGeneral`, which asks the model's
+`quant` object for a `dot_general_cls(mesh_axes=<the kernel's logical axes>)`.
+`TacoQuantization` is such an object. For each kernel it reads MaxText's own
+`logical_axis_rules`: a kernel dimension on the tensor axis that is an output dimension
+makes a column-parallel matmul, a contracting one a row-parallel matmul, and a kernel not
+split over the tensor axis keeps plain `lax.dot_general`. The activations stay where
+MaxText's rules put them (`layout="auto"`):
+
+| rules put on the tensor axis | layout | column matmul (forward / backward) | row matmul (forward / backward) |
+|---|---|---|---|
+| `activation_embed` (MaxText's default) | `feature` | 8-bit all-gather of the features / 8-bit reduce-scatter | 8-bit reduce-scatter of the features / 8-bit all-gather |
+| `activation_length` | `sequence` | the same along the sequence | the same along the sequence |
+| neither | `replicated` | nothing / 8-bit all-reduce | 8-bit all-reduce / nothing |
+
+Column matmuls that read the same activation (key and value; the MLP's two input
+projections) share one gather, so their gradients are summed before one reduce-scatter,
+as the plain program does. The batch axis is split over the mesh axes the rules give
+`activation_batch` (`data`, `fsdp`, ...), so data and fsdp parallelism send what they
+send without taco.
+
+    from taco_jax.integrations import maxtext as taco_maxtext
+
+    taco_maxtext.install("taco+")   # before MaxText builds its model
+    # ... MaxText's own train main, unchanged
+
+or, from the shell, MaxText's train arguments after ours:
+`python -m taco_jax.integrations.maxtext --taco taco+ run_name=... steps=...`. It trains,
+prints the tensor axis's bytes against bf16, and writes `taco_wire.json` into
+`base_output_directory/run_name`.
+
+Site names (wire ledger, calibration) are the kernel's logical axes joined by "/", e.g.
+"embed/mlp" (the MLP's input projections) or "heads/kv/embed" (attention's output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, NoReturn
+
+import flax.linen as nn
+from absl import logging as absl_logging
+import jax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from taco_jax import accounting, strict_json, tp
+from taco_jax.accounting import WireLedger, record_wire
+from taco_jax.calibration import Calibration, Collector, calibrate, observing
+from taco_jax.hlo import HloCollective, collectives_in_hlo
+from taco_jax.spec import PRESETS, TacoConfig
+
+MAXTEXT_VERSION = "0.2.5"
+LAYOUTS = ("auto", "replicated", "feature", "sequence")
+WIRE_FILE = "taco_wire.json"
+CALIBRATION_FILE = "taco_calibration.json"
+# MaxText's logical names of the residual stream's axes, read to choose the layout and
+# the batch axes.
+_BATCH, _LENGTHS, _FEATURES = "activation_batch", ("activation_length", "activation_norm_length"), "activation_embed"
+# Entries of the gather cache (activations traced most recently): enough for the
+# projections of one layer, few enough to hold no trace alive for long.
+_SHARED_GATHERS = 8
+
+
+def _maxtext_module(name: str) -> Any:
+    """Import a MaxText module after checking that the installed MaxText is the one this
+    integration was written against (it patches one of its functions)."""
+    try:
+        found = importlib.metadata.version("maxtext")
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(
+            "taco_jax.integrations.maxtext needs MaxText: pip install 'taco_jax[maxtext]' (Python >= 3.12)",
+            name="maxtext",
+        ) from None
+    if found != MAXTEXT_VERSION:
+        raise RuntimeError(
+            f"taco_jax.integrations.maxtext supports MaxText {MAXTEXT_VERSION} (it replaces its "
+            f"layers.quantizations.configure_quantization); found MaxText {found}"
+        )
+    return importlib.import_module(name)
+
+
+def _mesh_axes(entry: Any, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes of one entry of a resolved PartitionSpec that split it (size > 1)."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in axes if isinstance(a, str) and mesh.shape.get(a, 1) > 1)
+
+
+def _spec(ndim: int, axes: dict[int, Any]) -> P:
+    """PartitionSpec of rank `ndim` with the given entries at the given positions."""
+    return P(*(axes.get(position) for position in range(ndim)))
+
+
+def site_name(kernel_axes: Sequence[str | None]) -> str:
+    """The wire-ledger and calibration site of a kernel: its logical axes joined by "/"."""
+    return "/".join(a or "-" for a in kernel_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """How one MaxText kernel is split over the tensor axis.
+
+    Attributes:
+      kind: "column" (an output dimension is split) or "row" (a contracting one).
+      sharded_dim: the kernel dimension split over the tensor axis.
+      kernel_spec: the kernel's mesh axes per dimension (axes of size 1 left out).
+      site: the site name (`site_name`).
+    """
+
+    kind: str
+    sharded_dim: int
+    kernel_spec: tuple[tuple[str, ...], ...]
+    site: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TacoQuantization:
+    """MaxText's quantization interface, answered with compressed tensor parallelism.
+
+    Pass it as MaxText's `quant` (what `layers.quantizations.configure_quantization`
+    returns); `install` does that for every model MaxText builds.
+
+    Attributes:
+      taco: a `TacoConfig` or a preset name ("taco+", "off", ... see `TacoConfig.preset`).
+      mesh: MaxText's device mesh (`maxtext.utils.maxtext_utils.get_mesh_from_config`).
+      axis_name: the tensor-parallel mesh axis.
+      layout: where activations sit between matmuls: "replicated", "feature" (split over
+        the tensor axis along the features), "sequence" (along the sequence) or "auto"
+        (what MaxText's rules say of `activation_embed` and `activation_length`).
+      batch_axes: mesh axes splitting the leading (batch) axis of activations, or "infer"
+        (those MaxText's rules give `activation_batch`).
+      calibration: per-site plans (`taco_jax.calibration`), keyed by `site_name`.
+      rules: MaxText's `logical_axis_rules`; None reads the rules in effect when the
+        model is traced (`flax.linen.get_logical_axis_rules`).
+    """
+
+    taco: TacoConfig | str
+    mesh: Mesh
+    axis_name: str = "tensor"
+    layout: str = "auto"
+    batch_axes: tuple[str, ...] | str = "infer"
+    calibration: Calibration | None = None
+    rules: tuple | None = None
+    # MaxText reads these off every quantization object.
+    needs_apply_rngs: ClassVar[bool] = False
+    quant_mode: ClassVar[str] = "train"
+    _gathers: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.taco, str):
+            object.__setattr__(self, "taco", TacoConfig.preset(self.taco))
+        if not isinstance(self.taco, TacoConfig):
+            raise ValueError(f"taco must be a TacoConfig or a preset name, got {type(self.taco).__name__}")
+        if not isinstance(self.mesh, Mesh) or self.axis_name not in self.mesh.axis_names:
+            names = getattr(self.mesh, "axis_names", None)
+            raise ValueError(f"the mesh has no {self.axis_name!r} axis (its axes: {names})")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown taco layout {self.layout!r}; expected one of {list(LAYOUTS)}")
+        if self.batch_axes != "infer":
+            if isinstance(self.batch_axes, str) or not all(a in self.mesh.axis_names for a in self.batch_axes):
+                raise ValueError(
+                    f"batch_axes must be 'infer' or a tuple of mesh axes {self.mesh.axis_names}, got {self.batch_axes!r}"
+                )
+            object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
+        if self.rules is not None:
+            object.__setattr__(self, "rules", tuple((name, _freeze(axes)) for name, axes in self.rules))
+
+    # ------------------------------------------------------------- MaxText's interface
+
+    def dot_general_cls(self, mesh_axes: Sequence[str | None] = ()) -> functools.partial:
+        """The Flax module class (with its fields bound) `DenseGeneral` instantiates for a
+        kernel with logical axes `mesh_axes`."""
+        return functools.partial(TacoDotGeneral, quantization=self, kernel_axes=tuple(mesh_axes))
+
+    def einsum(self, *args: Any, **kwargs: Any) -> Any:
+        """MaxText's einsum hook (mixture-of-experts layers): `jnp.einsum`, uncompressed."""
+        return jax.numpy.einsum
+
+    # ------------------------------------------------------------- decisions from the rules
+
+    def _rules(self) -> Any:
+        return self.rules if self.rules is not None else nn.get_logical_axis_rules()
+
+    def kernel_plan(self, kernel_axes: Sequence[str | None], contracting: int) -> KernelPlan | None:
+        """Column or row for a kernel whose first `contracting` dimensions contract, from
+        the rules; None where the kernel is not split over the tensor axis alone (plain
+        `lax.dot_general` then)."""
+        if self.mesh.shape[self.axis_name] == 1 or not kernel_axes:
+            return None
+        resolved = nn.logical_to_mesh_axes(tuple(kernel_axes), self._rules())
+        spec = tuple(_mesh_axes(entry, self.mesh) for entry in resolved)
+        split = [dim for dim, axes in enumerate(spec) if self.axis_name in axes]
+        # A dimension split over the tensor axis and another axis together has its
+        # tensor shards strided: left to the compiler.
+        if len(split) != 1 or spec[split[0]] != (self.axis_name,):
+            return None
+        kind = "row" if split[0] < contracting else "column"
+        return KernelPlan(kind, split[0], spec, site_name(kernel_axes))
+
+    def resolved_layout(self) -> str:
+        """The activation layout: `layout`, or for "auto" the one MaxText's rules give the
+        residual stream."""
+        if self.layout != "auto":
+            return self.layout
+        batch, length, features = self._activation_axes()
+        if self.axis_name in features:
+            return "feature"
+        return "sequence" if self.axis_name in length else "replicated"
+
+    def resolved_batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes (of size > 1) splitting the batch: `batch_axes`, or those of the
+        rules' `activation_batch`."""
+        if self.batch_axes != "infer":
+            return tuple(a for a in self.batch_axes if self.mesh.shape[a] > 1)
+        return self._activation_axes()[0]
+
+    def _activation_axes(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        names = (_BATCH, *_LENGTHS, _FEATURES)
+        resolved = [_mesh_axes(entry, self.mesh) for entry in nn.logical_to_mesh_axes(names, self._rules())]
+        return resolved[0], resolved[1] + resolved[2], resolved[3]
+
+    # ------------------------------------------------------------- the matmul
+
+    def dot_general(
+        self,
+        kernel_axes: Sequence[str | None],
+        lhs: jax.Array,
+        rhs: jax.Array,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+    ) -> jax.Array:
+        """`lax.dot_general(lhs, rhs, dimension_numbers)` with the tensor axis's
+        communication compressed, for `DenseGeneral`'s dimension numbers (the last k axes
+        of `lhs` contract with the first k of the kernel)."""
+        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+        k = len(rhs_contract)
+        plain = functools.partial(
+            lax.dot_general,
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+        dense = (
+            not lhs_batch
+            and not rhs_batch
+            and tuple(rhs_contract) == tuple(range(k))
+            and tuple(lhs_contract) == tuple(range(lhs.ndim - k, lhs.ndim))
+        )
+        plan = self.kernel_plan(kernel_axes, k) if dense else None
+        if plan is None or lhs.ndim - k < 1:
+            return plain()
+        ranks, layout = self.mesh.shape[self.axis_name], self.resolved_layout()
+        out_ndim = lhs.ndim - k + rhs.ndim - k
+        moved = {"feature": (lhs.ndim if plan.kind == "column" else out_ndim) - 1, "sequence": 1}.get(layout)
+        shape = lhs.shape if plan.kind == "column" else (*lhs.shape[: lhs.ndim - k], *rhs.shape[k:])
+        indivisible = moved is not None and (moved >= len(shape) or shape[moved] % ranks)
+        if rhs.shape[plan.sharded_dim] % ranks or indivisible or (layout == "sequence" and lhs.ndim - k < 2):
+            return plain()
+        batch = self._batch_entry(lhs.shape[0])
+        matmul = functools.partial(
+            lax.dot_general,
+            dimension_numbers=dimension_numbers,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+        if plan.kind == "column":
+            stacked = self._gathered(lhs, layout, moved, batch, plan.site)
+            return self._column(stacked, rhs, plan, batch, out_ndim, k, matmul)
+        return self._row(lhs, rhs, plan, layout, moved, batch, out_ndim, k, matmul)
+
+    def _batch_entry(self, size: int) -> tuple[str, ...] | None:
+        axes = self.resolved_batch_axes()
+        return axes if axes and size % math.prod(self.mesh.shape[a] for a in axes) == 0 else None
+
+    def _kernel_in_spec(self, plan: KernelPlan) -> P:
+        return P(*(axes if axes else None for axes in plan.kernel_spec))
+
+    def _whole_kernel(self, kernel: jax.Array, plan: KernelPlan) -> jax.Array:
+        """Gather the kernel's non-tensor shards (fsdp and the like), as the plain program
+        does before the matmul (its transpose reduce-scatters the gradient)."""
+        for dim, axes in enumerate(plan.kernel_spec):
+            others = tuple(a for a in axes if a != self.axis_name)
+            if others:
+                kernel = lax.all_gather(kernel, others, axis=dim, tiled=True)
+        return kernel
+
+    def _gathered(self, x: jax.Array, layout: str, moved: int | None, batch: Any, site: str) -> jax.Array:
+        """x, whole on every rank of the tensor axis, as a global array stacked along a
+        new leading axis split over it (each rank's copy). The matmuls reading it add
+        their gradients locally before the one compressed reduction back."""
+        key = (id(x), layout, batch)
+        cached = self._gathers.get(key)
+        if cached is not None and cached[0] is x:
+            return cached[1]
+        axis, config, calibration = self.axis_name, self.taco, self.calibration
+        placed = {0: batch} if batch else {}
+        in_spec = _spec(x.ndim, {**placed, **({moved: axis} if moved is not None else {})})
+        out_spec = _spec(x.ndim + 1, {0: axis, **({1: batch} if batch else {})})
+
+        def enter(shard: jax.Array) -> jax.Array:
+            assert isinstance(config, TacoConfig)
+            if moved is None:
+                whole = tp.copy_to_tp(shard, axis, config, site=site, calibration=calibration)
+            else:
+                whole = tp.gather_from_sp(shard, axis, config, axis=moved, site=site, calibration=calibration)
+            return whole[None]
+
+        stacked = jax.shard_map(enter, mesh=self.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=True)(x)
+        while len(self._gathers) >= _SHARED_GATHERS:
+            self._gathers.pop(next(iter(self._gathers)))
+        self._gathers[key] = (x, stacked)
+        return stacked
+
+    def _column(self, stacked, kernel, plan, batch, out_ndim, k, matmul) -> jax.Array:
+        axis = self.axis_name
+        in_specs = (_spec(stacked.ndim, {0: axis, **({1: batch} if batch else {})}), self._kernel_in_spec(plan))
+        out_position = stacked.ndim - 1 - k + plan.sharded_dim - k
+        out_spec = _spec(out_ndim, {**({0: batch} if batch else {}), out_position: axis})
+        body = lambda x, w: matmul(x[0], self._whole_kernel(w, plan))
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(
+            stacked, kernel
+        )
+
+    def _row(self, x, kernel, plan, layout, moved, batch, out_ndim, k, matmul) -> jax.Array:
+        axis, config, calibration, site = self.axis_name, self.taco, self.calibration, plan.site
+        placed = {0: batch} if batch else {}
+        in_specs = (_spec(x.ndim, {**placed, x.ndim - k + plan.sharded_dim: axis}), self._kernel_in_spec(plan))
+        out_spec = _spec(out_ndim, {**placed, **({moved: axis} if moved is not None else {})})
+
+        def body(shard: jax.Array, w: jax.Array) -> jax.Array:
+            assert isinstance(config, TacoConfig)
+            partial = matmul(shard, self._whole_kernel(w, plan))
+            if moved is None:
+                return tp.reduce_from_tp(partial, axis, config, site=site, calibration=calibration)
+            return tp.reduce_scatter_to_sp(partial, axis, config, axis=moved, site=site, calibration=calibration)
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(x, kernel)
+
+
+def _freeze(value: Any) -> Any:
+    """Rules as nested tuples (hashable), from MaxText's lists."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+class TacoDotGeneral(nn.Module):
+    """The Flax module `DenseGeneral` instantiates per kernel (through MaxText's Linen
+    bridge). At initialisation (MaxText traces it once with dummy inputs) it is the
+    plain `lax.dot_general`; it holds no variables."""
+
+    quantization: TacoQuantization
+    kernel_axes: tuple
+
+    def __call__(
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+    ) -> jax.Array:
+        if self.is_initializing():
+            return lax.dot_general(
+                lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
+            )
+        return self.quantization.dot_general(
+            self.kernel_axes, lhs, rhs, dimension_numbers, precision, preferred_element_type
+        )
+
+
+# ----------------------------------------------------------------------------- install
+
+# MaxText's own configure_quantization, kept while `install` has replaced it.
+_ORIGINAL: dict[str, Any] = {}
+
+
+def install(taco: TacoConfig | str = "taco+", **options: Any) -> None:
+    """Make MaxText answer its quantization hook with `TacoQuantization` for every model
+    it builds from now on (training; serving and conversion keep MaxText's own).
+
+    Args:
+      taco: a `TacoConfig` or a preset name.
+      **options: further `TacoQuantization` arguments (axis_name, layout, batch_axes,
+        calibration); the mesh and the rules are MaxText's, from its config.
+
+    Raises:
+      RuntimeError: a MaxText version other than the one supported.
+      ValueError: (when MaxText builds a model) a config that asks for MaxText's own
+        quantization too, or a mesh without the tensor axis.
+    """
+    quantizations = _maxtext_module("maxtext.layers.quantizations")
+    maxtext_utils = _maxtext_module("maxtext.utils.maxtext_utils")
+    original = _ORIGINAL.setdefault("configure_quantization", quantizations.configure_quantization)
+    TacoQuantization(taco, mesh=_probe_mesh(options.get("axis_name", "tensor")), **options)  # bad options raise now
+
+    def configure_quantization(config: Any, quant_mode_str: str = "train") -> Any:
+        if quant_mode_str != "train":
+            return original(config, quant_mode_str)
+        check_config(config, options.get("axis_name", "tensor"))
+        mesh = maxtext_utils.get_mesh_from_config(config)
+        return TacoQuantization(taco, mesh=mesh, rules=config.logical_axis_rules, **options)
+
+    quantizations.configure_quantization = configure_quantization
+
+
+def uninstall() -> None:
+    """Give MaxText its own quantization hook back (no-op when not installed)."""
+    if "configure_quantization" in _ORIGINAL:
+        quantizations = _maxtext_module("maxtext.layers.quantizations")
+        quantizations.configure_quantization = _ORIGINAL.pop("configure_quantization")
+
+
+def _probe_mesh(axis_name: str) -> Mesh:
+    """A one-device mesh with the tensor axis, to check options before MaxText has one."""
+    return Mesh([[jax.devices()[0]]], ("data", axis_name))
+
+
+def check_config(config: Any, axis_name: str = "tensor") -> None:
+    """Raise ValueError for a MaxText config taco cannot run with: MaxText's own
+    quantization asked for too, or no tensor axis in its mesh."""
+    if config.quantization:
+        raise ValueError(_both(config.quantization))
+    if axis_name not in config.mesh_axes:
+        raise ValueError(f"MaxText's mesh_axes {list(config.mesh_axes)} have no {axis_name!r} axis")
+
+
+# ----------------------------------------------------------------------------- wire bytes
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations)=\{?([^}\s]+(?:,\s*%[^\s,}]+)*)\}?")
+_WHILE = re.compile(r"\swhile\(.*?body=%?([^\s,]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"')
+
+
+def collectives_with_counts(hlo_text: str) -> list[tuple[HloCollective, int]]:
+    """The collectives of a compiled module, each with the times it runs per call: the
+    trip counts of the while loops around it (MaxText's scanned layers) multiplied.
+
+    Raises:
+      ValueError: a loop without a known trip count around a collective.
+    """
+    bodies: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if (match := _COMPUTATION.match(line)) and not line.startswith(" "):
+            current = match.group(1).lstrip("%")
+            bodies[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None:
+            bodies[current].append(line)
+    counts: dict[str, int | None] = {}
+
+    def visit(name: str, times: int | None) -> None:
+        counts[name] = times if name not in counts else _add(counts[name], times)
+        for line in bodies.get(name, ()):
+            loop = _WHILE.search(line)
+            for match in _CALLS.finditer(line):
+                for callee in match.group(1).split(","):
+                    callee = callee.strip().lstrip("%")
+                    if callee not in bodies:
+                        continue
+                    if loop and callee == loop.group(1).lstrip("%"):
+                        trips = _TRIP_COUNT.search(line)
+                        visit(callee, None if trips is None or times is None else times * int(trips.group(1)))
+                    else:
+                        visit(callee, times)
+
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    visit(entry, 1)
+    found = []
+    for name, times in counts.items():
+        for collective in collectives_in_hlo("\n".join(bodies[name])):
+            if times is None:
+                raise ValueError(f"a {collective.op} in computation {name!r} runs in a loop of unknown trip count")
+            found.append((collective, times))
+    return found
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
+
+
+def hlo_bytes_by_axis(hlo_text: str, mesh: Mesh) -> dict[str, dict[str, int]]:
+    """Bytes each device sends per call of a compiled program, by mesh axes ("tensor",
+    "data", "data+fsdp", ...) and element type, loops counted by their trip counts."""
+    table: dict[str, dict[str, int]] = {}
+    for collective, times in collectives_with_counts(hlo_text):
+        axes = "+".join(collective.mesh_axes(mesh)) or "none"
+        row = table.setdefault(axes, {})
+        row[collective.dtype] = row.get(collective.dtype, 0) + times * collective.sent_bytes
+    return table
+
+
+@contextlib.contextmanager
+def counting_scans() -> Iterator[None]:
+    """Trace every `jax.lax.scan` body inside `accounting.repeated(trip count)`, so that a
+    wire ledger counts a scanned layer's messages once per layer, as the program sends them."""
+    original = jax.lax.scan
+
+    def scan(f, init, xs=None, length=None, *args, **kwargs):
+        trips = length if length is not None else jax.tree.leaves(xs)[0].shape[0]
+
+        def body(carry, x):
+            with accounting.repeated(trips):
+                return f(carry, x)
+
+        return original(body, init, xs, length, *args, **kwargs)
+
+    jax.lax.scan = scan
+    try:
+        yield
+    finally:
+        jax.lax.scan = original
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """What the train step compiled to: its HLO text, the wire ledger of its trace (scans
+    counted by trip count) and the mesh."""
+
+    hlo: str = ""
+    ledger: WireLedger = dataclasses.field(default_factory=WireLedger)
+    mesh: Mesh | None = None
+
+
+class _CapturingStep:
+    """MaxText's jitted train step, recording its ledger when lowered and its HLO when
+    compiled; everything else goes to the step."""
+
+    def __init__(self, step: Any, captured: CompiledStep) -> None:
+        self._step, self._captured = step, captured
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        with record_wire() as ledger, counting_scans():
+            lowered = self._step.lower(*args, **kwargs)
+        self._captured.ledger = ledger
+        captured = self._captured
+
+        class Lowered:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(lowered, name)
+
+            def compile(self, *args: Any, **kwargs: Any) -> Any:
+                compiled = lowered.compile(*args, **kwargs)
+                captured.hlo = compiled.as_text()
+                return compiled
+
+        return Lowered()
+
+
+@contextlib.contextmanager
+def capturing_train_step() -> Iterator[CompiledStep]:
+    """Inside the block, the train step MaxText's pre-training main compiles is captured
+    (`CompiledStep`)."""
+    train_utils = _maxtext_module("maxtext.utils.train_utils")
+    original = train_utils.jit_train_and_eval_step
+    captured = CompiledStep()
+
+    def jit_train_and_eval_step(config, model, mesh, *args, **kwargs):
+        train_step, eval_step = original(config, model, mesh, *args, **kwargs)
+        captured.mesh = mesh
+        return _CapturingStep(train_step, captured), eval_step
+
+    train_utils.jit_train_and_eval_step = jit_train_and_eval_step
+    try:
+        yield captured
+    finally:
+        train_utils.jit_train_and_eval_step = original
+
+
+def wire_summary(captured: CompiledStep, preset: str, layout: str, axis_name: str = "tensor") -> dict[str, Any]:
+    """The `taco_wire.json` record of a compiled train step."""
+    assert captured.mesh is not None
+    by_axis = hlo_bytes_by_axis(captured.hlo, captured.mesh)
+    axes = tuple(captured.mesh.axis_names)
+    ledger_sent = captured.ledger.by_axis(axes)
+    ledger_bf16 = captured.ledger.by_axis(axes, bf16=True)
+    tensor_hlo = sum(by_axis.get(axis_name, {}).values())
+    return {
+        "maxtext": MAXTEXT_VERSION,
+        "taco": preset,
+        "layout": layout,
+        "mesh": {name: int(size) for name, size in captured.mesh.shape.items()},
+        "hlo_bytes_by_axis": by_axis,
+        "tensor_bytes": tensor_hlo,
+        "ledger_tensor_bytes": ledger_sent.get(axis_name, 0),
+        "ledger_tensor_bytes_bf16": ledger_bf16.get(axis_name, 0),
+        "ledger_by_site": captured.ledger.by_site(),
+    }
+
+
+def summary_line(summary: dict[str, Any], axis_name: str = "tensor") -> str:
+    """One line: the tensor axis's bytes per step and device against bf16."""
+    sent, bf16 = summary["ledger_tensor_bytes"], summary["ledger_tensor_bytes_bf16"]
+    others = ", ".join(
+        f"{axes} {sum(row.values()) / 1e6:.2f} MB"
+        for axes, row in sorted(summary["hlo_bytes_by_axis"].items())
+        if axes != axis_name
+    )
+    share = f"{100 * sent / bf16:.1f}% of bf16's {bf16 / 1e6:.2f} MB" if bf16 else "nothing compressed"
+    return (
+        f"taco_jax: {axis_name} axis {summary['tensor_bytes'] / 1e6:.2f} MB per step and device in the compiled "
+        f"step ({summary['taco']}, layout {summary['layout']}); its compressed matmuls {sent / 1e6:.2f} MB, {share}"
+        + (f"; other axes: {others}" if others else "")
+    )
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one `error:` line (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="python -m taco_jax.integrations.maxtext",
+        description="MaxText's pre-training main with taco_jax compressing the tensor axis's communication. "
+        "Arguments other than ours are MaxText's own (key=value overrides, optionally a config .yml first).",
+    )
+    parser.add_argument("--taco", default="taco+", help=f"compression preset, one of {sorted(PRESETS)} (default taco+)")
+    parser.add_argument(
+        "--taco-layout", default="auto", help=f"activation layout, one of {list(LAYOUTS)} (default auto)"
+    )
+    parser.add_argument(
+        "--taco-min-bytes",
+        type=int,
+        default=None,
+        help="compress messages of at least this many bytes (default: the preset's, 8 MiB; 0 compresses all)",
+    )
+    parser.add_argument(
+        "--calibrate-only",
+        action="store_true",
+        help=f"observe the first step's messages and write the per-site plan ({CALIBRATION_FILE}) into the run directory",
+    )
+    return parser
+
+
+def _maxtext_config(maxtext_args: list[str]) -> Any:
+    pyconfig = _maxtext_module("maxtext.configs.pyconfig")
+    return pyconfig.initialize(["train", *maxtext_args])
+
+
+def run_directory(config: Any) -> str:
+    """MaxText's run directory: base_output_directory/run_name."""
+    return os.path.join(config.base_output_directory, config.run_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run MaxText's pre-training main with taco installed; print the wire summary and
+    write `taco_wire.json` into the run directory."""
+    args, maxtext_args = _parser().parse_known_args(argv)
+    if args.taco not in PRESETS:
+        print(f"error: unknown --taco preset {args.taco!r}; expected one of {sorted(PRESETS)}", file=sys.stderr)
+        return 2
+    if args.taco_layout not in LAYOUTS:
+        print(f"error: unknown --taco-layout {args.taco_layout!r}; expected one of {list(LAYOUTS)}", file=sys.stderr)
+        return 2
+    quantization = [a.split("=", 1)[1] for a in maxtext_args if a.startswith("quantization=")]
+    if quantization and quantization[-1]:
+        print(f"error: {_both(quantization[-1])}", file=sys.stderr)
+        return 2
+    try:
+        config = _maxtext_config(maxtext_args)
+        check_config(config)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    run_dir = run_directory(config)
+    calibration = _load_calibration(run_dir) if not args.calibrate_only else None
+    overrides = {} if args.taco_min_bytes is None else {"min_bytes": args.taco_min_bytes}
+    summary = run(
+        maxtext_args,
+        taco=TacoConfig.preset(args.taco, **overrides),
+        preset=args.taco,
+        layout=args.taco_layout,
+        calibration=calibration,
+        calibrate_only=args.calibrate_only,
+    )
+    print(summary_line(summary), file=sys.stderr)
+    return 0
+
+
+def _both(quantization: str) -> str:
+    return (
+        f"MaxText quantization={quantization!r} and taco both replace MaxText's matmuls: drop "
+        "quantization= to run taco, or run MaxText's own train main for its quantization"
+    )
+
+
+def run(
+    maxtext_args: Sequence[str],
+    *,
+    taco: TacoConfig | str | None = "taco+",
+    layout: str = "auto",
+    calibration: Calibration | None = None,
+    calibrate_only: bool = False,
+    preset: str | None = None,
+) -> dict[str, Any]:
+    """Run MaxText's pre-training main on `maxtext_args` with taco installed (`taco=None`:
+    plain MaxText), capture the compiled train step, and write its wire summary to
+    `taco_wire.json` in the run directory (with `calibrate_only`, the per-site plan to
+    `taco_calibration.json` instead of training past the first step).
+
+    Returns:
+      The wire summary (`wire_summary`).
+    """
+    train = _maxtext_module("maxtext.trainers.pre_train.train")
+    argv = ["train", *maxtext_args]
+    preset = preset or (taco if isinstance(taco, str) else "custom" if taco is not None else "plain")
+    if taco is not None:
+        install(taco, layout=layout, calibration=calibration)
+    absl_logging.set_verbosity(absl_logging.INFO)  # MaxText's progress lines, as under its own main
+    try:
+        with capturing_train_step() as captured, _observing(calibrate_only) as collector:
+            train.main([*argv, "steps=1"] if calibrate_only else argv)
+    finally:
+        uninstall()
+    config = _maxtext_config(list(maxtext_args))
+    run_dir = run_directory(config)
+    os.makedirs(run_dir, exist_ok=True)
+    summary = wire_summary(captured, preset, _layout_of(layout, captured.mesh, config))
+    if calibrate_only:
+        assert isinstance(taco, (TacoConfig, str))
+        _write_calibration(collector, TacoConfig.preset(taco) if isinstance(taco, str) else taco, run_dir)
+    with open(os.path.join(run_dir, WIRE_FILE), "w") as file:
+        file.write(strict_json.dumps(summary, indent=1))
+    return summary
+
+
+def _layout_of(layout: str, mesh: Mesh | None, config: Any) -> str:
+    if mesh is None or "tensor" not in mesh.axis_names:
+        return layout
+    return TacoQuantization("off", mesh=mesh, layout=layout, rules=config.logical_axis_rules).resolved_layout()
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+@contextlib.contextmanager
+def _observing(active: bool) -> Iterator[Collector | None]:
+    if not active:
+        yield None
+        return
+    collector = Collector()
+    with observing(collector):
+        yield collector
+
+
+def _write_calibration(collector: Collector | None, config: TacoConfig, run_dir: str) -> str:
+    """Decide the per-site plans from what was observed and write them beside MaxText's
+    checkpoints, in the run directory."""
+    assert collector is not None
+    jax.effects_barrier()
+    calibration, _ = calibrate(collector, config)
+    path = os.path.join(run_dir, CALIBRATION_FILE)
+    with open(path, "w") as file:
+        file.write(strict_json.dumps(calibration.to_json(), indent=1))
+    return path
+
+
+def _load_calibration(run_dir: str) -> Calibration | None:
+    """The run directory's per-site plan, if `--calibrate-only` wrote one."""
+    path = os.path.join(run_dir, CALIBRATION_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        return Calibration.from_json(json.load(file))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
