@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import tp
+from taco_jax import collectives, tp
 from taco_jax.accounting import WireRecord, record_wire
 from taco_jax.calibration import Calibration
 from taco_jax.mesh import data_axis
@@ -123,7 +123,14 @@ class ParallelDotGeneral:
         ("data", "fsdp"); those of size 1 or not in the mesh are dropped. None: "data"
         where the batch divides over it, else replicated. Other mesh axes are replicated.
       sharded_dim: the kernel axis split over `axis_name` (negative counts from the end).
-        None: the first output axis (column) or the first contracting axis (row).
+        None: the first output axis (column) or the first contracting axis (row), or the
+        one `kernel_spec` splits over it.
+      kernel_spec: the kernel's partitioning outside, one entry per kernel axis (a mesh
+        axis, a tuple of them, or None), e.g. ("fsdp", "tensor", None): the island takes
+        the kernel so and all-gathers the axes other than `axis_name` inside (plain, as
+        GSPMD gathers fsdp shards), so the kernel gradient leaves reduce-scattered over
+        them instead of all-reduced. `axis_name` must be the first axis of its entry.
+        None: the kernel enters split over `axis_name` on `sharded_dim` only.
     """
 
     mesh: Mesh
@@ -137,6 +144,7 @@ class ParallelDotGeneral:
     layout: str = "replicated"
     batch_axes: tuple[str, ...] | None = None
     sharded_dim: int | None = None
+    kernel_spec: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -161,6 +169,25 @@ class ParallelDotGeneral:
             object.__setattr__(self, "batch_axes", axes)
         if self.sharded_dim is not None and not isinstance(self.sharded_dim, int):
             raise ValueError(f"sharded_dim must be an int or None, got {self.sharded_dim!r}")
+        if self.kernel_spec is not None:
+            self._take_kernel_spec(self.kernel_spec)
+
+    def _take_kernel_spec(self, kernel_spec: Any) -> None:
+        """Normalise `kernel_spec` to a tuple of axis-name tuples, and `sharded_dim` to
+        the axis it splits over `axis_name`."""
+        entries = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in kernel_spec)
+        unknown = sorted({a for e in entries for a in e} - set(self.mesh.axis_names))
+        tensor_dims = [dim for dim, entry in enumerate(entries) if self.axis_name in entry]
+        if unknown or len(tensor_dims) != 1 or entries[tensor_dims[0]][0] != self.axis_name:
+            raise ValueError(
+                f"kernel_spec {kernel_spec} must name axes of the mesh {self.mesh.axis_names} (unknown: {unknown}) "
+                f"and {self.axis_name!r} once, as the first axis of its entry"
+            )
+        (dim,) = tensor_dims
+        if self.sharded_dim is not None and self.sharded_dim % len(entries) != dim:
+            raise ValueError(f"sharded_dim={self.sharded_dim}, but kernel_spec {kernel_spec} splits axis {dim}")
+        object.__setattr__(self, "kernel_spec", entries)
+        object.__setattr__(self, "sharded_dim", dim)
 
     def __call__(
         self,
@@ -200,7 +227,11 @@ class ParallelDotGeneral:
             feature = {len(out_shape) - 1: axis} if self.layout == "feature" else {}
             lhs_spec = _spec(len(lhs_shape), {**batch, lead + sharded: axis})
             out_spec = _spec(len(out_shape), {**batch, **sequence, **feature})
-        rhs_spec = _spec(len(rhs_shape), {sharded: axis})
+        rhs_spec = (
+            _spec(len(rhs_shape), {sharded: axis})
+            if self.kernel_spec is None
+            else P(*(e or None for e in self.kernel_spec))
+        )
         for name, shape, spec in (("input", lhs_shape, lhs_spec), ("kernel", rhs_shape, rhs_spec)):
             self._check_splits(name, shape, spec)
         self._check_splits("output", out_shape, out_spec)
@@ -209,7 +240,7 @@ class ParallelDotGeneral:
         )
         body = self._column if self.kind == "column" else self._row
         island = jax.shard_map(
-            lambda x, w: body(x, w, k, matmul),
+            lambda x, w: body(x, self._whole_kernel(w, collectives.varying_axes(x)), k, matmul),
             mesh=self.mesh,
             in_specs=(lhs_spec, rhs_spec),
             out_specs=out_spec,
@@ -225,6 +256,10 @@ class ParallelDotGeneral:
     def _kernel_dim(self, rhs_shape: tuple[int, ...], k: int) -> int:
         """The kernel axis split over the tensor axis: an output axis (column) or a
         contracting one (row)."""
+        if self.kernel_spec is not None and len(self.kernel_spec) != len(rhs_shape):
+            raise ValueError(
+                f"kernel_spec {self.kernel_spec} has {len(self.kernel_spec)} entries, the kernel shape {rhs_shape}"
+            )
         allowed = range(k, len(rhs_shape)) if self.kind == "column" else range(k)
         if self.sharded_dim is None:
             return allowed[0]
@@ -253,6 +288,20 @@ class ParallelDotGeneral:
                 f"has none before its {'sequence and ' if self.layout == 'sequence' else ''}contracted axes"
             )
         return {0: axes if len(axes) > 1 else axes[0]}
+
+    def _whole_kernel(self, kernel: jax.Array, batch_axes: frozenset[str]) -> jax.Array:
+        """This rank's kernel block with `kernel_spec`'s other axes gathered (their
+        transpose reduce-scatters the gradient). It is marked varying over the input's
+        batch axes before the gathers, so the gradient is reduce-scattered before it is
+        summed over the batch axes, on the smaller block."""
+        if not self.kernel_spec:
+            return kernel
+        kernel = collectives.vary(kernel, tuple(sorted(batch_axes - {self.axis_name})))
+        for dim, entry in enumerate(self.kernel_spec):
+            others = tuple(a for a in entry if a != self.axis_name)
+            if others:
+                kernel = lax.all_gather(kernel, others, axis=dim, tiled=True)
+        return kernel
 
     def _check_splits(self, name: str, shape: tuple[int, ...], spec: P) -> None:
         for dim, (size, entry) in enumerate(zip(shape, spec)):

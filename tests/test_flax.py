@@ -228,43 +228,57 @@ def _attention_pair_loss(params, x, target, column, row):
     return jnp.mean(jnp.tanh(row(heads, out_kernel, ROW_DIMS)) * target)
 
 
-def _attention_pair_inputs(mesh, layout):
+# The kernels split over tensor only, or over fsdp too on the embedding (MaxText's
+# default; their partitioning is then passed as `kernel_spec`).
+TENSOR_KERNELS = (P(None, "tensor"), P("tensor"))
+FSDP_KERNELS = (P("fsdp", "tensor", None), P("tensor", None, "fsdp"))
+
+
+def _attention_pair_inputs(mesh, layout, kernel_specs):
     """(kernels, x, target) placed as the layout has them outside the pair."""
     keys = jax.random.split(jax.random.key(7), 4)
-    kernels = (
-        jax.device_put(
-            jax.random.normal(keys[0], (EMBED, HEADS, HEAD_DIM)) / 3, NamedSharding(mesh, P(None, "tensor"))
-        ),
-        jax.device_put(jax.random.normal(keys[1], (HEADS, HEAD_DIM, EMBED)) / 3, NamedSharding(mesh, P("tensor"))),
+    kernels = tuple(
+        jax.device_put(jax.random.normal(key, shape) / 3, NamedSharding(mesh, spec))
+        for key, shape, spec in zip(
+            keys[:2], [(EMBED, HEADS, HEAD_DIM), (HEADS, HEAD_DIM, EMBED)], kernel_specs, strict=True
+        )
     )
     activation = NamedSharding(mesh, ACTIVATION_SPECS[layout])
     x, target = (jax.device_put(jax.random.normal(k, (BATCH, SEQ, EMBED)), activation) for k in keys[2:])
     return kernels, x, target
 
 
-def _pair(mesh, mode, layout):
+def _pair(mesh, mode, layout, kernel_specs):
     config = tj.TacoConfig.preset(mode, min_bytes=0)
     return tuple(
-        ParallelDotGeneral(mesh, config, kind, site=f"attention.{kind}", layout=layout, batch_axes=BATCH_AXES)
-        for kind in ("column", "row")
+        ParallelDotGeneral(
+            mesh,
+            config,
+            kind,
+            site=f"attention.{kind}",
+            layout=layout,
+            batch_axes=BATCH_AXES,
+            kernel_spec=None if kernel_specs is TENSOR_KERNELS else tuple(spec),
+        )
+        for kind, spec in zip(("column", "row"), kernel_specs, strict=True)
     )
 
 
 @pytest.mark.parametrize("layout", ["replicated", "sequence", "feature"])
 def test_nd_dot_general_matches_lax_dot_general(fsdp_mesh, layout):
     """3-D kernels, column and row, batch over data x fsdp: the loss and its gradients
-    (kernels and input) equal lax.dot_general's with mode off, and are close but not
-    equal with taco+ (all three in one compiled program)."""
+    (kernels and input) equal lax.dot_general's on one device with mode off, and are
+    close but not equal with taco+ (both modes in one compiled program). The feature
+    layout's kernels are split over fsdp too (`kernel_spec`)."""
     value_and_grad = jax.value_and_grad(_attention_pair_loss, argnums=(0, 1))
-
-    def losses_and_grads(params, x, target):
-        return {
-            "reference": value_and_grad(params, x, target, lax.dot_general, lax.dot_general),
-            **{mode: value_and_grad(params, x, target, *_pair(fsdp_mesh, mode, layout)) for mode in ("off", "taco+")},
-        }
-
-    results = jax.jit(losses_and_grads)(*_attention_pair_inputs(fsdp_mesh, layout))
-    want = jax.tree.leaves(results["reference"])
+    kernels = FSDP_KERNELS if layout == "feature" else TENSOR_KERNELS
+    inputs = _attention_pair_inputs(fsdp_mesh, layout, kernels)
+    pairs = {mode: _pair(fsdp_mesh, mode, layout, kernels) for mode in ("off", "taco+")}
+    results = jax.jit(lambda *args: {mode: value_and_grad(*args, *pair) for mode, pair in pairs.items()})(*inputs)
+    on_one_device = jax.tree.map(np.asarray, inputs)
+    want = jax.tree.leaves(
+        jax.jit(value_and_grad, static_argnums=(3, 4))(*on_one_device, lax.dot_general, lax.dot_general)
+    )
     for mode in ("off", "taco+"):
         for index, (got, exact) in enumerate(zip(jax.tree.leaves(results[mode]), want, strict=True)):
             assert got.shape == exact.shape, (mode, index)
@@ -279,9 +293,10 @@ def test_feature_layout_sends_uint8_and_nothing_more_on_the_batch_axes(fsdp_mesh
     reduce-scatter go u8 on the tensor axis, with no plain re-sharding collective beside
     them (only the scalar loss sum), and the batch axes carry no more bytes than plain
     GSPMD's program (the islands split the batch over data x fsdp)."""
-    kernels, x, target = _attention_pair_inputs(fsdp_mesh, "feature")
+    kernels, x, target = _attention_pair_inputs(fsdp_mesh, "feature", TENSOR_KERNELS)
     batch_axes_bytes, tensor_collectives = {}, {}
-    for name, pair in (("plain", (lax.dot_general,) * 2), ("taco+", _pair(fsdp_mesh, "taco+", "feature"))):
+    taco_pair = _pair(fsdp_mesh, "taco+", "feature", TENSOR_KERNELS)
+    for name, pair in (("plain", (lax.dot_general,) * 2), ("taco+", taco_pair)):
         step = jax.jit(jax.value_and_grad(lambda p, v, t: _attention_pair_loss(p, v, t, *pair), argnums=(0, 1)))
         batch_axes_bytes[name] = collections.Counter()
         for collective in tj.collectives_in_hlo(step.lower(kernels, x, target).compile().as_text()):
@@ -312,6 +327,9 @@ def test_bad_dot_generals_are_clear_errors(fsdp_mesh):
         ParallelDotGeneral(fsdp_mesh, config, "row", batch_axes=("data", "tensor"))
     with pytest.raises(ValueError, match="with a 'model' axis"):
         ParallelDotGeneral(fsdp_mesh, config, "column", axis_name="model")
+    for kernel_spec in [("fsdp", "model"), (None, ("fsdp", "tensor")), (None, None)]:
+        with pytest.raises(ValueError, match=r"kernel_spec .* and 'tensor' once, as the first axis of its entry"):
+            ParallelDotGeneral(fsdp_mesh, config, "column", kernel_spec=kernel_spec)
     column = ParallelDotGeneral(fsdp_mesh, config, "column", batch_axes=BATCH_AXES)
     x, kernel = jnp.ones((4, 2, 8)), jnp.ones((8, 2, 4))
     bad_dimension_numbers = [
