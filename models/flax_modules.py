@@ -15,10 +15,13 @@ converts the per-block state of the earlier NNX modules (see the changelog).
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -76,8 +79,16 @@ def _warn_uncalibrated(taco: tj.TacoConfig, calibration: tj.calibration.Calibrat
         "taco_jax.calibration.calibrate(collector, taco)` and build the model again with "
         "`from_params(config, functional_params(model), mesh=mesh, taco=taco, calibration=calibration)` "
         "(docs/guides/calibration.md). This warning is shown once.",
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
+
+
+def _user_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, from its caller, of the first frame outside this
+    module, Flax and JAX: the user's line that built the module."""
+    internal = (__file__, *(os.path.dirname(module.__file__ or "") for module in (flax, jax)))
+    frames = [frame.filename for frame in inspect.stack()[2:]]
+    return 2 + next((i for i, name in enumerate(frames) if not name.startswith(internal)), 0)
 
 
 class Transformer(nnx.Module):
