@@ -61,8 +61,9 @@ class ChannelPlan:
     Attributes:
       perm: channel permutation applied before grouping (`x[..., perm]`).
       hadamard: whether the Walsh-Hadamard transform is on for this site.
-      quant: the site's own quantizer (fewer bits, `TacoConfig.fewer_bits`), its
-        transform set by `hadamard`; None: the config's.
+      quant: the site's own quantizer (fewer bits: one of the config's
+        `TacoConfig.fewer_bits` candidates), held with its transform set by `hadamard`
+        (so `quant.text` is what the site sends); None: the config's.
     """
 
     perm: tuple[int, ...]
@@ -74,6 +75,8 @@ class ChannelPlan:
             raise ValueError(f"ChannelPlan.perm is not a permutation of range({len(self.perm)})")
         if self.quant is not None and not isinstance(self.quant, QuantSpec):
             raise ValueError(f"ChannelPlan.quant must be a QuantSpec or None, got {self.quant!r}")
+        if self.quant is not None and self.quant.hadamard != self.hadamard:
+            object.__setattr__(self, "quant", dataclasses.replace(self.quant, hadamard=self.hadamard))
 
     @functools.cached_property
     def is_identity(self) -> bool:
@@ -96,6 +99,23 @@ class ChannelPlan:
         return dataclasses.replace(self.quant or spec, hadamard=self.hadamard)
 
 
+def candidate_of(quant: QuantSpec, fewer_bits: FewerBits | None) -> QuantSpec | None:
+    """The candidate of `fewer_bits` that `quant` is (the transform aside: calibration
+    decides it per site), or None where `fewer_bits` lists no such format."""
+    candidates = fewer_bits.candidates if fewer_bits is not None else ()
+    return next((c for c in candidates if dataclasses.replace(quant, hadamard=c.hadamard) == c), None)
+
+
+def format_conflict(plan: ChannelPlan, config: TacoConfig) -> str | None:
+    """Why `config` does not allow `plan`'s own format, or None where it does (no own
+    format, or one the config's `fewer_bits` lists): the mode and preset decide what a
+    message may be sent as, a calibration only chooses among that."""
+    if plan.quant is None or candidate_of(plan.quant, config.fewer_bits) is not None:
+        return None
+    allowed = [c.text for c in config.fewer_bits.candidates] if config.fewer_bits is not None else []
+    return f"format {plan.quant.text}, which the config does not allow (its fewer-bits formats: {allowed or 'none'})"
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Calibration:
@@ -111,9 +131,13 @@ class Calibration:
     plans: tuple[tuple[str, str, ChannelPlan], ...] = ()
 
     def __post_init__(self) -> None:
+        seen = set()
         for site, direction, plan in self.plans:
             if direction not in DIRECTIONS or not isinstance(plan, ChannelPlan):
                 raise ValueError(f"bad calibration entry for site {site!r}: direction {direction!r}, plan {plan!r}")
+            if (site, direction) in seen:
+                raise ValueError(f"calibration has two plans for site {site!r}, direction {direction!r}")
+            seen.add((site, direction))
 
     def plan(self, site: str | None, direction: str) -> ChannelPlan | None:
         """The plan of `site` in `direction`, or None (identity, config's transform)."""
@@ -147,28 +171,55 @@ class Calibration:
 
     @classmethod
     def from_json(cls, data: dict) -> Calibration:
-        """Inverse of `to_json`.
+        """Inverse of `to_json`: every entry has a string "site", a "direction", a "perm"
+        of integers, a JSON boolean "hadamard" and, for a site with its own format, a
+        "quant" spec text (no "quant": the config's format).
 
         Raises:
-          ValueError: malformed data.
+          ValueError: malformed data (naming the entry's site), or two plans for one
+            site and direction.
         """
-        try:
-            return cls(
-                tuple(
-                    (
-                        e["site"],
-                        e["direction"],
-                        ChannelPlan(
-                            tuple(int(i) for i in e["perm"]),
-                            bool(e["hadamard"]),
-                            QuantSpec.parse(e["quant"]) if "quant" in e else None,
-                        ),
-                    )
-                    for e in data["plans"]
-                )
-            )
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"malformed calibration data: {error!r}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("plans"), list):
+            raise ValueError('malformed calibration data: expected {"plans": [...]}')
+        return cls(tuple(_entry_from_json(entry) for entry in data["plans"]))
+
+    def conflicts(self, config: TacoConfig) -> list[str]:
+        """What in this calibration `config` does not allow, one phrase per plan (empty:
+        none): a calibration refines mode "taco" only, and a site's own format must be
+        one of `config.fewer_bits`."""
+        if self.plans and config.mode != "taco":
+            return [f"mode {config.mode!r} takes no calibration (only mode 'taco' is calibrated)"]
+        return [
+            f"site {site!r} ({direction}): {conflict}"
+            for site, direction, plan in self.plans
+            if (conflict := format_conflict(plan, config)) is not None
+        ]
+
+
+def _entry_from_json(entry: Any) -> tuple[str, str, ChannelPlan]:
+    """One (site, direction, plan) of `Calibration.from_json`.
+
+    Raises:
+      ValueError: a field missing or of the wrong type, naming the site.
+    """
+    if not isinstance(entry, dict) or not isinstance(entry.get("site"), str):
+        raise ValueError(f"malformed calibration entry {entry!r:.200}: expected an object with a string 'site'")
+    where = f"calibration of site {entry['site']!r}"
+    perm, hadamard = entry.get("perm"), entry.get("hadamard")
+    if not isinstance(perm, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in perm):
+        raise ValueError(f"{where}: 'perm' must be a list of integers, got {perm!r:.200}")
+    if not isinstance(hadamard, bool):
+        raise ValueError(f"{where}: 'hadamard' must be true or false, got {hadamard!r}")
+    quant = entry.get("quant")
+    if "quant" in entry and not isinstance(quant, str):
+        raise ValueError(
+            f"{where}: 'quant' must be a spec such as 'e2m3:128:H:bf16' (omit it for the config's format), got {quant!r}"
+        )
+    try:
+        plan = ChannelPlan(tuple(perm), hadamard, QuantSpec.parse(quant) if quant is not None else None)
+        return Calibration(((entry["site"], entry.get("direction"), plan),)).plans[0]
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 # ----------------------------------------------------------------------------- collection
@@ -444,7 +495,10 @@ def _agreed(calibration: Calibration, fewer_bits: FewerBits | None) -> Calibrati
 
     choices = (None, *(fewer_bits.candidates if fewer_bits is not None else ()))
     flags = np.array([plan.hadamard for _, _, plan in calibration.plans], np.int32)
-    quants = np.array([choices.index(plan.quant) for _, _, plan in calibration.plans], np.int32)
+    quants = np.array(
+        [choices.index(plan.quant and candidate_of(plan.quant, fewer_bits)) for _, _, plan in calibration.plans],
+        np.int32,
+    )
     perms = tuple(plan.indices for _, _, plan in calibration.plans)
     flags, quants, perms = multihost_utils.broadcast_one_to_all((flags, quants, perms))
     return Calibration(

@@ -288,21 +288,31 @@ def in_rank_order(pieces: list[jax.Array], axis_name: str, axis: int) -> jax.Arr
 
 
 def planned_spec(
-    spec: QuantSpec, calibration: Calibration | None, site: str, direction: str, channels: int
+    config: TacoConfig, direction: str, calibration: Calibration | None, site: str, channels: int
 ) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
-    """`spec` with the site's calibrated transform decision, and the site's permutation
-    plan (None when it has none or it is the identity).
+    """The quantizer of `direction`'s messages at `site` and the site's permutation plan
+    (None when it has none or it is the identity).
+
+    The mode and the config decide what a message may be sent as; a calibration only
+    refines within that: in mode "taco" it sets the site's permutation and transform,
+    and its format only where `config.fewer_bits` lists it. Other modes take no
+    calibration ("fp8" is the no-transform, no-reshaping baseline).
 
     Raises:
-      ValueError: the plan permutes another number of channels than `channels`.
+      ValueError: the plan permutes another number of channels than `channels`, or
+        gives the site a format the config does not allow.
     """
-    plan = calibration.plan(site, direction) if calibration is not None else None
+    spec = config.forward if direction == "forward" else config.backward
+    plan = calibration.plan(site, direction) if calibration is not None and config.mode == "taco" else None
     if plan is None:
         return spec, None
     if len(plan.perm) != channels:
         raise ValueError(
             f"calibration of site {site!r} permutes {len(plan.perm)} channels, but the message has {channels}"
         )
+    conflict = calibration_lib.format_conflict(plan, config)
+    if conflict is not None:
+        raise ValueError(f"calibration of site {site!r} ({direction}) gives {conflict}")
     return plan.spec(spec), None if plan.is_identity else plan
 
 
@@ -382,7 +392,7 @@ def plan_message(
         if isinstance(x, jax.ShapeDtypeStruct):
             raise ValueError("plan_message reports the message's values: pass the array, or report=False")
         calibration_lib.observe(x, site, direction)
-    spec, permutation = planned_spec(call.spec(direction), call.calibration, site, direction, x.shape[-1])
+    spec, permutation = planned_spec(call.config, direction, call.calibration, site, x.shape[-1])
     if permutation is not None and moves_channels:
         raise ValueError(
             f"site {site!r} has a channel permutation, so it cannot gather or scatter along "

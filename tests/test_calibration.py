@@ -11,7 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import calibration, codec
+from taco_jax import calibration, codec, message
+from taco_jax.train import calibrate
+from taco_jax.train.config import TrainConfig
 
 
 def test_strategies_are_permutations_with_the_intended_groups():
@@ -52,8 +54,10 @@ def test_errors_name_the_problem():
         calibration.ChannelPlan((0, 0, 1), True)
     with pytest.raises(ValueError, match="direction 'sideways'"):
         calibration.Calibration((("s", "sideways", calibration.ChannelPlan((0, 1), True)),))
-    with pytest.raises(ValueError, match="malformed calibration data"):
+    with pytest.raises(ValueError, match="calibration of site 's': 'perm' must be a list of integers"):
         calibration.Calibration.from_json({"plans": [{"site": "s"}]})
+    with pytest.raises(ValueError, match="malformed calibration data"):
+        calibration.Calibration.from_json({"sites": []})
 
 
 def test_state_round_trips_through_json_and_is_hashable():
@@ -266,3 +270,41 @@ def test_fewer_bits_round_trip_through_json_and_are_checked():
     with pytest.raises(ValueError, match="runs in mode 'taco' only"):
         tj.TacoConfig.preset("fp8", fewer_bits=MIXED.fewer_bits)
     assert tj.TacoConfig.preset("taco4").forward.bits_per_element == 4.5
+
+
+def test_the_preset_decides_what_a_calibration_may_choose():
+    """A calibration refines mode "taco" within the config: the site's permutation and
+    transform, and a format only where `fewer_bits` lists it (whatever transform the site
+    takes); mode "fp8" takes none; a format the config does not list is refused."""
+    e2m3 = tj.QuantSpec.parse("e2m3:128:H:bf16")
+    plan = calibration.ChannelPlan((1, 0, 3, 2), False, e2m3)
+    state = calibration.Calibration((("s", "forward", plan),))
+    spec, permutation = message.planned_spec(MIXED, "forward", state, "s", 4)
+    assert spec == tj.QuantSpec("e2m3", 128, False, "bf16") and permutation == plan
+    fp8 = tj.TacoConfig.preset("fp8")
+    assert message.planned_spec(fp8, "forward", state, "s", 4) == (fp8.forward, None)
+    assert state.conflicts(MIXED) == [] and "mode 'fp8' takes no calibration" in state.conflicts(fp8)[0]
+    for preset in ("taco4", "taco+"):
+        config = tj.TacoConfig.preset(preset)
+        (conflict,) = state.conflicts(config)
+        assert "format e2m3:128:-:bf16, which the config does not allow (its fewer-bits formats: none)" in conflict
+        with pytest.raises(ValueError, match="calibration of site 's' \\(forward\\) gives format e2m3:128:-:bf16"):
+            message.planned_spec(config, "forward", state, "s", 4)
+
+
+def test_a_plan_without_the_transform_is_reported_without_it(capsys, monkeypatch):
+    """A plan's format is held and printed with the plan's own transform decision: in
+    its JSON, the summary and the calibration message."""
+    e2m3 = tj.QuantSpec.parse("e2m3:128:H:bf16")
+    state = calibration.Calibration(
+        (
+            ("a", "forward", calibration.ChannelPlan((0, 1), False, e2m3)),
+            ("b", "backward", calibration.ChannelPlan((0, 1), False)),
+        )
+    )
+    assert state.to_json()["plans"][0]["quant"] == "e2m3:128:-:bf16"
+    assert calibrate.calibration_summary(state)["sites_with_fewer_bits"] == {"e2m3:128:-:bf16": 1}
+    monkeypatch.setattr(tj.calibration, "calibrate", lambda *args, **kwargs: (state, []))
+    cfg = TrainConfig.from_keys(taco="taco+mixed")
+    assert calibrate.calibrate_run(cfg, calibration.Collector(), None) == state
+    assert "a/f: e2m3:128:-:bf16, b/b: int8:128:-:bf16" in capsys.readouterr().err
