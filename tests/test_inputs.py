@@ -2,6 +2,8 @@
 flags, key=value overrides and YAML files, its run directory and data, and the model
 API's token ids (8 CPU devices)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from taco_jax import models
 from taco_jax.train import cli, run_state
+from taco_jax.train import config as config_lib
 from tests.test_train import SMALL, _cli_args
 
 
@@ -107,3 +110,65 @@ def test_the_model_api_refuses_token_ids_outside_the_vocabulary(bad):
         models.loss_and_grads(config, params, tokens)
     with pytest.raises(ValueError, match="integer token ids"):
         models.logits(config, params, jnp.ones((2, 8), jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["taco=off", "taco_forward=int4:32:H:bf16"], "taco_forward='int4:32:H:bf16' given with taco=off"),
+        (["taco_data_backward=int4:32:H:bf16"], "taco_data_backward='int4:32:H:bf16' given with taco_data=off"),
+        (["taco=fp8", "taco_forward=int4:32:H:bf16"], "taco_forward='int4:32:H:bf16' with taco=fp8: mode 'fp8'"),
+        (["taco=fp8", "calibration_file=c.json"], "calibration_file='c.json' given with taco=fp8, whose mode 'fp8'"),
+        (["taco=off", "calibration_file=c.json"], "calibration_file='c.json' given with taco=off"),
+    ],
+)
+def test_compression_keys_that_contradict_their_preset_are_refused(args, message, tmp_path, capsys):
+    """Quantizers given with a preset that compresses nothing or whose mode cannot take
+    them, and a calibration file with a mode that is not calibrated: one line naming the
+    keys, and nothing written to --out."""
+    out = tmp_path / "run"
+    assert message in _one_error_line(["--out", str(out), *_cli_args(SMALL), *args], capsys)
+    assert not out.exists()
+
+
+def test_yaml_off_is_the_off_preset_for_the_preset_keys_only(tmp_path):
+    """YAML reads an unquoted `off` as False: the preset keys take it as "off"; other
+    string keys still refuse a boolean."""
+    config = tmp_path / "run.yaml"
+    config.write_text("taco: off\ntaco_pipe: off\ntaco_data: off\n")
+    cfg = config_lib.apply_overrides(config_lib.TrainConfig(), config_lib.load_yaml(config))
+    assert {group.preset for group in (cfg.compression.tensor, cfg.compression.pipe, cfg.compression.data)} == {"off"}
+    with pytest.raises(ValueError, match="model: expected a string, got False"):
+        config_lib.TrainConfig.from_keys(model=False)
+    with pytest.raises(ValueError, match="taco: expected a string, got True"):
+        config_lib.TrainConfig.from_keys(taco=True)
+
+
+PLAN = {"site": "layers.mlp.out", "direction": "forward", "perm": list(range(128)), "hadamard": True}
+
+
+@pytest.mark.parametrize(
+    "plans, taco, message",
+    [
+        ([{**PLAN, "hadamard": "false"}], "taco+", "'hadamard' must be true or false, got 'false'"),
+        ([PLAN, PLAN], "taco+", "two plans for site 'layers.mlp.out', direction 'forward'"),
+        ([{**PLAN, "quant": "e9m9:128:H:bf16"}], "taco+mixed", "calibration of site 'layers.mlp.out': "),
+        ([{**PLAN, "quant": None}], "taco+mixed", "'quant' must be a spec such as"),
+        ([{**PLAN, "perm": [0.5, 1]}], "taco+", "'perm' must be a list of integers"),
+        ([{**PLAN, "quant": "e2m3:128:H:bf16"}], "taco4", "does not fit taco=taco4: site 'layers.mlp.out' (forward)"),
+        ([{**PLAN, "quant": "e2m3:128:H:bf16"}], "taco+", "format e2m3:128:H:bf16, which the config does not allow"),
+        ([{**PLAN, "quant": "e2m1:32:H:bf16"}], "taco+mixed", "its fewer-bits formats: ['int4:32:H:bf16', 'e2m3"),
+    ],
+    ids=["string_bool", "duplicate", "bad_quant", "null_quant", "fractional_perm", "taco4", "taco+", "unlisted"],
+)
+def test_a_calibration_file_is_checked_before_the_run_directory_is_made(plans, taco, message, tmp_path, capsys):
+    """A calibration file refines the preset and cannot override it: a malformed entry
+    or a format the preset does not list among its fewer-bits formats is one line naming
+    the file, before anything is written."""
+    file = tmp_path / "calibration.json"
+    file.write_text(json.dumps({"calibration": {"plans": plans}}))
+    out = tmp_path / "run"
+    args = ["--out", str(out), *_cli_args(SMALL), f"taco={taco}", f"calibration_file={file}"]
+    err = _one_error_line(args, capsys)
+    assert message in err and f"calibration_file {file}" in err
+    assert not out.exists()

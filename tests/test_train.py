@@ -363,12 +363,39 @@ def test_standalone_calibration_feeds_other_runs(tmp_path):
     checkpoint = Checkpointer(Path(run.out) / "checkpoints", 3)
     assert tj.calibration.Calibration.from_json(checkpoint.meta(2)["calibration"]) == decided
     checkpoint.close()
+    _resume_keeps_the_checkpoints_calibration(run, observing, decided)
     with pytest.raises(ValueError, match="needs a taco preset"):
         trainer.calibrate_only(_cfg(tmp_path, "fp8", taco="fp8"))
     with pytest.raises(ValueError, match="cannot be read"):
         trainer.train(
             _cfg(tmp_path, "missing", taco="taco", calibration_file=str(tmp_path / "nope.json")), progress=False
         )
+
+
+def _resume_keeps_the_checkpoints_calibration(run, observing, decided):
+    """A resume takes the calibration its checkpoint holds: the calibration_file changed
+    or gone since the run started is an error naming it (before anything compiles), and
+    --force resumes with the checkpoint's calibration; --calibrate-only does not
+    overwrite a calibration.json without --force."""
+    from taco_jax.train import cli
+
+    file = Path(run.calibration_file)
+    more = run.with_keys(steps=3)
+    changed = decided.to_json()
+    changed["plans"][0]["hadamard"] = not changed["plans"][0]["hadamard"]
+    file.write_text(json.dumps({"calibration": changed}))
+    with pytest.raises(ValueError, match=f"--resume: calibration_file {file} has changed since the run started"):
+        trainer.train(more, resume=True, progress=False)
+    file.unlink()
+    with pytest.raises(ValueError, match=f"--resume: calibration_file {file} cannot be read"):
+        trainer.train(more, resume=True, progress=False)
+    loop = trainer.setup_train_loop(more, resume=True, force=True)
+    loop.run.close()
+    assert loop.run.calibration == decided and loop.run.step == 2
+    file.write_text(json.dumps({"calibration": decided.to_json()}))
+    args = ["--no-progress", "--calibrate-only", "--out", observing.out, *_cli_args({**SMALL, "taco": "taco+mixed"})]
+    assert cli.main(args) == 2 and cli.main([*args, "--resume"]) == 2
+    assert calibrate.load_calibration(Path(observing.out) / "calibration.json") == decided
 
 
 ALL_AXES_COMPRESSED = dict(taco="taco+", taco_pipe="taco+", taco_data="taco+", calibration_steps=0)

@@ -16,6 +16,8 @@ Precedence: defaults < --config file < flags < key=value.
 --resume continues the run in --out with the settings it was started with (saved in each
 checkpoint); a key that differs is an error, except these: {resumable}.
 A run resumed to more steps keeps its learning-rate schedule unless decay_steps was set.
+A resumed run keeps the calibration its checkpoint holds: a calibration_file changed or
+gone since the run started is an error (--force resumes with the checkpoint's).
 
 Where compression is used: taco_policy=auto (the default) times every tensor-parallel
 message shape plain and compressed on the GPUs at start-up, prints the decision, writes
@@ -67,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="observe calibration_steps batches without training (from the checkpoint with --resume), "
         "write OUT/calibration.json for calibration_file=",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="with --calibrate-only: overwrite OUT/calibration.json; with --resume: continue with the "
+        "checkpoint's calibration although calibration_file changed since the run started or is gone",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--coordinator", help="multi-host: coordinator address HOST:PORT (jax.distributed)")
@@ -127,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.calibrate_only:
-            summary = calibrate_only(cfg, resume=args.resume)
+            summary = calibrate_only(cfg, resume=args.resume, force=args.force)
         else:
-            summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+            summary = train(cfg, resume=args.resume, progress=not args.no_progress, force=args.force)
     except EXPECTED_FAILURES as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

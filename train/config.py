@@ -20,7 +20,7 @@ import yaml
 
 from taco_jax.models.layers import OVERLAP_SITES
 from taco_jax.models.transformer import REMAT_POLICIES
-from taco_jax.spec import PRESETS, QuantSpec
+from taco_jax.spec import PRESETS, QuantSpec, TacoConfig
 
 # Seeds are 32-bit: jax.random.key folds larger ones onto these (2**32 is seed 0).
 SEED_LIMIT = 2**32
@@ -101,6 +101,9 @@ COMPRESSION_KEYS = {
     "taco_data": ("data", "preset"),
     "taco_data_backward": ("data", "backward"),
 }
+
+# The preset keys: YAML reads an unquoted `off` as False, which these take as "off".
+PRESET_KEYS = tuple(key for key, (_, field) in COMPRESSION_KEYS.items() if field == "preset")
 
 POSITIVE_KEYS = (
     "steps",
@@ -330,14 +333,7 @@ class TrainConfig:
             )
         if self.taco_policy not in ("auto", "always") and not self.taco_policy.endswith(".json"):
             problems.append(f"taco_policy must be auto, always or a link_profile.json, got {self.taco_policy!r}")
-        for key, value in compression_keys(self.compression).items():
-            if COMPRESSION_KEYS[key][1] == "preset" and value not in PRESETS:
-                problems.append(f"{key} must be a TACO preset, one of {sorted(PRESETS)}, got {value!r}")
-            elif COMPRESSION_KEYS[key][1] != "preset" and value:
-                try:
-                    QuantSpec.parse(value)
-                except ValueError as error:
-                    problems.append(f"{key}: {error}")
+        problems += self._compression_problems()
         try:
             overlap_sites(self.tp_overlap)
         except ValueError as error:
@@ -345,6 +341,41 @@ class TrainConfig:
         if not 0 < self.val_fraction < 1:
             problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         return problems + self._optimizer_problems() + self._data_problems()
+
+    def _compression_problems(self) -> list[str]:
+        """What is wrong with the compression keys: a preset or quantizer that does not
+        parse, a quantizer given where its preset compresses nothing, one its preset's
+        mode does not take, or a calibration_file with a mode that is not calibrated."""
+        problems, flat = [], compression_keys(self.compression)
+        for axis in ("tensor", "pipe", "data"):
+            preset_key, *spec_keys = _axis_keys(axis)
+            preset, specs = flat[preset_key], {key: flat[key] for key in spec_keys if flat[key]}
+            if preset not in PRESETS:
+                problems.append(f"{preset_key} must be a TACO preset, one of {sorted(PRESETS)}, got {preset!r}")
+                continue
+            unreadable = [f"{key}: {error}" for key, value in specs.items() if (error := _parse_error(value))]
+            if unreadable:
+                problems += unreadable
+                continue
+            if specs and PRESETS[preset].mode == "off":
+                given = ", ".join(f"{key}={value!r}" for key, value in specs.items())
+                problems.append(
+                    f"{given} given with {preset_key}=off, which compresses nothing: drop it or choose a preset"
+                )
+                continue
+            parsed = {COMPRESSION_KEYS[key][1]: QuantSpec.parse(value) for key, value in specs.items()}
+            try:
+                TacoConfig.preset(preset, **parsed)
+            except ValueError as error:
+                given = ", ".join(f"{key}={value!r}" for key, value in specs.items())
+                problems.append(f"{given} with {preset_key}={preset}: {error}")
+        mode = PRESETS.get(self.compression.tensor.preset)
+        if self.calibration_file and mode is not None and mode.mode != "taco":
+            problems.append(
+                f"calibration_file={self.calibration_file!r} given with taco={self.compression.tensor.preset}, "
+                f"whose mode {mode.mode!r} takes no calibration (only taco presets are calibrated)"
+            )
+        return problems
 
     def _optimizer_problems(self) -> list[str]:
         """What is wrong with the optimizer's keys (a NaN learning rate, say, would train
@@ -382,6 +413,20 @@ class TrainConfig:
         if any(step < 0 for step in self.debug_nan_steps):
             problems.append(f"debug_nan_steps must be steps >= 0, got {list(self.debug_nan_steps)}")
         return problems
+
+
+def _axis_keys(axis: str) -> list[str]:
+    """The flat compression keys of mesh axis `axis`, its preset's first."""
+    return [key for key, (of, _) in COMPRESSION_KEYS.items() if of == axis]
+
+
+def _parse_error(text: str) -> str | None:
+    """Why `QuantSpec.parse` does not read `text`, or None where it does."""
+    try:
+        QuantSpec.parse(text)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _out_of_range(
@@ -485,7 +530,7 @@ def apply_overrides(config: TrainConfig, overrides: dict) -> TrainConfig:
     unknown = sorted(set(overrides) - set(types))
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(types)}")
-    values = {k: _coerce(k, v, types[k]) for k, v in overrides.items()}
+    values = {k: _coerce(k, "off" if k in PRESET_KEYS and v is False else v, types[k]) for k, v in overrides.items()}
     grouped = {k: values.pop(k) for k in list(values) if k in COMPRESSION_KEYS}
     return dataclasses.replace(config, **values, compression=_with_compression_keys(config.compression, grouped))
 

@@ -18,7 +18,7 @@ from taco_jax.calibration import Calibration
 
 from . import data as data_lib
 from . import run_dir
-from .calibrate import load_calibration
+from .calibrate import calibration_digest, file_calibration, load_calibration
 from .checkpoint import Checkpointer
 from .compression import feedback_layout, init_error_feedback
 from .config import RESUMABLE_KEYS, TrainConfig, changed_keys
@@ -72,7 +72,11 @@ def device_mesh(cfg: TrainConfig):
 
 @dataclasses.dataclass
 class RunState:
-    """A run's setup and the state it starts from (fresh or restored)."""
+    """A run's setup and the state it starts from (fresh or restored).
+
+    `calibration_file_digest` fingerprints the calibration_file the run started with
+    (`calibration_digest`); checkpoints keep it, and a resume checks the file against it.
+    """
 
     cfg: TrainConfig
     mesh: jax.sharding.Mesh
@@ -89,6 +93,7 @@ class RunState:
     bad_total: int = 0
     calibration: Calibration = Calibration()
     calibrated: bool = False
+    calibration_file_digest: str | None = None
     lock: run_dir.RunLock | None = None
 
     def close(self) -> None:
@@ -129,23 +134,35 @@ def resumed_config(cfg: TrainConfig, meta: dict, step: int) -> TrainConfig:
     return dataclasses.replace(cfg, decay_steps=horizon)
 
 
-def start_run(cfg: TrainConfig, resume: bool) -> RunState:
+def start_run(cfg: TrainConfig, resume: bool, *, force: bool = False) -> RunState:
     """Set up a run and its initial state: fresh, or restored from the newest checkpoint
-    that restores (an unreadable newer one is skipped with a line saying so).
+    that restores (an unreadable newer one is skipped with a line saying so). A resumed
+    run keeps the calibration its checkpoint holds.
+
+    Args:
+      cfg: the configuration.
+      resume: restore the newest checkpoint in `cfg.out`.
+      force: with `resume`, continue with the checkpoint's calibration although
+        `calibration_file` changed since the run started or cannot be read.
 
     Raises:
       ValueError: bad setup, no restorable checkpoint or a changed configuration with
-        `resume`, checkpoints already present without it, or an unreadable
-        `calibration_file`.
+        `resume`, a changed or unreadable `calibration_file` with `resume` (without
+        `force`), checkpoints already present without it, or an unreadable
+        `calibration_file` or one that does not fit the preset (before the run
+        directory is made).
     """
     mesh = device_mesh(cfg)
     model_config = models.preset(cfg.model)
     corpus = data_lib.load(cfg.data, val_fraction=cfg.val_fraction, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
     check_setup(cfg, model_config, corpus)
+    given = file_calibration(cfg) if cfg.calibration_file and not resume else None
     out, lock = run_dir.prepare(cfg.out, lock=jax.process_index() == 0)
     checkpoints = Checkpointer(out / "checkpoints", cfg.keep_checkpoints)
     try:
-        run = _initial_run(cfg, mesh, model_config, corpus, out, checkpoints, resume)
+        run = _initial_run(cfg, mesh, model_config, corpus, out, checkpoints, resume, force)
+        if given is not None:
+            run.calibration, run.calibrated, run.calibration_file_digest = given, True, calibration_digest(given)
     except BaseException:
         checkpoints.close()
         if lock is not None:
@@ -155,8 +172,9 @@ def start_run(cfg: TrainConfig, resume: bool) -> RunState:
     return run
 
 
-def _initial_run(cfg, mesh, model_config, corpus, out, checkpoints, resume: bool) -> RunState:
-    """The run fresh, or restored from `checkpoints` with `resume`."""
+def _initial_run(cfg, mesh, model_config, corpus, out, checkpoints, resume: bool, force: bool) -> RunState:
+    """The run fresh, or restored from `checkpoints` with `resume` (`force` as
+    `start_run`'s)."""
     steps = checkpoints.steps()
     if not resume:
         if steps:
@@ -167,9 +185,7 @@ def _initial_run(cfg, mesh, model_config, corpus, out, checkpoints, resume: bool
     elif not steps:
         raise ValueError(f"--resume: no checkpoint in {checkpoints.directory}")
     else:
-        run = _restored_run(cfg, mesh, model_config, corpus, out, checkpoints, steps)
-    if cfg.calibration_file:
-        run.calibration, run.calibrated = load_calibration(cfg.calibration_file), True
+        run = _restored_run(cfg, mesh, model_config, corpus, out, checkpoints, steps, force)
     return run
 
 
@@ -191,12 +207,12 @@ def _fresh_run(cfg, mesh, model_config, corpus, out, checkpoints) -> RunState:
     )
 
 
-def _restored_run(cfg, mesh, model_config, corpus, out, checkpoints, steps: list[int]) -> RunState:
+def _restored_run(cfg, mesh, model_config, corpus, out, checkpoints, steps: list[int], force: bool) -> RunState:
     """The run restored from the newest of `steps` that restores."""
     failures = []
     for step in steps:
         try:
-            run = _restore(cfg, mesh, model_config, corpus, out, checkpoints, step)
+            run = _restore(cfg, mesh, model_config, corpus, out, checkpoints, step, force)
         except _Unrestorable as error:
             failures.append(str(error.__cause__))
             continue
@@ -230,7 +246,7 @@ class _Unrestorable(Exception):
     """A checkpoint that cannot be read (its cause says why); an older one may be."""
 
 
-def _restore(cfg, mesh, model_config, corpus, out, checkpoints, step: int) -> RunState:
+def _restore(cfg, mesh, model_config, corpus, out, checkpoints, step: int, force: bool) -> RunState:
     try:
         meta = checkpoints.meta(step)
     except ValueError as error:
@@ -238,6 +254,10 @@ def _restore(cfg, mesh, model_config, corpus, out, checkpoints, step: int) -> Ru
     if meta.get("model") != cfg.model:
         raise ValueError(f"checkpoint at step {step} is for model {meta.get('model')!r}, not {cfg.model!r}")
     cfg = resumed_config(cfg, meta, step)
+    saved_calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
+    file_digest = meta.get("calibration_file_digest") or calibration_digest(saved_calibration)
+    if cfg.calibration_file:
+        check_calibration_file(cfg.calibration_file, file_digest, force)
     run = _fresh_run(cfg, mesh, model_config, corpus, out, checkpoints)
     saved_feedback = feedback_layout(cfg, model_config, run.params, mesh) if meta.get("error_feedback") else {}
     try:
@@ -254,9 +274,34 @@ def _restore(cfg, mesh, model_config, corpus, out, checkpoints, step: int) -> Ru
         run.feedback = state.get("error_feedback", run.feedback)
     elif saved_feedback:
         print("taco_data is off: the checkpoint's error-feedback residuals are not used", file=sys.stderr)
-    run.calibration = Calibration.from_json(meta.get("calibration", {"plans": []}))
-    run.calibrated = bool(meta.get("calibrated", False))
+    run.calibration, run.calibrated = saved_calibration, bool(meta.get("calibrated", False))
+    run.calibration_file_digest = file_digest if cfg.calibration_file else None
     return run
+
+
+def check_calibration_file(path: str, started_with: str, force: bool) -> None:
+    """Check that the calibration_file at `path` still holds the calibration the run
+    started with (`started_with`, its `calibration_digest`): a resumed run keeps its
+    checkpoint's calibration, and a file changed or gone since would silently no
+    longer describe it.
+
+    Raises:
+      ValueError: the file changed or cannot be read (without `force`; with it, a line
+        says that the checkpoint's calibration is kept).
+    """
+    try:
+        changed = calibration_digest(load_calibration(path)) != started_with
+        problem = f"calibration_file {path} has changed since the run started" if changed else None
+    except ValueError as error:
+        problem = str(error)
+    if problem is None:
+        return
+    if not force:
+        raise ValueError(
+            f"--resume: {problem}; the run's calibration is in its checkpoint: restore the file, or pass "
+            "--force to resume with the checkpoint's calibration"
+        )
+    print(f"{problem}; resuming with the checkpoint's calibration (--force)", file=sys.stderr)
 
 
 def checkpoint_state(params: dict, opt_state, feedback: dict) -> dict:

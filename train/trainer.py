@@ -182,23 +182,35 @@ def observe_batches(
     return collector
 
 
-def calibrate_only(cfg: TrainConfig, *, resume: bool = False) -> dict:
+def calibrate_only(cfg: TrainConfig, *, resume: bool = False, force: bool = False) -> dict:
     """The standalone calibration step: observe `calibration_steps` batches (from the
     checkpoint's data position with `resume`, else from a fresh init) without training,
     decide the calibration and write it to `out`/calibration.json, which
     `calibration_file=` then loads into any run.
 
+    Args:
+      cfg: the configuration.
+      resume: observe from the checkpoint in `cfg.out`.
+      force: overwrite a calibration.json already in `cfg.out` (a run's own
+        calibration, or an earlier --calibrate-only's).
+
     Returns:
       Summary dict (sites calibrated, sites with the transform, the file).
 
     Raises:
-      ValueError: as `train`, or a preset that is not calibrated (mode "taco" only).
+      ValueError: as `train`, a preset that is not calibrated (mode "taco" only), or
+        a calibration.json in `cfg.out` without `force` (before anything is compiled).
     """
     if taco_config(cfg).mode != "taco" or cfg.calibration_steps < 1:
         raise ValueError(
             f"--calibrate-only needs a taco preset (got {cfg.compression.tensor.preset!r}) and calibration_steps >= 1"
         )
-    run = start_run(cfg, resume)
+    target = Path(cfg.out) / "calibration.json"
+    if target.exists() and not force:
+        raise ValueError(
+            f"--calibrate-only: {target} already holds a calibration; pass --force to overwrite it or choose another --out"
+        )
+    run = start_run(cfg, resume, force=force)
     try:
         batch_of = data_lib.batch_maker(cfg, run.mesh)
         batches = (batch_of(run.corpus.train, run.step + i, cfg.batch_size) for i in range(cfg.calibration_steps))
@@ -270,14 +282,14 @@ def resolve_link_choices(
     return link_policy.choose_overlap(cfg, seconds, out, log=log)
 
 
-def setup_train_loop(cfg: TrainConfig, *, resume: bool = False) -> TrainLoop:
+def setup_train_loop(cfg: TrainConfig, *, resume: bool = False, force: bool = False) -> TrainLoop:
     """Start (or restore) the run, resolve taco_policy, compile its steps and count what
-    one step sends.
+    one step sends (`resume`, `force` as `train`'s).
 
     Raises:
       ValueError: as `train`.
     """
-    run = start_run(cfg, resume)
+    run = start_run(cfg, resume, force=force)
     try:
         return _loop_of(run, cfg, resume)
     except BaseException:
@@ -416,6 +428,7 @@ def save_checkpoint(loop: TrainLoop) -> None:
         "seed": run.cfg.seed,
         "calibrated": run.calibrated,
         "calibration": run.calibration.to_json(),
+        "calibration_file_digest": run.calibration_file_digest,
         "error_feedback": bool(run.feedback),
         "config": to_dict(loop.given),
         "schedule_steps": run.cfg.decay_steps or run.cfg.steps,
@@ -438,15 +451,18 @@ def train_loop(loop: TrainLoop, stop: StopFlag, bar=None) -> None:
             save_checkpoint(loop)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict:
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, force: bool = False) -> dict:
     """Run (or resume) training as configured: `setup_train_loop`, then `train_loop`
     under SIGTERM/SIGINT handlers that stop it at a step every process agrees on (and
     checkpoint there), then the summary and the loss plot.
 
     Args:
       cfg: the configuration.
-      resume: continue from the latest checkpoint in `cfg.out`.
+      resume: continue from the latest checkpoint in `cfg.out`, with the calibration
+        it holds.
       progress: show a progress bar.
+      force: with `resume`, continue although `calibration_file` changed since the run
+        started or cannot be read (the checkpoint's calibration is used either way).
 
     Returns:
       Summary dict (also written to `summary.json` in the run directory).
@@ -454,10 +470,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     Raises:
       ValueError: bad mesh or config, data that does not fit the model, a run directory
         that already holds checkpoints (without `resume`), no or a corrupt checkpoint
-        (with `resume`).
+        (with `resume`), a calibration_file that does not fit the preset, or one changed
+        or gone since the run started (with `resume`, without `force`).
       TrainingError: `max_bad_steps` consecutive non-finite steps.
     """
-    loop = setup_train_loop(cfg, resume=resume)
+    loop = setup_train_loop(cfg, resume=resume, force=force)
     try:
         return _train_and_summarize(loop, progress)
     finally:
