@@ -359,13 +359,17 @@ def decompress_reference(
     out_dtype: jnp.dtype = jnp.float32,
     requantize_to: tuple[str, str] | None = None,
     stochastic: bool = False,
+    headroom: int = 0,
 ):
     """The same computation in plain jnp (what the kernel is tested against); with
-    `requantize_to`, `stochastic` rounds the requantized sum stochastically."""
+    `requantize_to`, `stochastic` rounds the requantized sum stochastically. A decode
+    multiplies by 2**headroom (`formats.scale_headroom`) last; a requantized sum stays
+    in the multipliers' units, which already carry it."""
     if payload.shape[0] == 1 and transform and requantize_to is None:
         # Transform the small payload values first, then scale: no overflow near f32 max.
+        decoded = hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]
         return formats.saturating_cast(
-            hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None], out_dtype
+            formats.times_pow2(decoded, np.int32(headroom)) if headroom else decoded, out_dtype
         )
     shift = group_codec.sum_shift(tuple(multiplier))[..., None]  # (N, 1)
     summed = jnp.sum(payload.astype(jnp.float32) * formats.times_pow2(multiplier[..., None], -shift), axis=0)
@@ -385,4 +389,4 @@ def decompress_reference(
         return codes, group_codec.pack_scale_entries(entries, scale_format)
     if transform:
         summed = hadamard_transform(summed)
-    return formats.saturating_cast(formats.times_pow2(summed, shift), out_dtype)
+    return formats.saturating_cast(formats.times_pow2(summed, shift + headroom), out_dtype)

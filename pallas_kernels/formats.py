@@ -76,6 +76,10 @@ SCALE_ENTRY_DTYPES = {
     "e8m0": (jnp.uint8,),
 }
 
+# The largest decode multiplier every scale encoding holds: e8m0's largest code, exact
+# in bfloat16 and float32.
+MAX_SCALE = np.float32(2.0**127)
+
 E8M0_BIAS = 127
 E8M0_NAN = 255
 # Codes 1..254: 2**-126 .. 2**127. Code 0 (2**-127) is a float32 subnormal, which
@@ -100,6 +104,22 @@ def wire_format(name: str) -> WireFormat:
         return WIRE_FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown wire format {name!r}; expected one of {sorted(WIRE_FORMATS)}") from None
+
+
+def scale_headroom(fmt: WireFormat, group_size: int, transform: bool) -> int:
+    """K >= 0 such that a group's decode multiplier s / a, sent as (s / a) * 2**-K, stays
+    at most `MAX_SCALE` for every finite float32 group, so that it fits every scale
+    encoding; the decode multiplies by 2**K after the (linear) transform.
+
+    s / a = max|y| / max_value, and the normalized transform can raise a group's absmax
+    by up to sqrt(G) (all of a constant group lands on one coefficient): at float32's
+    largest value the multiplier passes float32's range for the small grids (E2M3,
+    E3M2, E2M1, INT4) with the transform. K is 0 for every 8-bit format at G <= 1024
+    (the ceiling `QuantSpec` allows), so what the kernels send is unchanged.
+    """
+    growth = np.sqrt(group_size) if transform else 1.0
+    largest_multiplier = growth * float(np.finfo(np.float32).max) / fmt.max_value
+    return max(0, int(np.ceil(np.log2(largest_multiplier))) - int(np.log2(MAX_SCALE)))
 
 
 # Everything below is written with element-wise jnp and bit operations only, so the same

@@ -135,6 +135,7 @@ def quantize_scaled(
     scale_format: str,
     in_kernel: bool = False,
     stochastic: bool = False,
+    headroom: int = 0,
 ) -> tuple[Pieces, tuple]:
     """Quantize pre-scaled (and transformed) groups y = values * factor.
 
@@ -154,6 +155,7 @@ def quantize_scaled(
       in_kernel: traced inside a Pallas kernel (`formats.cast_to_wire`).
       stochastic: round stochastically (`formats.round_stochastically`) instead of to
         nearest.
+      headroom: K of `formats.scale_headroom`: the scales are sent as s / a * 2**-K.
 
     Returns:
       (payload, scale_entries): payload pieces in the format's dtype; scale_entries a
@@ -162,16 +164,26 @@ def quantize_scaled(
     """
     wire = formats.wire_format(fmt)
     absmax = row_max_abs(values) * factor
-    divisor, entries = scale_entries(absmax, prescale, fmt, scale_format)
+    divisor, entries = scale_entries(absmax, prescale, fmt, scale_format, headroom)
     multiplier = factor / divisor  # one division per group, then a multiply per element
     payload = tuple(formats.cast_to_wire(piece * multiplier, wire, in_kernel, stochastic) for piece in values)
     return payload, entries
 
 
-def scale_entries(absmax: jax.Array, prescale: jax.Array, fmt: str, scale_format: str) -> tuple[jax.Array, tuple]:
+def scale_entries(
+    absmax: jax.Array, prescale: jax.Array, fmt: str, scale_format: str, headroom: int = 0
+) -> tuple[jax.Array, tuple]:
     """(divisor, entries) of groups whose pre-scaled values have absmax `absmax`: the
-    payload is cast from y / divisor; entries as `quantize_scaled` returns them."""
+    payload is cast from y / divisor; entries as `quantize_scaled` returns them, for the
+    decode multiplier s / a * 2**-headroom (`formats.scale_headroom`).
+
+    A multiplier beyond `formats.MAX_SCALE` (only a requantized sum whose exact value
+    passes float32's range reaches one) is held at it: the payload then clips at the
+    format's largest value and the group decodes finite, never to Inf or NaN."""
+    if headroom:
+        prescale = formats.times_pow2(prescale, np.int32(headroom))
     scale = jnp.maximum(absmax / np.float32(formats.wire_format(fmt).max_value), SCALE_MIN)
+    scale = jnp.where(scale / prescale > formats.MAX_SCALE, prescale * formats.MAX_SCALE, scale)
     if scale_format == "dual":
         return scale, (prescale, scale)
     if scale_format == "single":
@@ -231,7 +243,10 @@ def quantize_groups(
     groups = _as_groups(values.astype(jnp.float32), group_size)
     (normalized,), factor, prescale = normalize_groups((groups,), wire.max_value)
     transformed = hadamard_transform(normalized) if transform else normalized
-    (payload,), entries = quantize_scaled((transformed,), factor, prescale, fmt, scale_format, stochastic=stochastic)
+    headroom = formats.scale_headroom(wire, group_size, transform)
+    (payload,), entries = quantize_scaled(
+        (transformed,), factor, prescale, fmt, scale_format, stochastic=stochastic, headroom=headroom
+    )
     # XLA:GPU removes an f32 -> f8 -> f32 convert pair (excess precision) when the
     # payload is decoded in the same program; the barrier keeps the rounding.
     payload = jax.lax.optimization_barrier(payload)

@@ -20,7 +20,7 @@ from jax.typing import ArrayLike
 
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
-from taco_jax.kernels import group_codec, launch, wire
+from taco_jax.kernels import formats, group_codec, launch, wire
 from taco_jax.spec import QuantSpec, check_kernel_mode
 
 
@@ -144,6 +144,12 @@ def _quantize_jnp(values: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Ar
     )
 
 
+def _headroom(spec: QuantSpec) -> int:
+    """The power of two the spec's wire scales are sent below the decode multiplier
+    (`formats.scale_headroom`), which a decode multiplies back."""
+    return formats.scale_headroom(formats.wire_format(spec.fmt), spec.group_size, spec.hadamard)
+
+
 def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
     """Sum of the shards along axis 0, decoded to `dtype` or requantized; kernel or jnp."""
     spec = shards.spec
@@ -170,6 +176,7 @@ def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, d
             out_dtype=dtype,
             requantize_to=requantize_to,
             stochastic=spec.stochastic,
+            headroom=_headroom(spec),
         )
 
     mode = _kernel_mode(spec, dtype, kernel_mode, payload.size, count)
@@ -240,7 +247,9 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
         # The batches side by side as one (k, B * N, G) sum.
         payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
         multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
-        decoded = decompress_kernel.decompress_reference(payload, multiplier, transform=spec.hadamard, out_dtype=dtype)
+        decoded = decompress_kernel.decompress_reference(
+            payload, multiplier, transform=spec.hadamard, out_dtype=dtype, headroom=_headroom(spec)
+        )
         return decoded.reshape(batch, groups, spec.group_size)
 
     mode = _kernel_mode(spec, dtype, kernel_mode, groups * messages.shape[0], messages.shape[1])

@@ -47,6 +47,14 @@ def _group_bound(spec, dtype):
     return fmt_bound + float(jnp.finfo(dtype).eps) + 1e-5
 
 
+def _headroom(fmt, group_size, hadamard):
+    """K with the wire scales at s / a * 2**-K: the smallest K >= 0 keeping the decode
+    multiplier of any finite float32 group, up to sqrt(G) * float32 max / fmt max with
+    the transform, at most 2**127 (the largest scale every encoding holds)."""
+    growth = np.sqrt(group_size) if hadamard else 1.0
+    return max(0, int(np.ceil(np.log2(growth * float(np.finfo(np.float32).max) / ref.FORMATS[fmt][0]))) - 127)
+
+
 def _ulp(fmt):
     """A grid step relative to the value on the float grids (one step on the integer ones)."""
     _, mbits, _, integer = ref.FORMATS[fmt]
@@ -72,8 +80,11 @@ def test_matches_float64_reference(fmt, scales, hadamard):
     assert np.all(np.abs(got_codes - codes)[mismatch] <= step[mismatch] + 1e-12)
 
     scales_arr = ref.as_float64(c.scales)
+    wire_unit = 2.0 ** -_headroom(fmt, 64, hadamard)
+    assert wire_unit == 1.0 or fmt in (*MINIFLOATS, "int4")
+    multiplier = multiplier * wire_unit
     if scales == "dual":
-        np.testing.assert_allclose(scales_arr[..., 0], a[..., 0], rtol=1e-6)
+        np.testing.assert_allclose(scales_arr[..., 0], a[..., 0] / wire_unit, rtol=1e-6)
         np.testing.assert_allclose(scales_arr[..., 1], s[..., 0], rtol=2e-6)
     elif scales == "single":
         np.testing.assert_allclose(scales_arr, multiplier[..., 0], rtol=2e-6)
@@ -87,7 +98,7 @@ def test_matches_float64_reference(fmt, scales, hadamard):
 
     out = jax.jit(tj.decompress)(c)
     assert out.shape == x.shape and out.dtype == x.dtype
-    expected = ref.decompress(got_codes, multiplier, hadamard, 64).reshape(x.shape)
+    expected = ref.decompress(got_codes, multiplier / wire_unit, hadamard, 64).reshape(x.shape)
     np.testing.assert_allclose(ref.as_float64(out), expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
 

@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
+from tests.test_codec import _group_bound
 
 PRESETS = ("fp8", "taco", "taco+")
 # Below 8 bits (the jnp path in every kernel mode): the 4-bit preset and the 6-bit E2M3.
@@ -205,3 +206,112 @@ def test_scalar_gradients_equal_lax_under_both_conventions(op, check_vma):
 
     x = jnp.asarray(np.random.default_rng(3).standard_normal(RANKS), jnp.float32)
     np.testing.assert_allclose(np.asarray(gradient(compressed)(x)), np.asarray(gradient(plain)(x)), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- every format, full range
+
+FORMATS = ("e4m3", "e5m2", "int8", "e2m3", "e3m2", "e2m1", "int4")
+SCALES = ("dual", "single", "bf16", "e8m0")
+# One shape for every case below (eager calls reuse what an earlier case compiled): k = 4
+# shards of two groups of 64, where the transform takes a group's absmax up to 8x, past
+# float32's range in E2M3, E2M1 and INT4 units.
+GROUP = 64
+SHARDS = 4
+
+
+def _norms(x: np.ndarray) -> np.ndarray:
+    """Each group's (last axis) norm."""
+    return np.linalg.norm(x, axis=-1)
+
+
+def _check_through_the_codec(values: np.ndarray, spec: tj.QuantSpec, dtype) -> None:
+    """`values` (k, n, G) float64, exact in `dtype`, round-trip; values / k, as k shards
+    (whose exact sum is finite), sum through `decompress_sum` and `requantize_sum`. Each
+    is finite and within the spec's group bound of the float64 reference (a sum: the
+    bound times each shard's group norm; a requantized sum: that, plus the bound of a
+    second rounding of the sum)."""
+    bound = _group_bound(spec, dtype)
+    got = np.asarray(tj.decompress(tj.compress(jnp.asarray(values, dtype), spec)), np.float64)
+    assert np.isfinite(got).all()
+    errors = _norms(got - values) / _norms(values)
+    assert 0 < errors.max() and (errors <= bound).all(), (errors.max(), bound)
+
+    shards = values / len(values)
+    compressed = tj.compress(jnp.asarray(shards, dtype), spec)
+    exact = shards.sum(axis=0)
+    summed = bound * _norms(shards).sum(axis=0)
+    requantized = summed + bound * (_norms(exact) + summed)
+    for name, got, allowed in [
+        ("decompress_sum", tj.decompress_sum(compressed), summed),
+        ("requantize_sum", tj.decompress(tj.requantize_sum(compressed)), requantized),
+    ]:
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all(), name
+        assert (_norms(got - exact) <= allowed).all(), (name, (_norms(got - exact) / allowed).max())
+
+
+def _near_the_largest(dtype, seed: int, largest: float | None = None) -> np.ndarray:
+    """(k, 2, G) float64 values exact in `dtype`: per row two groups, one all at `largest`
+    (default: the dtype's largest finite value; the transform puts the whole group on
+    one coefficient), one of random magnitudes in [largest / 16, largest] and signs,
+    holding -largest."""
+    largest = float(jnp.finfo(dtype).max) if largest is None else largest
+    rng = np.random.default_rng(seed)
+    random = rng.uniform(1 / 16, 1, (SHARDS, GROUP)) * rng.choice([-1.0, 1.0], (SHARDS, GROUP))
+    random[:, 0] = -1.0
+    unit = np.stack([np.ones((SHARDS, GROUP)), random], axis=1)
+    return np.asarray(largest * unit, dtype).astype(np.float64)
+
+
+@pytest.mark.cover
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("hadamard", [True, False], ids=["H", "plain"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_every_format_holds_the_largest_values(fmt, scales, hadamard, dtype):
+    """Each dtype's largest finite values stay finite and within codec error through
+    compress, decompress, decompress_sum and requantize_sum, for every format, scale
+    encoding and transform."""
+    spec = tj.QuantSpec(fmt, GROUP, hadamard, scales)
+    _check_through_the_codec(_near_the_largest(dtype, seed=FORMATS.index(fmt)), spec, dtype)
+
+
+@pytest.mark.parametrize(("text", "value"), [("e2m3:64:H:bf16", 3.3e38), ("e2m1:64:H:e8m0", 3e38)])
+def test_sub_byte_scales_hold_float32_largest_values(text, value):
+    """With the transform, a group's decode multiplier reaches sqrt(G) x value / 7.5
+    for E2M3: beyond bfloat16's and float32's range (was NaN; in groups of 128 from
+    2.3e38 on), or beyond E8M0's 2**127 (E2M1 turned 3e38 into 1.8e38); and the sum of
+    4 shards of a quarter of that (as 4 x 6e37 in groups of 128) was NaN in
+    requantize_sum."""
+    _check_through_the_codec(
+        _near_the_largest(jnp.float32, seed=1, largest=value), tj.QuantSpec.parse(text), jnp.float32
+    )
+
+
+def test_a_sum_beyond_float32_stays_finite():
+    """Shards whose exact sum passes float32's largest value (where lax.psum gives Inf):
+    decompress_sum saturates at the largest finite value and requantize_sum decodes
+    finite, never Inf or NaN; a NaN in a shard still makes its group NaN."""
+    shards = np.full((SHARDS, 2, GROUP), 2e38, np.float32)
+    shards[1, 1, 3] = np.nan
+    compressed = tj.compress(jnp.asarray(shards), tj.QuantSpec.parse("e2m3:64:H:bf16"))
+    for got in (tj.decompress_sum(compressed), tj.decompress(tj.requantize_sum(compressed))):
+        got = np.asarray(got)
+        assert np.isfinite(got[0]).all() and np.isnan(got[1]).all()
+        np.testing.assert_allclose(got[0], np.finfo(np.float32).max, rtol=0.3)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    fmt=st.sampled_from(FORMATS),
+    scales=st.sampled_from(SCALES),
+    hadamard=st.booleans(),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_full_range_of_every_format(fmt, scales, hadamard, data, seed):
+    """Random groups of any binade of the dtype's normal range, up to its largest value,
+    through every codec function: finite and within the format's bound."""
+    dtype = data.draw(st.sampled_from(DTYPES))
+    values = _values(dtype, data.draw(_binades(dtype)), seed, shape=(SHARDS, 2, GROUP))
+    _check_through_the_codec(values, tj.QuantSpec(fmt, GROUP, hadamard, scales), dtype)
