@@ -237,7 +237,12 @@ class TrainConfig:
       simulate_mesh: run the mesh as named vmaps on one device (`taco_jax.simulated_shard_map`):
         the arithmetic of a data x pipe x tensor run on a single GPU, for quality studies.
       calibration_file: use the calibration in this JSON (a run's calibration.json or the
-        output of --calibrate-only) instead of observing.
+        output of --calibrate-only) instead of observing. It refines the taco preset and
+        never overrides it: each site's permutation and transform, and a format only
+        among the preset's fewer-bits formats (taco+mixed); a file with another format,
+        or with a preset that is not calibrated (off, fp8), is an error naming both keys.
+        A resumed run keeps its checkpoint's calibration; the file changed or gone since
+        the run started is an error (--force resumes with the checkpoint's).
       recalibrate: observe and calibrate again for calibration_steps from the
         (resumed) start step, replacing the checkpoint's calibration.
     """
