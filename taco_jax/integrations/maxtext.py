@@ -51,7 +51,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, NoReturn
 
 import flax.linen as nn
-from absl import logging as absl_logging
 import jax
 from jax import lax
 from jax.sharding import Mesh
@@ -273,6 +272,8 @@ class TacoQuantization:
         if rhs.shape[plan.sharded_dim] % ranks or indivisible or (layout == "sequence" and lhs.ndim - k < 2):
             return plain()
         batch = self._batch_entry(lhs.shape[0])
+        if batch is None and self.resolved_batch_axes():
+            return plain()  # MaxText's dummy initialisation call (a batch of one), or a batch that does not split
         matmul = functools.partial(
             lax.dot_general,
             dimension_numbers=dimension_numbers,
@@ -449,9 +450,10 @@ _WHILE = re.compile(r"\swhile\(.*?body=%?([^\s,]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"')
 
 
-def collectives_with_counts(hlo_text: str) -> list[tuple[HloCollective, int]]:
-    """The collectives of a compiled module, each with the times it runs per call: the
-    trip counts of the while loops around it (MaxText's scanned layers) multiplied.
+def collectives_with_counts(hlo_text: str) -> list[tuple[HloCollective, int, bool]]:
+    """The collectives of a compiled module, each with the times it runs per call (the
+    trip counts of the while loops around it, MaxText's scanned layers, multiplied) and
+    whether it recomputes a forward message for the backward pass (rematerialisation).
 
     Raises:
       ValueError: a loop without a known trip count around a collective.
@@ -465,6 +467,8 @@ def collectives_with_counts(hlo_text: str) -> list[tuple[HloCollective, int]]:
             entry = current if line.startswith("ENTRY") else entry
         elif current is not None:
             bodies[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
     counts: dict[str, int | None] = {}
 
     def visit(name: str, times: int | None) -> None:
@@ -472,8 +476,7 @@ def collectives_with_counts(hlo_text: str) -> list[tuple[HloCollective, int]]:
         for line in bodies.get(name, ()):
             loop = _WHILE.search(line)
             for match in _CALLS.finditer(line):
-                for callee in match.group(1).split(","):
-                    callee = callee.strip().lstrip("%")
+                for callee in (c.strip().lstrip("%") for c in match.group(1).split(",")):
                     if callee not in bodies:
                         continue
                     if loop and callee == loop.group(1).lstrip("%"):
@@ -482,15 +485,14 @@ def collectives_with_counts(hlo_text: str) -> list[tuple[HloCollective, int]]:
                     else:
                         visit(callee, times)
 
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
     visit(entry, 1)
     found = []
     for name, times in counts.items():
-        for collective in collectives_in_hlo("\n".join(bodies[name])):
-            if times is None:
-                raise ValueError(f"a {collective.op} in computation {name!r} runs in a loop of unknown trip count")
-            found.append((collective, times))
+        for line in bodies[name]:
+            for collective in collectives_in_hlo(line):
+                if times is None:
+                    raise ValueError(f"a {collective.op} in computation {name!r} runs in a loop of unknown trip count")
+                found.append((collective, times, "rematted_computation" in line))
     return found
 
 
@@ -498,15 +500,26 @@ def _add(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a + b
 
 
-def hlo_bytes_by_axis(hlo_text: str, mesh: Mesh) -> dict[str, dict[str, int]]:
+def hlo_bytes_by_axis(hlo_text: str, mesh: Mesh, *, recomputed: bool | None = None) -> dict[str, dict[str, int]]:
     """Bytes each device sends per call of a compiled program, by mesh axes ("tensor",
-    "data", "data+fsdp", ...) and element type, loops counted by their trip counts."""
+    "data", "fsdp+tensor", ...) and element type, loops counted by their trip counts;
+    `recomputed` True / False: only the rematerialisation's recomputed messages / only
+    the others (None: all)."""
     table: dict[str, dict[str, int]] = {}
-    for collective, times in collectives_with_counts(hlo_text):
+    for collective, times, remat in collectives_with_counts(hlo_text):
+        if recomputed is not None and remat != recomputed:
+            continue
         axes = "+".join(collective.mesh_axes(mesh)) or "none"
         row = table.setdefault(axes, {})
         row[collective.dtype] = row.get(collective.dtype, 0) + times * collective.sent_bytes
     return table
+
+
+def f32_as_bf16(row: dict[str, int]) -> int:
+    """Bytes of one axis's row with its f32 messages counted at 2 bytes an element: what
+    the program sends on GPU, where XLA keeps bf16 activations' collectives in bf16 (the
+    CPU compiler widens them to f32)."""
+    return sum(size // 2 if dtype == "f32" else size for dtype, size in row.items())
 
 
 @contextlib.contextmanager
@@ -593,39 +606,41 @@ def capturing_train_step() -> Iterator[CompiledStep]:
 
 
 def wire_summary(captured: CompiledStep, preset: str, layout: str, axis_name: str = "tensor") -> dict[str, Any]:
-    """The `taco_wire.json` record of a compiled train step."""
+    """The `taco_wire.json` record of a compiled train step: bytes sent per step and
+    device, from its HLO by mesh axes and element type (all of them, and those the
+    rematerialisation recomputes), and the wire ledger of taco's own messages."""
     assert captured.mesh is not None
     by_axis = hlo_bytes_by_axis(captured.hlo, captured.mesh)
     axes = tuple(captured.mesh.axis_names)
-    ledger_sent = captured.ledger.by_axis(axes)
-    ledger_bf16 = captured.ledger.by_axis(axes, bf16=True)
-    tensor_hlo = sum(by_axis.get(axis_name, {}).values())
     return {
         "maxtext": MAXTEXT_VERSION,
         "taco": preset,
         "layout": layout,
-        "mesh": {name: int(size) for name, size in captured.mesh.shape.items()},
+        "mesh": {name: int(size) for name, size in captured.mesh.shape.items() if size > 1},
         "hlo_bytes_by_axis": by_axis,
-        "tensor_bytes": tensor_hlo,
-        "ledger_tensor_bytes": ledger_sent.get(axis_name, 0),
-        "ledger_tensor_bytes_bf16": ledger_bf16.get(axis_name, 0),
+        "hlo_recomputed_bytes_by_axis": hlo_bytes_by_axis(captured.hlo, captured.mesh, recomputed=True),
+        "tensor_bytes": sum(by_axis.get(axis_name, {}).values()),
+        "tensor_bytes_f32_as_bf16": f32_as_bf16(by_axis.get(axis_name, {})),
+        "ledger_tensor_bytes": captured.ledger.by_axis(axes).get(axis_name, 0),
+        "ledger_tensor_bytes_bf16": captured.ledger.by_axis(axes, bf16=True).get(axis_name, 0),
         "ledger_by_site": captured.ledger.by_site(),
     }
 
 
 def summary_line(summary: dict[str, Any], axis_name: str = "tensor") -> str:
-    """One line: the tensor axis's bytes per step and device against bf16."""
+    """One line: the tensor axis's bytes per step and device, its compressed messages
+    against the same messages in bf16, and the other axes."""
     sent, bf16 = summary["ledger_tensor_bytes"], summary["ledger_tensor_bytes_bf16"]
     others = ", ".join(
         f"{axes} {sum(row.values()) / 1e6:.2f} MB"
         for axes, row in sorted(summary["hlo_bytes_by_axis"].items())
         if axes != axis_name
     )
-    share = f"{100 * sent / bf16:.1f}% of bf16's {bf16 / 1e6:.2f} MB" if bf16 else "nothing compressed"
+    share = f"{100 * sent / bf16:.1f}% of their {bf16 / 1e6:.2f} MB in bf16" if bf16 else "none compressed"
     return (
-        f"taco_jax: {axis_name} axis {summary['tensor_bytes'] / 1e6:.2f} MB per step and device in the compiled "
-        f"step ({summary['taco']}, layout {summary['layout']}); its compressed matmuls {sent / 1e6:.2f} MB, {share}"
-        + (f"; other axes: {others}" if others else "")
+        f"taco_jax: {axis_name} axis {summary['tensor_bytes'] / 1e6:.2f} MB per step and device "
+        f"({summary['taco']}, layout {summary['layout']}); taco's messages {sent / 1e6:.2f} MB, {share}"
+        + (f"; other axes {others}" if others else "")
     )
 
 
@@ -690,8 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _maxtext_config(maxtext_args)
         check_config(config)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except ValueError as error:  # MaxText's config errors span lines: one line here
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     run_dir = run_directory(config)
     calibration = _load_calibration(run_dir) if not args.calibrate_only else None
@@ -737,6 +752,8 @@ def run(
     preset = preset or (taco if isinstance(taco, str) else "custom" if taco is not None else "plain")
     if taco is not None:
         install(taco, layout=layout, calibration=calibration)
+    from absl import logging as absl_logging  # MaxText's dependency
+
     absl_logging.set_verbosity(absl_logging.INFO)  # MaxText's progress lines, as under its own main
     try:
         with capturing_train_step() as captured, _observing(calibrate_only) as collector:
