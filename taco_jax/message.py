@@ -503,9 +503,11 @@ def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
     return 2 * (ranks - 1) * nbytes // ranks
 
 
-def record_plain_all_reduce(x: jax.Array, axis_name: str, *, site: str, direction: str = "forward") -> None:
+def record_plain_all_reduce(
+    x: jax.Array, axis_name: str, *, site: str, direction: str = "forward", reason: str = "a plain lax reduction"
+) -> None:
     """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
-    with `jax.lax` directly."""
+    with `jax.lax` directly, with the `reason` it goes uncompressed."""
     plain = ring_all_reduce_bytes(x.size * jnp.dtype(x.dtype).itemsize, lax.axis_size(axis_name))
     record_collective(
         x,
@@ -516,5 +518,5 @@ def record_plain_all_reduce(x: jax.Array, axis_name: str, *, site: str, directio
         spec=None,
         sent=plain,
         plain_sent=plain,
-        reason="a plain lax reduction",
+        reason=reason,
     )
