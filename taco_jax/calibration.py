@@ -205,7 +205,9 @@ def _entry_from_json(entry: Any) -> tuple[str, str, ChannelPlan]:
     if not isinstance(entry, dict) or not isinstance(entry.get("site"), str):
         raise ValueError(f"malformed calibration entry {entry!r:.200}: expected an object with a string 'site'")
     where = f"calibration of site {entry['site']!r}"
-    perm, hadamard = entry.get("perm"), entry.get("hadamard")
+    direction, perm, hadamard = entry.get("direction"), entry.get("perm"), entry.get("hadamard")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"{where}: 'direction' must be one of {list(DIRECTIONS)}, got {direction!r}")
     if not isinstance(perm, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in perm):
         raise ValueError(f"{where}: 'perm' must be a list of integers, got {perm!r:.200}")
     if not isinstance(hadamard, bool):
@@ -216,8 +218,11 @@ def _entry_from_json(entry: Any) -> tuple[str, str, ChannelPlan]:
             f"{where}: 'quant' must be a spec such as 'e2m3:128:H:bf16' (omit it for the config's format), got {quant!r}"
         )
     try:
-        plan = ChannelPlan(tuple(perm), hadamard, QuantSpec.parse(quant) if quant is not None else None)
-        return Calibration(((entry["site"], entry.get("direction"), plan),)).plans[0]
+        return (
+            entry["site"],
+            direction,
+            ChannelPlan(tuple(perm), hadamard, QuantSpec.parse(quant) if quant is not None else None),
+        )
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
 

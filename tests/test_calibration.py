@@ -55,6 +55,8 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="direction 'sideways'"):
         calibration.Calibration((("s", "sideways", calibration.ChannelPlan((0, 1), True)),))
     with pytest.raises(ValueError, match="calibration of site 's': 'perm' must be a list of integers"):
+        calibration.Calibration.from_json({"plans": [{"site": "s", "direction": "forward"}]})
+    with pytest.raises(ValueError, match="calibration of site 's': 'direction' must be one of"):
         calibration.Calibration.from_json({"plans": [{"site": "s"}]})
     with pytest.raises(ValueError, match="malformed calibration data"):
         calibration.Calibration.from_json({"sites": []})

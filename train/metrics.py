@@ -4,6 +4,7 @@ per step), the samples at each evaluation, the run's summary and the loss plot."
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: ja
       state: (params, opt_state, feedback) as train_step takes them.
       tokens: a global batch.
     """
-    step = train_step.__wrapped__
+    step = inspect.unwrap(train_step)
     with tj.record_wire() as ledger:
         jax.jit(lambda *args: step(*args)).trace(*state, tokens, jnp.bool_(False))
     return WireBytes(
