@@ -384,6 +384,9 @@ def decompress_reference(
             fmt,
             scale_format,
             stochastic=stochastic,
+            # The codes' sum is exact (small integers or short floats in float32), the
+            # same jitted and eager, where XLA may fuse the products into the sum.
+            dither_keys=(jnp.sum(payload.astype(jnp.float32), axis=0)[:, None, :],) if stochastic else None,
         )
         codes = jax.lax.optimization_barrier(codes).reshape(summed.shape)
         return codes, group_codec.pack_scale_entries(entries, scale_format)

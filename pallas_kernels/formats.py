@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import jax_compat
+
 
 @dataclasses.dataclass(frozen=True)
 class WireFormat:
@@ -152,12 +154,14 @@ def round_half_even(values: jnp.ndarray) -> jnp.ndarray:
 
 
 def cast_to_wire(
-    values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False, stochastic: bool = False
+    values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False, draws: jnp.ndarray | None = None
 ) -> jnp.ndarray:
     """Round float32 values (already divided by their scale) onto the 8-bit grid.
 
-    Round to nearest, ties to even, after clipping to +-max_value. NaN stays NaN in the
-    float formats; int8 has no NaN, so callers carry NaN through the group's scale.
+    Round to nearest, ties to even, after clipping to +-max_value; with `draws` (float32
+    in [0, 1), one per value: `dither`), stochastically (`round_stochastically`). NaN
+    stays NaN in the float formats; int8 has no NaN, so callers carry NaN through the
+    group's scale.
     `in_kernel` picks what suits a Pallas kernel, which is limited by arithmetic: the
     integer rounding `round_to_int` (both round the same), and no clip, since the
     kernels' values come from `group_codec.quantize_scaled`, whose divisor bounds them by
@@ -166,8 +170,8 @@ def cast_to_wire(
     if in_kernel:
         return round_to_int(values).astype(fmt.dtype) if fmt.is_integer else values.astype(fmt.dtype)
     clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
-    if stochastic:
-        return round_stochastically(clipped, fmt).astype(fmt.dtype)
+    if draws is not None:
+        return round_stochastically(clipped, fmt, draws).astype(fmt.dtype)
     if fmt.is_integer:
         return round_half_even(clipped).astype(fmt.dtype)
     if fmt.is_minifloat:
@@ -175,28 +179,70 @@ def cast_to_wire(
     return clipped.astype(fmt.dtype)
 
 
-def dither(values: jnp.ndarray) -> jnp.ndarray:
-    """float32 in [0, 1) per element: a hash of the value's bits and its position in
-    `values` (a 32-bit integer mix). No key is needed: the same tensor gets the same
-    dither, so a rerun reproduces it bit for bit, and a new step's tensor a new one."""
-    bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
-    position = jax.lax.iota(jnp.uint32, values.size).reshape(values.shape)
-    mixed = bits ^ (position * np.uint32(0x9E3779B9))
-    mixed = (mixed ^ (mixed >> 16)) * np.uint32(0x7FEB352D)
-    mixed = (mixed ^ (mixed >> 15)) * np.uint32(0x846CA68B)
-    mixed = mixed ^ (mixed >> 16)
+def dither(keys: jnp.ndarray) -> jnp.ndarray:
+    """float32 in [0, 1) per element: a hash of the element's bits in `keys` (float32),
+    its position, and the indices of the slice and device the call runs on.
+
+    No key is needed: the same tensor gets the same dither, so a rerun reproduces it bit
+    for bit (and a jitted call an eager one, where `keys` are computed alike), and a new
+    step's tensor a new one. Each slice of a `jax.vmap` (named or not, as the simulated
+    meshes are) and each device of a `jax.shard_map` over which `keys` vary draws its
+    own (`_device_salt`), so identical data on two ranks rounds independently.
+    """
+    return _hashed_uniform(jax.lax.bitcast_convert_type(keys, jnp.uint32), _device_salt(keys))
+
+
+def _device_salt(keys: jnp.ndarray) -> jnp.ndarray:
+    """uint32 mix of this device's index along each manual `shard_map` axis that `keys`
+    may vary over: all of them under `check_vma=False`; under `check_vma=True` those
+    JAX marks them varying over (an invariant value keeps an invariant rounding). 0
+    outside shard_map."""
+    salt = jnp.uint32(0)
+    for axis in jax.sharding.get_abstract_mesh().manual_axes:
+        if jax_compat.checks_vma(axis) and axis not in jax.typeof(keys).mat.varying:
+            continue
+        salt = _mix32(salt ^ ((jax.lax.axis_index(axis).astype(jnp.uint32) + np.uint32(1)) * np.uint32(0x85EBCA6B)))
+    return salt
+
+
+def _mix32(bits: jnp.ndarray) -> jnp.ndarray:
+    """A 32-bit integer finalizer: every input bit flips each output bit about half the time."""
+    bits = (bits ^ (bits >> 16)) * np.uint32(0x7FEB352D)
+    bits = (bits ^ (bits >> 15)) * np.uint32(0x846CA68B)
+    return bits ^ (bits >> 16)
+
+
+@jax.custom_batching.custom_vmap
+def _hashed_uniform(bits: jnp.ndarray, salt: jnp.ndarray) -> jnp.ndarray:
+    """float32 in [0, 1) from uint32 `bits`, each element's position in them, and
+    `salt` (broadcast against them)."""
+    position = jax.lax.iota(jnp.uint32, bits.size).reshape(bits.shape)
+    mixed = _mix32(bits ^ (position * np.uint32(0x9E3779B9)) ^ salt)
     return (mixed >> 8).astype(jnp.float32) * np.float32(2.0**-24)
 
 
-def round_stochastically(values: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
+@_hashed_uniform.def_vmap
+def _hashed_uniform_batched(axis_size: int, in_batched: list[bool], bits: jnp.ndarray, salt: jnp.ndarray):
+    """Under `jax.vmap` the position counts over the whole batch, so every slice draws its
+    own dither (a per-slice counter would give identical slices identical draws)."""
+    bits_batched, salt_batched = in_batched
+    if not bits_batched:
+        bits = jnp.broadcast_to(bits, (axis_size, *bits.shape))
+    if salt_batched:
+        salt = salt.reshape(axis_size, *[1] * (bits.ndim - 1)) if salt.ndim == 1 else salt
+    return _hashed_uniform(bits, salt), True
+
+
+def round_stochastically(values: jnp.ndarray, fmt: WireFormat, draws: jnp.ndarray) -> jnp.ndarray:
     """float32 values with |v| <= fmt.max_value rounded to one of the two grid points
     around them, up with probability equal to the distance from the lower one in steps
-    (unbiased: the expected result is v), drawn from `dither`. For the integer grids and
-    the sub-byte floats (whose grid steps are powers of two); the result is float32."""
+    (unbiased: the expected result is v), from `draws` uniform in [0, 1) (`dither`). For
+    the integer grids and the sub-byte floats (whose grid steps are powers of two); the
+    result is float32."""
     if fmt.is_integer:
-        return jnp.floor(values + dither(values))
+        return jnp.floor(values + draws)
     step_exponent = _minifloat_exponent(jnp.abs(values), fmt) - fmt.mantissa_bits
-    return jnp.floor(values * pow2(-step_exponent) + dither(values)) * pow2(step_exponent)
+    return jnp.floor(values * pow2(-step_exponent) + draws) * pow2(step_exponent)
 
 
 def _minifloat_exponent(magnitude: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:

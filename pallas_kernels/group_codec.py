@@ -136,6 +136,7 @@ def quantize_scaled(
     in_kernel: bool = False,
     stochastic: bool = False,
     headroom: int = 0,
+    dither_keys: Pieces | None = None,
 ) -> tuple[Pieces, tuple]:
     """Quantize pre-scaled (and transformed) groups y = values * factor.
 
@@ -156,6 +157,8 @@ def quantize_scaled(
       stochastic: round stochastically (`formats.round_stochastically`) instead of to
         nearest.
       headroom: K of `formats.scale_headroom`: the scales are sent as s / a * 2**-K.
+      dither_keys: what stochastic rounding's dither hashes, pieces like `values` (None:
+        `values`). Their bits must come out the same jitted and eager.
 
     Returns:
       (payload, scale_entries): payload pieces in the format's dtype; scale_entries a
@@ -166,7 +169,13 @@ def quantize_scaled(
     absmax = row_max_abs(values) * factor
     divisor, entries = scale_entries(absmax, prescale, fmt, scale_format, headroom)
     multiplier = factor / divisor  # one division per group, then a multiply per element
-    payload = tuple(formats.cast_to_wire(piece * multiplier, wire, in_kernel, stochastic) for piece in values)
+    # The dither hashes the values before the multiply: their bits are the same jitted
+    # and eager, where XLA may compute the pre-scale (hence the product) an ulp apart.
+    keys = values if dither_keys is None else dither_keys
+    payload = tuple(
+        formats.cast_to_wire(piece * multiplier, wire, in_kernel, formats.dither(key) if stochastic else None)
+        for piece, key in zip(values, keys, strict=True)
+    )
     return payload, entries
 
 

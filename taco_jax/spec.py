@@ -44,9 +44,10 @@ class QuantSpec:
         rounded up to bfloat16, 2 bytes) or "e8m0" (one byte, a power-of-two scale).
       rounding: "nearest" (ties to even) or "stochastic": up or down with the
         probabilities that make the expected code the value, from a hash of each value's
-        bits and position (`pallas_kernels.formats.dither`: reproducible, new each step
-        as the tensors are), for gradient messages in the integer and sub-byte float
-        formats; it runs the jnp path.
+        bits, its position and the vmap slice and shard_map device it is on
+        (`pallas_kernels.formats.dither`: reproducible, the same jitted and eager, new
+        each step as the tensors are, independent across slices and devices), for
+        gradient messages in the integer and sub-byte float formats; it runs the jnp path.
     """
 
     fmt: str = "e4m3"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
 from taco_jax.kernels import formats
@@ -402,7 +403,8 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(fmt, value, below, abo
     rounds the same way again, eagerly or jitted."""
     wire = formats.WIRE_FORMATS[fmt]
     values = jnp.concatenate([jnp.full(20000, value, jnp.float32), jnp.full(20000, -value, jnp.float32)])
-    rounded = np.asarray(formats.cast_to_wire(values, wire, stochastic=True), np.float64)
+    stochastic = lambda v: formats.cast_to_wire(v, wire, draws=formats.dither(v))
+    rounded = np.asarray(stochastic(values), np.float64)
     assert set(np.unique(np.abs(rounded))) == {below, above}
     share = (value - below) / (above - below)
     binomial = (above - below) * np.sqrt(share * (1 - share) / 20000)
@@ -410,7 +412,7 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(fmt, value, below, abo
     assert abs(rounded[20000:].mean() + value) < 4 * binomial
     nearest = np.asarray(formats.cast_to_wire(values, wire), np.float64)
     assert abs(nearest[:20000].mean() - value) > 10 * binomial
-    again = np.asarray(jax.jit(lambda v: formats.cast_to_wire(v, wire, stochastic=True))(values), np.float64)
+    again = np.asarray(jax.jit(stochastic)(values), np.float64)
     np.testing.assert_array_equal(again, rounded)
 
 
@@ -438,3 +440,69 @@ def test_stochastic_rounding_averages_out_through_the_codec():
         tj.QuantSpec(fmt="int8", rounding="up")
     with pytest.raises(ValueError, match=r"is not fmt:group_size:H\|-:scales\[:sr\]"):
         tj.QuantSpec.parse("int8:128:H:bf16:rr")
+
+
+STOCHASTIC = tj.QuantSpec.parse("int8:64:-:single:sr")
+
+
+def _rounding_noise(decoded, x: np.ndarray) -> np.ndarray:
+    """Decoded copies of `x` (stacked on axis 0) minus `x`, in grid steps of their group
+    (the copies share the scales: identical data), one row per copy."""
+    step = np.abs(x).reshape(-1, 64).max(axis=1, keepdims=True) / 127
+    noise = (np.asarray(decoded, np.float64).reshape(len(decoded), -1, 64) - x.reshape(-1, 64)) / step
+    return noise.reshape(len(decoded), -1)
+
+
+def _assert_independent_and_unbiased(noise: np.ndarray) -> None:
+    """Rows of rounding noise (each uniform-like in (-1, 1) steps): no two correlated
+    beyond chance, each with zero mean within 5 standard errors."""
+    size = noise.shape[1]
+    assert np.abs(noise).max() < 1 and noise.std() > 0.2
+    correlation = np.corrcoef(noise)[np.triu_indices(len(noise), 1)]
+    assert np.abs(correlation).max() < 6 / np.sqrt(size), correlation
+    assert (np.abs(noise.mean(axis=1)) < 5 * 0.5 / np.sqrt(size)).all()
+
+
+def test_stochastic_rounding_is_independent_across_vmap_slices():
+    """Identical data in two slices of a vmap, named (as the simulated meshes are) or
+    not, rounds independently: each slice's noise is unbiased and uncorrelated with the
+    other's (a per-slice position counter gave both the same)."""
+    x = _random((16, 256), seed=2)
+    round_trip = lambda v: tj.decompress(tj.compress(v, STOCHASTIC))
+    for axis_name in (None, "tensor"):
+        decoded = jax.jit(jax.vmap(round_trip, axis_name=axis_name))(jnp.stack([x, x, x]))
+        _assert_independent_and_unbiased(_rounding_noise(decoded, x))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_stochastic_rounding_is_independent_across_devices(check_vma):
+    """Identical data on 8 devices of a shard_map rounds independently on each, and a
+    value JAX knows to be the same on every device (check_vma=True) rounds the same on
+    all (its result stays invariant, as its type says)."""
+    mesh = tj.make_mesh(1, 1, 8)
+    x = _random((4, 256), seed=3)
+
+    def round_trip(varying, invariant):
+        decode = lambda v: tj.decompress(tj.compress(v, STOCHASTIC))
+        return decode(varying[0])[None], decode(invariant)
+
+    on_mesh = jax.jit(
+        jax.shard_map(
+            round_trip, mesh=mesh, in_specs=(P("tensor"), P()), out_specs=(P("tensor"), P()), check_vma=check_vma
+        )
+    )
+    per_device, invariant = on_mesh(np.stack([x] * 8), x)
+    _assert_independent_and_unbiased(_rounding_noise(per_device, x))
+    assert _rounding_noise(invariant[None], x).std() > 0.2
+
+
+def test_stochastic_rounding_is_the_same_jitted_and_eager():
+    """The dither hashes values whose bits XLA computes alike jitted and eager (the
+    pre-scale it may compute an ulp apart is applied after): the payloads are equal,
+    of a compress, and of a requantized sum of the same shards (whose scales XLA may
+    compute an ulp apart)."""
+    x = jnp.asarray(_random((2, 32, 256), seed=4))
+    compress = lambda v: tj.compress(v, STOCHASTIC).payload
+    requantize = lambda c: tj.requantize_sum(c).payload
+    for run, arg in ((compress, x), (requantize, tj.compress(x, STOCHASTIC))):
+        np.testing.assert_array_equal(np.asarray(run(arg)), np.asarray(jax.jit(run)(arg)))
