@@ -319,7 +319,7 @@ class TacoQuantization:
             if moved is None:
                 whole = tp.copy_to_tp(shard, axis, config, site=site, calibration=calibration)
             else:
-                whole = tp.gather_from_sp(shard, axis, config, axis=moved, site=site, calibration=calibration)
+                whole = self._gather_rows(shard, moved, site)
             return whole[None]
 
         stacked = jax.shard_map(enter, mesh=self.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=True)(x)
@@ -327,6 +327,48 @@ class TacoQuantization:
             self._gathers.pop(next(iter(self._gathers)))
         self._gathers[key] = (x, stacked)
         return stacked
+
+    def _rows(self, size: int) -> int | None:
+        """The row length the messages of a block of `size` elements are cut into: the
+        codec's group size (every format's, with `fewer_bits`), so that a shard narrower
+        than a group (MaxText's feature shards) is not padded to one; None where it does
+        not divide."""
+        assert isinstance(self.taco, TacoConfig)
+        specs = [
+            self.taco.forward,
+            self.taco.backward,
+            *(self.taco.fewer_bits.candidates if self.taco.fewer_bits else ()),
+        ]
+        row = math.lcm(*(spec.group_size for spec in specs))
+        return row if size % row == 0 else None
+
+    def _gather_rows(self, shard: jax.Array, moved: int, site: str) -> jax.Array:
+        """All-gather (compressed) of the shards along axis `moved`, sent as rows of the
+        group size."""
+        assert isinstance(self.taco, TacoConfig)
+        axis, config, calibration = self.axis_name, self.taco, self.calibration
+        row = self._rows(shard.size)
+        if row is None:
+            return tp.gather_from_sp(shard, axis, config, axis=moved, site=site, calibration=calibration)
+        rows = tp.gather_from_sp(shard.reshape(-1, row), axis, config, axis=0, site=site, calibration=calibration)
+        blocks = jax.numpy.moveaxis(rows.reshape(-1, *shard.shape), 0, moved)
+        return blocks.reshape(*shard.shape[:moved], -1, *shard.shape[moved + 1 :])
+
+    def _reduce_scatter_rows(self, partial: jax.Array, moved: int, site: str) -> jax.Array:
+        """Reduce-scatter (compressed) of the partial sums along axis `moved`, sent as
+        rows of the group size."""
+        assert isinstance(self.taco, TacoConfig)
+        axis, config, calibration = self.axis_name, self.taco, self.calibration
+        ranks = self.mesh.shape[axis]
+        row = self._rows(partial.size // ranks)
+        if row is None:
+            return tp.reduce_scatter_to_sp(partial, axis, config, axis=moved, site=site, calibration=calibration)
+        split = partial.reshape(*partial.shape[:moved], ranks, -1, *partial.shape[moved + 1 :])
+        blocks = jax.numpy.moveaxis(split, moved, 0)
+        rows = tp.reduce_scatter_to_sp(
+            blocks.reshape(-1, row), axis, config, axis=0, site=site, calibration=calibration
+        )
+        return rows.reshape(blocks.shape[1:])
 
     def _column(self, stacked, kernel, plan, batch, out_ndim, k, matmul) -> jax.Array:
         axis = self.axis_name
@@ -349,7 +391,7 @@ class TacoQuantization:
             partial = matmul(shard, self._whole_kernel(w, plan))
             if moved is None:
                 return tp.reduce_from_tp(partial, axis, config, site=site, calibration=calibration)
-            return tp.reduce_scatter_to_sp(partial, axis, config, axis=moved, site=site, calibration=calibration)
+            return self._reduce_scatter_rows(partial, moved, site)
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(x, kernel)
 
