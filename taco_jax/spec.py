@@ -18,6 +18,12 @@ KERNEL_MODES = ("auto", "gpu", "interpret", "jnp")
 # (unbiased; the integer grids and the sub-byte floats, on the jnp path).
 ROUNDINGS = ("nearest", "stochastic")
 DEFAULT_MIN_BYTES = 8 << 20  # the authors' threshold: smaller messages stay uncompressed
+# Group sizes a spec takes (`QuantSpec`): below 16 the scales cost more than a quarter of
+# the payload's bits in the dual format; above 1024 nothing is left to save (bf16 scales
+# are 0.2% of an 8-bit payload at 1024), the transform's cost keeps growing with G, and
+# the 8-bit formats' scales would need headroom to hold float32's largest values.
+MIN_GROUP_SIZE = 16
+MAX_GROUP_SIZE = 1024
 
 
 def check_kernel_mode(kernel_mode: str) -> None:
@@ -37,7 +43,11 @@ class QuantSpec:
         and run by the jnp path (no kernel yet): "int4" (two per byte), the OCP MX
         floats "e2m3" and "e3m2" (6 bits, four per three bytes) and "e2m1" (4 bits).
       group_size: G, contiguous elements of the last axis sharing one scale; a power of
-        two (the Hadamard transform needs one), at least 2.
+        two (the Hadamard transform needs one) from `MIN_GROUP_SIZE` (16: below it the
+        scales cost more than a quarter of the payload's bits) to `MAX_GROUP_SIZE` (1024:
+        the scales are 0.2% of an 8-bit payload there, while the transform's cost keeps
+        growing with G), and at most the channels of the tensors it meets
+        (`check_channels`: a larger group pads every row up to G).
       hadamard: apply the adaptive-scale Walsh-Hadamard transform per group.
       scales: per-group scale encoding: "dual" (the authors' FP32 pre-scale and
         quantization scale, 8 bytes/group), "single" (one FP32 s/a, 4 bytes), "bf16" (s/a
@@ -62,12 +72,17 @@ class QuantSpec:
         if self.scales not in SCALE_FORMATS:
             raise ValueError(f"unknown scale format {self.scales!r}; expected one of {sorted(SCALE_FORMATS)}")
         size = self.group_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size & (size - 1):
-            raise ValueError(f"group_size must be a power of two >= 2, got {size!r}")
+        if (
+            not isinstance(size, int)
+            or isinstance(size, bool)
+            or not MIN_GROUP_SIZE <= size <= MAX_GROUP_SIZE
+            or size & (size - 1)
+        ):
+            raise ValueError(
+                f"group_size must be a power of two from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}, got {size!r}"
+            )
         if not isinstance(self.hadamard, bool):
             raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
-        if size * self.element_bits % 8:
-            raise ValueError(f"group_size {size} does not fill whole bytes in the {self.element_bits}-bit {self.fmt!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"unknown rounding {self.rounding!r}; expected one of {list(ROUNDINGS)}")
         wire = WIRE_FORMATS[self.fmt]
@@ -102,6 +117,36 @@ class QuantSpec:
             raise ValueError(f"quantizer spec {text!r} is not fmt:group_size:H|-:scales[:sr] (e.g. int8:128:H:bf16)")
         rounding = "stochastic" if parts[4:] else "nearest"
         return cls(parts[0], int(parts[1]), parts[2] == "H", parts[3], rounding)
+
+    def check_channels(self, channels: int, site: str) -> None:
+        """Raise ValueError unless a message with `channels` channels (its last axis) at
+        `site` can take this spec's groups: G at most the channels, since every row is
+        padded up to whole groups (G = 4096 on 256 channels sends 16 times the payload).
+
+        Args:
+          channels: the message's last axis.
+          site: the call site, named in the error.
+
+        Raises:
+          ValueError: the group size exceeds the channels.
+
+        Examples:
+          >>> QuantSpec.parse("int8:128:H:bf16").check_channels(64, "mlp.out")
+          Traceback (most recent call last):
+          ...
+          ValueError: site 'mlp.out': group size 128 (int8:128:H:bf16) exceeds the message's 64 channels ...
+        """
+        if self.group_size > channels:
+            largest = 1 << (channels.bit_length() - 1) if channels > 0 else 0
+            fix = (
+                f"use a spec with group_size <= {largest}"
+                if largest >= MIN_GROUP_SIZE
+                else f"no group size fits (at least {MIN_GROUP_SIZE}): send it plain"
+            )
+            raise ValueError(
+                f"site {site!r}: group size {self.group_size} ({self.text}) exceeds the message's {channels} "
+                f"channels (its last axis); {fix}"
+            )
 
     @property
     def text(self) -> str:

@@ -259,12 +259,12 @@ def test_fewer_bits_take_the_fewest_bits_within_the_budget(tolerance, chosen):
 
 
 def test_fewer_bits_round_trip_through_json_and_are_checked():
-    plan = calibration.ChannelPlan((1, 0, 3, 2), True, tj.QuantSpec.parse("e2m3:4:H:e8m0"))
+    plan = calibration.ChannelPlan((1, 0, 3, 2), True, tj.QuantSpec.parse("e2m3:16:H:e8m0"))
     state = calibration.Calibration((("s", "backward", plan),))
     data = json.loads(json.dumps(state.to_json()))
-    assert data["plans"][0]["quant"] == "e2m3:4:H:e8m0"
+    assert data["plans"][0]["quant"] == "e2m3:16:H:e8m0"
     assert calibration.Calibration.from_json(data) == state
-    assert plan.spec(tj.QuantSpec()) == tj.QuantSpec("e2m3", 4, True, "e8m0")
+    assert plan.spec(tj.QuantSpec()) == tj.QuantSpec("e2m3", 16, True, "e8m0")
     with pytest.raises(ValueError, match="non-empty tuple of QuantSpecs"):
         tj.FewerBits(candidates=())
     with pytest.raises(ValueError, match="positive finite number"):

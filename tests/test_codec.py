@@ -340,7 +340,7 @@ def test_presets():
 @given(
     lead=st.lists(st.integers(1, 5), min_size=0, max_size=2),
     groups=st.integers(1, 4),
-    group_size=st.sampled_from([8, 32, 64, 128, 256]),
+    group_size=st.sampled_from([16, 32, 64, 128, 256]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
     fmt=st.sampled_from(FMTS),
     scales=st.sampled_from(SCALES),
@@ -390,9 +390,32 @@ def test_spec_parses_from_text():
             tj.QuantSpec.parse(bad)
     with pytest.raises(ValueError, match="unknown format 'fp4'"):
         tj.QuantSpec.parse("fp4:128:H:bf16")
-    assert tj.QuantSpec.parse("e2m3:4:H:e8m0").element_bits == 6
-    with pytest.raises(ValueError, match="group_size 2 does not fill whole bytes in the 6-bit 'e3m2'"):
-        tj.QuantSpec("e3m2", 2)
+    assert tj.QuantSpec.parse("e2m3:16:H:e8m0").element_bits == 6
+
+
+@pytest.mark.parametrize("size", [2, 8, 96, 2048, 1 << 20, True])
+def test_group_size_is_a_power_of_two_from_16_to_1024(size):
+    """Below 16 the scales outweigh a quarter of the payload; above 1024 nothing is saved
+    and the transform's cost grows (G = 2**20 with the transform ran out of memory)."""
+    with pytest.raises(ValueError, match=f"group_size must be a power of two from 16 to 1024, got {size!r}"):
+        tj.QuantSpec("e3m2", size)
+    assert tj.QuantSpec("e3m2", 16).group_size == 16 and tj.QuantSpec("int4", 1024).group_size == 1024
+
+
+def test_group_size_at_most_the_channels_where_a_spec_meets_its_tensor():
+    """A group larger than the message's channels pads every row up to it (G = 4096 on
+    256 channels sent 3.2x the plain bytes): one error naming the site and the sizes."""
+    spec = tj.QuantSpec.parse("int8:512:H:bf16")
+    spec.check_channels(512, "mlp.out")
+    spec.check_channels(3000, "mlp.out")
+    with pytest.raises(
+        ValueError,
+        match=r"^site 'attn.out': group size 512 \(int8:512:H:bf16\) exceeds the message's "
+        r"256 channels \(its last axis\); use a spec with group_size <= 256$",
+    ):
+        spec.check_channels(256, "attn.out")
+    with pytest.raises(ValueError, match="8 channels .* no group size fits .*send it plain"):
+        spec.check_channels(8, "head")
 
 
 @pytest.mark.parametrize(("fmt", "value", "below", "above"), [("int4", 2.3, 2.0, 3.0), ("e2m1", 2.4, 2.0, 3.0)])
