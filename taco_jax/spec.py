@@ -98,7 +98,8 @@ class QuantSpec:
         stochastic rounding).
 
         Raises:
-          ValueError: malformed text or an invalid field.
+          ValueError: not a string, malformed text (a group size in anything but ASCII
+            digits included) or an invalid field.
 
         Examples:
           >>> spec = QuantSpec.parse("int8:128:H:bf16")
@@ -107,11 +108,13 @@ class QuantSpec:
           >>> spec.bits_per_element
           8.125
         """
+        if not isinstance(text, str):
+            raise ValueError(f"quantizer spec must be a string fmt:group_size:H|-:scales[:sr], got {text!r}")
         parts = text.split(":")
         if (
             len(parts) not in (4, 5)
             or parts[2] not in ("H", "-")
-            or not parts[1].isdigit()
+            or not (parts[1].isascii() and parts[1].isdigit())  # int() reads any script's digits
             or parts[4:] not in ([], ["sr"])
         ):
             raise ValueError(f"quantizer spec {text!r} is not fmt:group_size:H|-:scales[:sr] (e.g. int8:128:H:bf16)")
@@ -179,6 +182,18 @@ class QuantSpec:
 _TACO = QuantSpec(fmt="e4m3", group_size=128, hadamard=True, scales="dual")
 
 
+def check_fewer_bits(candidates: tuple[QuantSpec, ...], replaced: QuantSpec, what: str) -> None:
+    """Raise ValueError unless every candidate sends fewer wire bits per element (scales
+    included) than `replaced`, the spec `what` names: a candidate is only ever chosen
+    in its place, to save bytes."""
+    for candidate in candidates:
+        if candidate.bits_per_element >= replaced.bits_per_element:
+            raise ValueError(
+                f"fewer_bits candidate {candidate.text} sends {candidate.bits_per_element:g} bits per element, "
+                f"not fewer than {what} {replaced.text} ({replaced.bits_per_element:g})"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class FewerBits:
     """Formats below the config's own, chosen per call site and direction by calibration
@@ -190,7 +205,8 @@ class FewerBits:
     calibration, it keeps the config's spec.
 
     Attributes:
-      candidates: the `QuantSpec`s to try.
+      candidates: the `QuantSpec`s to try, each with fewer wire bits per element than
+        `reference` (and than the config's specs they replace, `TacoConfig`).
       reference: the spec whose error sets the budget: by default the authors' 8-bit
         E4M3 codec, which holds validation loss within 0.15% of bf16
         (`benchmarks/RESULTS.md`).
@@ -210,6 +226,7 @@ class FewerBits:
         tolerance = self.tolerance
         if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 < tolerance < float("inf"):
             raise ValueError(f"FewerBits.tolerance must be a positive finite number, got {tolerance!r}")
+        check_fewer_bits(self.candidates, self.reference, "the reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +272,7 @@ class TacoConfig:
                 raise ValueError(f"TacoConfig.{name} must be a QuantSpec, got {getattr(self, name)!r}")
         if self.mode == "fp8" and (self.forward.hadamard or self.backward.hadamard):
             raise ValueError("mode 'fp8' is the no-transform baseline: set hadamard=False in both specs")
-        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+        if not isinstance(self.min_bytes, int) or isinstance(self.min_bytes, bool) or self.min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
@@ -266,6 +283,9 @@ class TacoConfig:
             raise ValueError(f"fewer_bits must be a taco_jax.FewerBits or None, got {type(self.fewer_bits).__name__}")
         if self.fewer_bits is not None and self.mode != "taco":
             raise ValueError(f"fewer_bits is chosen by calibration, which runs in mode 'taco' only, not {self.mode!r}")
+        if self.fewer_bits is not None:
+            for name in ("forward", "backward"):
+                check_fewer_bits(self.fewer_bits.candidates, getattr(self, name), f"TacoConfig.{name}")
 
     @property
     def enabled(self) -> bool:

@@ -529,3 +529,32 @@ def test_stochastic_rounding_is_the_same_jitted_and_eager():
     requantize = lambda c: tj.requantize_sum(c).payload
     for run, arg in ((compress, x), (requantize, tj.compress(x, STOCHASTIC))):
         np.testing.assert_array_equal(np.asarray(run(arg)), np.asarray(jax.jit(run)(arg)))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: tj.QuantSpec.parse(None), "must be a string fmt:group_size:H|-:scales.*got None"),
+        (lambda: tj.QuantSpec.parse(128), "must be a string.*got 128"),
+        (lambda: tj.QuantSpec.parse("int8:\u0967\u0968\u096e:H:bf16"), "is not fmt:group_size"),  # Devanagari 128
+        (lambda: tj.QuantSpec.parse("int8:\uff11\uff12\uff18:H:bf16"), "is not fmt:group_size"),  # full-width 128
+        (lambda: tj.TacoConfig(min_bytes=True), "min_bytes must be a non-negative int, got True"),
+        (
+            lambda: tj.FewerBits(
+                candidates=(tj.QuantSpec.parse("int4:32:H:bf16"), tj.QuantSpec.parse("int8:128:H:dual"))
+            ),
+            r"candidate int8:128:H:dual sends 8.5 bits per element, not fewer than the reference e4m3:128:H:dual \(8.5\)",
+        ),
+        (
+            lambda: tj.TacoConfig.preset("taco+mixed", forward=tj.QuantSpec.parse("int4:32:H:bf16")),
+            r"candidate int4:32:H:bf16 sends 4.5 bits .* not fewer than TacoConfig.forward int4:32:H:bf16 \(4.5\)",
+        ),
+    ],
+    ids=["none", "int", "devanagari", "full_width", "bool_min_bytes", "fewer_bits_reference", "fewer_bits_config"],
+)
+def test_specs_refuse_what_is_not_one(make, match):
+    """Checks that raise before any compile: a clear ValueError naming the value (a
+    non-string spec was an AttributeError; int() reads any script's digits; a bool is an
+    int; a candidate with as many bits as what it replaces saves nothing)."""
+    with pytest.raises(ValueError, match=match):
+        make()
