@@ -91,7 +91,7 @@ def test_decoder_layers_send_u8_on_the_tensor_axis(runs):
     assert "u8" not in summaries["plain"]["hlo_bytes_by_axis"]["tensor"]
     assert tensor["u8"] - recomputed.get("u8", 0) == summary["ledger_tensor_bytes"]
     assert set(summary["ledger_by_site"]) == {
-        "embed_attn/qkv/heads/kv",
+        "embed_attn/heads/kv",
         "heads/kv/embed_attn",
         "embed/mlp",
         "mlp/embed",
