@@ -27,7 +27,14 @@ FAST_COMPILES := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backe
 # core idle and no file runs alone at the end.
 PYTEST := -m pytest -q -n 3 --dist worksteal --durations=10
 
-.PHONY: train test test-oldest test-newest test-slow lint docs bench-codec clean
+# The MaxText drop-in's leg: MaxText 0.2.5 (Python >= 3.12, jax 0.12) in its own
+# environment, its tests on 8 simulated CPU devices (a few minutes; the compiles are
+# kept in JAX's persistent cache, build/jax-cache, for the next run).
+MAXTEXT_VENV ?= .venv-maxtext
+MAXTEXT_PY := $(MAXTEXT_VENV)/bin/python
+MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
+
+.PHONY: train test test-oldest test-newest test-slow test-maxtext lint docs bench-codec clean
 
 # The whole suite on the oldest supported releases (.ci/oldest.txt).
 $(STAMP): pyproject.toml .ci/oldest.txt
@@ -90,8 +97,22 @@ test-newest: $(NEWEST_STAMP)
 	$(CPU_DEVICES) $(NEWEST_PY) $(PYTEST) -m "not slow" $(NEWEST_TESTS)
 endif
 
+$(MAXTEXT_STAMP): pyproject.toml
+	$(NEWEST_PYTHON) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_PY) -m pip install -q --upgrade pip
+	$(MAXTEXT_PY) -m pip install -q -e '.[flax,test,maxtext]'
+	touch $(MAXTEXT_STAMP)
+
+ifeq ($(NEWEST_PYTHON),)
+test-maxtext:
+	@echo "test-maxtext skipped: no Python 3.12 found (set NEWEST_PYTHON=/path/to/python3.12)"
+else
+test-maxtext: $(MAXTEXT_STAMP)
+	$(CPU_DEVICES) $(MAXTEXT_PY) -m pytest -q --durations=10 tests/test_maxtext.py
+endif
+
 bench-codec: $(STAMP)
 	$(PY) -m benchmarks.codec_error --out benchmarks/results/codec_error.json
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(NEWEST_VENV) $(MAXTEXT_VENV) .pytest_cache .hypothesis
