@@ -369,7 +369,7 @@ def decompress_reference(
         # Transform the small payload values first, then scale: no overflow near f32 max.
         decoded = hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]
         return formats.saturating_cast(
-            formats.times_pow2(decoded, np.int32(headroom)) if headroom else decoded, out_dtype
+            formats.times_pow2(decoded, jnp.int32(headroom)) if headroom else decoded, out_dtype
         )
     shift = group_codec.sum_shift(tuple(multiplier))[..., None]  # (N, 1)
     summed = jnp.sum(payload.astype(jnp.float32) * formats.times_pow2(multiplier[..., None], -shift), axis=0)

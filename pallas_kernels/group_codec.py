@@ -190,7 +190,7 @@ def scale_entries(
     passes float32's range reaches one) is held at it: the payload then clips at the
     format's largest value and the group decodes finite, never to Inf or NaN."""
     if headroom:
-        prescale = formats.times_pow2(prescale, np.int32(headroom))
+        prescale = formats.times_pow2(prescale, jnp.int32(headroom))
     scale = jnp.maximum(absmax / np.float32(formats.wire_format(fmt).max_value), SCALE_MIN)
     scale = jnp.where(scale / prescale > formats.MAX_SCALE, prescale * formats.MAX_SCALE, scale)
     if scale_format == "dual":
