@@ -529,6 +529,48 @@ def headline() -> tuple[str, list[Source]]:
     return _table(["", "result", "file"], body), sources
 
 
+def maxtext_wire() -> tuple[str, list[Source]]:
+    """MaxText's compiled train step, plain and with taco+: bytes per step and device on
+    the tensor axis and on the other axes; and the loss curves' last step."""
+    file = "maxtext_wire.json"
+    record = load(file)
+    rows = {(r["block"], r["mesh"], r["mode"]): r for r in record["rows"]}
+
+    def others(row: dict) -> float:
+        return sum(sum(v.values()) for axes, v in row["bytes_by_axis"].items() if "tensor" not in axes.split("+"))
+
+    body = []
+    for block, mesh in dict.fromkeys((r["block"], r["mesh"]) for r in record["rows"]):
+        plain, taco = rows[block, mesh, "plain"], rows[block, mesh, "taco+"]
+        body.append(
+            [
+                block,
+                mesh,
+                f"{plain['tensor_bytes'] / 1e6:.2f} MB",
+                f"{taco['tensor_bytes'] / 1e6:.2f} MB ({_pct(taco['tensor_bytes'] / plain['tensor_bytes'])})",
+                _pct(taco["tensor_bytes_f32_as_bf16"] / plain["tensor_bytes_f32_as_bf16"]),
+                _pct(taco["ledger_tensor_bytes"] / taco["ledger_tensor_bytes_bf16"], 1),
+                f"{others(plain) / 1e6:.2f} / {others(taco) / 1e6:.2f} MB",
+            ]
+        )
+    head = [
+        "block",
+        "mesh",
+        "tensor axis, plain",
+        "tensor axis, taco+",
+        "taco+ / plain, f32 as bf16",
+        "taco's messages / bf16",
+        "other axes, plain / taco+",
+    ]
+    curves = {c["mode"]: c["losses"] for c in record["curves"]}
+    off, taco = curves["off"][-1], curves["taco+"][-1]
+    loss = (
+        f"Loss after {len(curves['off'])} steps (tiny llama2, tp4 x dp2, same start): off {off:.4f}, "
+        f"taco+ {taco:.4f} ({_pct(taco / off - 1, 2, sign=True)})."
+    )
+    return _table(head, body) + "\n\n" + loss, [Source(file, record["command"])]
+
+
 TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "headline": headline,
     "step_vs_torch": step_vs_torch,
@@ -547,6 +589,7 @@ TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "step_pipe_data": step_pipe_data,
     "permutation_cost": permutation_cost,
     "codec_cost": codec_cost,
+    "maxtext_wire": maxtext_wire,
 }
 
 

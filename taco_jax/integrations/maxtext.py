@@ -799,7 +799,7 @@ def run(
     absl_logging.set_verbosity(absl_logging.INFO)  # MaxText's progress lines, as under its own main
     try:
         with capturing_train_step() as captured, _observing(calibrate_only) as collector:
-            train.main([*argv, "steps=1"] if calibrate_only else argv)
+            train.main([*argv, "steps=1", "enable_checkpointing=false"] if calibrate_only else argv)
     finally:
         uninstall()
     config = _maxtext_config(list(maxtext_args))
