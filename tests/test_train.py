@@ -469,7 +469,7 @@ def _compiled_bytes_by_axis(train_step, state, tokens, mesh) -> dict[str, int]:
     compiled = {"tensor": 0, "pipe": 0, "data": 0}
     for collective in tj.collectives_in_hlo(hlo):
         arrays = [int(np.prod(shape)) * dtype_bytes(dtype) for dtype, shape in collective.parts if shape]
-        if not arrays or collective.group_size == 1:
+        if not arrays or not collective.sent_bytes:
             continue  # scalars (the loss, the gradient norm); a sum over one device sends nothing
         (axis,) = collective.mesh_axes(mesh)
         compiled[axis] += collective.sent_bytes * sum(arrays) // collective.result_bytes
