@@ -1,7 +1,7 @@
 """MaxText with and without taco on 8 simulated CPU devices: the compiled train step's
 bytes per mesh axis and element type (from its HLO), and loss curves.
 
-For each decoder block (llama2, qwen3) and mesh (tp4 x dp2, tp4 x fsdp2) it compiles
+For each decoder block (llama2; qwen3 with its query/key norm) and mesh (tp4 x dp2, tp4 x fsdp2) it compiles
 MaxText's train step twice, plain and with `taco+` (every message compressed:
 `min_bytes=0`), through MaxText's own pre-training main; then trains the tiny llama2
 decoder `--steps` steps with `--taco off` and with `taco+` from the same start.
@@ -33,7 +33,8 @@ MESHES = {
     "tp4 x dp2": ["ici_tensor_parallelism=4", "ici_data_parallelism=2"],
     "tp4 x fsdp2": ["ici_tensor_parallelism=4", "ici_fsdp_parallelism=2", "ici_data_parallelism=1"],
 }
-BLOCKS = ("llama2", "qwen3")
+# Decoder blocks and their own settings (qwen3 with its query/key normalisation).
+BLOCKS = {"llama2": [], "qwen3": ["use_qk_norm=true"]}
 MODES = {"plain": None, "taco+": TacoConfig.preset("taco+", min_bytes=0)}
 
 
@@ -46,11 +47,11 @@ def _run(tmp: str, name: str, args: list[str], mode: str) -> dict:
 def wire_rows(tmp: str) -> list[dict]:
     """One row per block, mesh and mode: the train step's bytes per step and device."""
     rows = []
-    for block in BLOCKS:
+    for block, block_args in BLOCKS.items():
         for mesh, mesh_args in MESHES.items():
             for mode in MODES:
                 name = f"{block}-{mesh.replace(' ', '')}-{mode}".replace("+", "plus")
-                summary = _run(tmp, name, [f"decoder_block={block}", *mesh_args, "steps=1"], mode)
+                summary = _run(tmp, name, [f"decoder_block={block}", *block_args, *mesh_args, "steps=1"], mode)
                 rows.append(
                     {
                         "block": block,

@@ -146,6 +146,21 @@ def test_fsdp_adds_no_bytes(fsdp_runs):
     assert taco["hlo_bytes_by_axis"]["tensor"]["u8"] > 0
 
 
+def test_calibration_is_written_then_loaded(tmp_path, capsys):
+    """--calibrate-only writes a plan for every compressed site of the layers into the run
+    directory; the next run of the same run_name compiles with it."""
+    argv = ["--taco-min-bytes", "0", f"base_output_directory={tmp_path}", "run_name=cal", *TINY, *TP_FSDP]
+    assert taco_maxtext.main(["--calibrate-only", *argv]) == 0
+    with open(tmp_path / "cal" / taco_maxtext.CALIBRATION_FILE) as file:
+        plans = json.load(file)["plans"]
+    sites = {"embed_attn/heads/kv", "heads/kv/embed_attn", "embed/mlp", "mlp/embed"}
+    assert {(p["site"], p["direction"]) for p in plans} == {(s, d) for s in sites for d in ("forward", "backward")}
+    assert taco_maxtext.main([*argv, "steps=2", "enable_checkpointing=false"]) == 0
+    with open(tmp_path / "cal" / taco_maxtext.WIRE_FILE) as file:
+        assert json.load(file)["calibrated_sites"] == sorted(sites)
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("taco_jax: tensor axis")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -806,6 +806,7 @@ def run(
     run_dir = run_directory(config)
     os.makedirs(run_dir, exist_ok=True)
     summary = wire_summary(captured, preset, _layout_of(layout, captured.mesh, config))
+    summary["calibrated_sites"] = sorted({site for site, _, _ in calibration.plans}) if calibration else []
     if calibrate_only:
         assert isinstance(taco, (TacoConfig, str))
         _write_calibration(collector, TacoConfig.preset(taco) if isinstance(taco, str) else taco, run_dir)
