@@ -199,8 +199,7 @@ class TacoQuantization:
         `lax.dot_general` then)."""
         if self.mesh.shape[self.axis_name] == 1 or not kernel_axes:
             return None
-        resolved = nn.logical_to_mesh_axes(tuple(kernel_axes), self._rules())
-        spec = tuple(_mesh_axes(entry, self.mesh) for entry in resolved)
+        spec = self._resolve(tuple(kernel_axes))
         split = [dim for dim, axes in enumerate(spec) if self.axis_name in axes]
         # A dimension split over the tensor axis and another axis together has its
         # tensor shards strided: left to the compiler.
@@ -227,9 +226,14 @@ class TacoQuantization:
         return self._activation_axes()[0]
 
     def _activation_axes(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-        names = (_BATCH, *_LENGTHS, _FEATURES)
-        resolved = [_mesh_axes(entry, self.mesh) for entry in nn.logical_to_mesh_axes(names, self._rules())]
+        resolved = self._resolve((_BATCH, *_LENGTHS, _FEATURES))
         return resolved[0], resolved[1] + resolved[2], resolved[3]
+
+    def _resolve(self, names: tuple[str | None, ...]) -> tuple[tuple[str, ...], ...]:
+        """The mesh axes (of size > 1) splitting each named dimension under the rules."""
+        resolved = nn.logical_to_mesh_axes(names, self._rules())
+        assert resolved is not None  # None only for names None
+        return tuple(_mesh_axes(entry, self.mesh) for entry in resolved)
 
     # ------------------------------------------------------------- the matmul
 
