@@ -22,7 +22,7 @@ from jax import lax
 import taco_jax as tj
 from taco_jax import accounting
 from taco_jax.mesh import TENSOR_AXIS
-from taco_jax.message import record_collective, ring_all_reduce_bytes
+from taco_jax.message import record_plain_all_reduce
 
 from . import layers
 from .config import ModelConfig, Qwen2Config, padded_vocab
@@ -308,18 +308,7 @@ LOSS_STATISTIC_REASON = "a per-token loss statistic: small, kept exact"
 def _record_loss_statistic(x: jax.Array, site: str) -> None:
     """Enter the exact all-reduce of `x` over the tensor axis in the wire ledger, with
     `LOSS_STATISTIC_REASON`."""
-    plain = ring_all_reduce_bytes(x.size * x.dtype.itemsize, lax.axis_size(TENSOR_AXIS))
-    record_collective(
-        x,
-        site=site,
-        op="all_reduce",
-        direction="forward",
-        axis_name=TENSOR_AXIS,
-        spec=None,
-        sent=plain,
-        plain_sent=plain,
-        reason=LOSS_STATISTIC_REASON,
-    )
+    record_plain_all_reduce(x, TENSOR_AXIS, site=site, reason=LOSS_STATISTIC_REASON)
 
 
 def _sum_loss_statistic(x: jax.Array, site: str) -> jax.Array:
