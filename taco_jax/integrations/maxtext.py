@@ -449,13 +449,16 @@ def install(taco: TacoConfig | str = "taco+", **options: Any) -> None:
 
     Raises:
       RuntimeError: a MaxText version other than the one supported.
-      ValueError: (when MaxText builds a model) a config that asks for MaxText's own
-        quantization too, or a mesh without the tensor axis.
+      ValueError: an unknown preset or layout; when MaxText builds a model, a config
+        that asks for MaxText's own quantization too, or a mesh without the tensor axis.
     """
     quantizations = _maxtext_module("maxtext.layers.quantizations")
     maxtext_utils = _maxtext_module("maxtext.utils.maxtext_utils")
     original = _ORIGINAL.setdefault("configure_quantization", quantizations.configure_quantization)
-    TacoQuantization(taco, mesh=_probe_mesh(options.get("axis_name", "tensor")), **options)  # bad options raise now
+    if isinstance(taco, str):
+        taco = TacoConfig.preset(taco)  # an unknown preset raises now, not when MaxText builds its model
+    if options.get("layout", "auto") not in LAYOUTS:
+        raise ValueError(f"unknown taco layout {options['layout']!r}; expected one of {list(LAYOUTS)}")
 
     def configure_quantization(config: Any, quant_mode_str: str = "train") -> Any:
         if quant_mode_str != "train":
@@ -472,11 +475,6 @@ def uninstall() -> None:
     if "configure_quantization" in _ORIGINAL:
         quantizations = _maxtext_module("maxtext.layers.quantizations")
         quantizations.configure_quantization = _ORIGINAL.pop("configure_quantization")
-
-
-def _probe_mesh(axis_name: str) -> Mesh:
-    """A one-device mesh with the tensor axis, to check options before MaxText has one."""
-    return Mesh([[jax.devices()[0]]], ("data", axis_name))
 
 
 def check_config(config: Any, axis_name: str = "tensor") -> None:
