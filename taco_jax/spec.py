@@ -201,8 +201,10 @@ class FewerBits:
 
     Each site and direction takes the candidate with the fewest wire bits per element
     whose relative RMS error on the site's sampled tensors (with its best permutation and
-    transform) is at most `tolerance` times `reference`'s; where none fits, and before
-    calibration, it keeps the config's spec.
+    transform) is at most the direction's tolerance (`tolerance_for`) times
+    `reference`'s; where none fits, and before calibration, it keeps the config's spec.
+    The directions may differ: activations (forward) need about 6 bits where activation
+    gradients (backward) hold at 4 (`benchmarks/results/quality_bits_direction.md`).
 
     Attributes:
       candidates: the `QuantSpec`s to try, each with fewer wire bits per element than
@@ -210,12 +212,22 @@ class FewerBits:
       reference: the spec whose error sets the budget: by default the authors' 8-bit
         E4M3 codec, which holds validation loss within 0.15% of bf16
         (`benchmarks/RESULTS.md`).
-      tolerance: the budget as a multiple of the reference's error.
+      tolerance: the budget as a multiple of the reference's error, in both directions
+        unless one of the two below is set.
+      forward_tolerance: the forward messages' budget; None: `tolerance`.
+      backward_tolerance: the backward messages' budget; None: `tolerance`.
+
+    Examples:
+      >>> fewer = FewerBits((QuantSpec.parse("int4:32:H:bf16"),), backward_tolerance=3.0)
+      >>> fewer.tolerance_for("forward"), fewer.tolerance_for("backward")
+      (1.5, 3.0)
     """
 
     candidates: tuple[QuantSpec, ...]
     reference: QuantSpec = _TACO
     tolerance: float = 1.5
+    forward_tolerance: float | None = None
+    backward_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.candidates, tuple) or not self.candidates:
@@ -223,10 +235,29 @@ class FewerBits:
         for spec in (*self.candidates, self.reference):
             if not isinstance(spec, QuantSpec):
                 raise ValueError(f"FewerBits specs must be QuantSpecs, got {spec!r}")
-        tolerance = self.tolerance
-        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 < tolerance < float("inf"):
-            raise ValueError(f"FewerBits.tolerance must be a positive finite number, got {tolerance!r}")
+        for name in ("tolerance", "forward_tolerance", "backward_tolerance"):
+            tolerance = getattr(self, name)
+            if tolerance is None and name != "tolerance":
+                continue
+            if (
+                isinstance(tolerance, bool)
+                or not isinstance(tolerance, int | float)
+                or not 0 < tolerance < float("inf")
+            ):
+                raise ValueError(f"FewerBits.{name} must be a positive finite number, got {tolerance!r}")
         check_fewer_bits(self.candidates, self.reference, "the reference")
+
+    def tolerance_for(self, direction: str) -> float:
+        """The budget of `direction` ("forward" or "backward") as a multiple of the
+        reference's error.
+
+        Raises:
+          ValueError: unknown direction.
+        """
+        if direction not in ("forward", "backward"):
+            raise ValueError(f"unknown direction {direction!r}; expected 'forward' or 'backward'")
+        own = self.forward_tolerance if direction == "forward" else self.backward_tolerance
+        return self.tolerance if own is None else own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +332,8 @@ class TacoConfig:
         """A named configuration.
 
         Args:
-          name: "off", "fp8", "taco", "taco+", "taco+mixed" or "taco4" (see `PRESETS`).
+          name: "off", "fp8", "taco", "taco+", "taco+mixed", "taco6-4" or "taco4" (see
+            `PRESETS`).
           **overrides: fields to replace, e.g. `min_bytes=0`.
 
         Returns:
@@ -353,6 +385,12 @@ PRESETS: dict[str, TacoConfig] = {
     "taco+mixed": TacoConfig(
         _INT8_HADAMARD, _INT8_HADAMARD, mode="taco", fewer_bits=FewerBits(candidates=(_INT4_32, _E2M3))
     ),
+    # Bits per direction: activations (forward) in 6-bit E2M3 G=128, activation gradients
+    # (backward) in INT4 G=32, both with the transform and bfloat16 scales (33.2% of
+    # bf16's bytes in a step that sends as much each way). On one H100 (40M GPT-2 and
+    # Qwen2, 1600 steps, 4 seeds) its paired val-loss gap to bf16 is within one standard
+    # error of zero; INT4 forward costs 1.5-2% (`benchmarks/results/quality_bits_direction.md`).
+    "taco6-4": TacoConfig(_E2M3, _INT4_32, mode="taco"),
     # Every message in 4 bits: INT4, groups of 32, bfloat16 scales (28.1% of bf16's bytes).
     "taco4": TacoConfig(_INT4_32, _INT4_32, mode="taco"),
 }
