@@ -377,7 +377,7 @@ def calibrate_site(
       min_gain: relative error reduction a permutation must bring over the identity.
 
     Returns:
-      (the chosen `ChannelPlan`, one report row per candidate).
+      (the chosen `ChannelPlan`, one report row per candidate, "best" on the chosen one's).
 
     Raises:
       ValueError: unknown metric or strategy, or channels not divisible by the group size.
@@ -400,7 +400,7 @@ def calibrate_site(
         if best[metric] > (1 - min_gain) * fallback[metric]:
             best = fallback
     chosen = ChannelPlan(tuple(int(i) for i in best["perm"]), bool(best["hadamard"]))
-    return chosen, [{k: v for k, v in row.items() if k != "perm"} for row in report]
+    return chosen, [{**{k: v for k, v in row.items() if k != "perm"}, "best": row is best} for row in report]
 
 
 def fewest_bits(
@@ -409,37 +409,42 @@ def fewest_bits(
     fewer_bits: FewerBits,
     *,
     rms: np.ndarray,
+    direction: str = "forward",
     **site_options: Any,
 ) -> tuple[ChannelPlan, list[dict]]:
     """The plan of the candidate with the fewest wire bits per element whose relative RMS
     error on `samples` (with its own best permutation and transform) is at most
-    `fewer_bits.tolerance` times the reference spec's; `fallback` where none fits.
+    `fewer_bits.tolerance_for(direction)` times the reference spec's; `fallback` where
+    none fits.
 
     Args:
       samples: the site's tensors (..., C) as they would be sent.
       fallback: the site's plan with the config's spec.
       fewer_bits: the candidates and the budget.
       rms: per-channel RMS to build permutations from.
+      direction: "forward" or "backward": whose tolerance sets the budget.
       **site_options: `calibrate_site`'s strategies, metric and min_gain.
 
     Returns:
       (the chosen plan, report rows of the reference and of each candidate tried, each
-      with its "spec").
+      with its "spec", its "role" ("reference" or "candidate") and "best": whether the
+      row is the plan `calibrate_site` chose for that spec).
     """
     channels = len(rms)
+    tolerance = fewer_bits.tolerance_for(direction)
 
-    def measured(spec: QuantSpec) -> tuple[ChannelPlan, float, list[dict]]:
+    def measured(spec: QuantSpec, role: str) -> tuple[ChannelPlan, float, list[dict]]:
         plan, rows = calibrate_site(samples, spec, rms=rms, **site_options)
         error = codec_error(samples, plan.spec(spec), plan.indices)["rel_rmse"]
-        return plan, error, [{**row, "spec": spec.text} for row in rows]
+        return plan, error, [{**row, "spec": spec.text, "role": role} for row in rows]
 
-    _, reference_error, report = measured(fewer_bits.reference)
+    _, reference_error, report = measured(fewer_bits.reference, "reference")
     for candidate in sorted(fewer_bits.candidates, key=lambda spec: spec.bits_per_element):
         if channels % candidate.group_size:
             continue
-        plan, error, rows = measured(candidate)
+        plan, error, rows = measured(candidate, "candidate")
         report += rows
-        if error <= fewer_bits.tolerance * reference_error:
+        if error <= tolerance * reference_error:
             return ChannelPlan(plan.perm, plan.hadamard, candidate), report
     return fallback, report
 
@@ -453,7 +458,8 @@ def calibrate(
     min_gain: float = DEFAULT_MIN_GAIN,
 ) -> tuple[Calibration, list[dict]]:
     """Decide every observed site's permutation and transform, and with
-    `config.fewer_bits` its format (`fewest_bits`).
+    `config.fewer_bits` its format (`fewest_bits`, each direction within its own
+    tolerance).
 
     Only mode "taco" is calibrated ("fp8" is the no-reshaping baseline by definition,
     "off" compresses nothing): the result is then empty. Sites whose channel count does
@@ -469,8 +475,12 @@ def calibrate(
       min_gain: see `calibrate_site`.
 
     Returns:
-      (the `Calibration`, one report row per site, direction and candidate, each with
-      its "spec").
+      (the `Calibration`, one report row per site, direction, candidate, permutation
+      strategy and transform, each with its "spec", "role" ("config", "reference" or
+      "candidate") and "chosen": true on the one row per site and direction that the
+      site sends, which also holds the spec "sent" (with the site's transform) and, with
+      `config.fewer_bits`, the "reference", its "reference_rel_rmse", the "error_ratio"
+      of the two and the direction's "tolerance"; `choices` lists those rows).
     """
     if config.mode != "taco":
         return Calibration(), []
@@ -482,13 +492,45 @@ def calibrate(
         if len(rms) % spec.group_size:
             continue
         plan, rows = calibrate_site(samples, spec, rms=rms, **options)
-        rows = [{**row, "spec": spec.text} for row in rows]
+        rows = [{**row, "spec": spec.text, "role": "config"} for row in rows]
         if config.fewer_bits is not None:
-            plan, more = fewest_bits(samples, plan, config.fewer_bits, rms=rms, **options)
+            plan, more = fewest_bits(samples, plan, config.fewer_bits, rms=rms, direction=direction, **options)
             rows += more
+        rows = _mark_chosen(rows, plan, spec, config.fewer_bits, direction)
         plans.append((site, direction, plan))
         report += [{"site": site, "direction": direction, **row} for row in rows]
     return _agreed(Calibration(tuple(plans)), config.fewer_bits), report
+
+
+def _mark_chosen(
+    rows: list[dict], plan: ChannelPlan, spec: QuantSpec, fewer_bits: FewerBits | None, direction: str
+) -> list[dict]:
+    """`rows` (one site and direction) with "chosen" set on the row of the plan the site
+    sends, which also gets what it sends and its error against the reference's."""
+    if plan.quant is None:
+        role, text = "config", spec.text
+    else:  # the candidate as listed (its rows' "spec"), the transform aside
+        role, text = "candidate", (candidate_of(plan.quant, fewer_bits) or plan.quant).text
+    chosen = next(i for i, row in enumerate(rows) if row["role"] == role and row["spec"] == text and row["best"])
+    marked = [{**row, "chosen": i == chosen} for i, row in enumerate(rows)]
+    marked[chosen]["sent"] = plan.spec(spec).text
+    if fewer_bits is not None:
+        reference = next(row for row in rows if row["role"] == "reference" and row["best"])["rel_rmse"]
+        marked[chosen] |= {
+            "reference": fewer_bits.reference.text,
+            "reference_rel_rmse": reference,
+            "error_ratio": marked[chosen]["rel_rmse"] / reference if reference > 0 else None,
+            "tolerance": fewer_bits.tolerance_for(direction),
+        }
+    return marked
+
+
+def choices(report: list[dict]) -> list[dict]:
+    """The rows of a `calibrate` report that the sites send, one per site and direction:
+    "site", "direction", the spec "sent", its "rel_rmse" and, where the config has fewer
+    bits, the "reference", "reference_rel_rmse", "error_ratio" and "tolerance"."""
+    keys = ("site", "direction", "sent", "rel_rmse", "reference", "reference_rel_rmse", "error_ratio", "tolerance")
+    return [{key: row[key] for key in keys if key in row} for row in report if row.get("chosen")]
 
 
 def _agreed(calibration: Calibration, fewer_bits: FewerBits | None) -> Calibration:

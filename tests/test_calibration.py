@@ -310,3 +310,77 @@ def test_a_plan_without_the_transform_is_reported_without_it(capsys, monkeypatch
     cfg = TrainConfig.from_keys(taco="taco+mixed")
     assert calibrate.calibrate_run(cfg, calibration.Collector(), None) == state
     assert "a/f: e2m3:128:-:bf16, b/b: int8:128:-:bf16" in capsys.readouterr().err
+
+
+def _collector_of(samples, directions):
+    """A collector that observed `samples` at site "s" in each of `directions`."""
+    collector = calibration.Collector()
+    for direction in directions:
+        collector.add(("s", direction), np.square(samples.astype(np.float64)).sum(0), len(samples), samples)
+    return collector
+
+
+def test_each_direction_takes_the_fewest_bits_within_its_own_tolerance(tmp_path, capsys, monkeypatch):
+    """The same tensors sent both ways: a backward tolerance that admits INT4 G32 while
+    the forward one (`tolerance`, 1.5x E4M3's error) does not gives INT4 backward and E2M3
+    forward. The report, the calibration message and the
+    summary show each direction's choice with its error against E4M3's, measured here
+    independently."""
+    rng = np.random.default_rng(5)  # Gaussian rows, log-normal channel scales (sigma 0.5)
+    samples = (rng.standard_normal((4 * 64, CHANNELS)) * rng.lognormal(0, 0.5, CHANNELS)).astype(np.float32)
+    only_identity = dict(strategies=("identity",))
+    best = lambda spec: calibration.codec_error(
+        samples,
+        min(
+            (dataclasses.replace(spec, hadamard=h) for h in (False, True)),
+            key=lambda s: calibration.codec_error(samples, s, np.arange(CHANNELS))["channel_median"],
+        ),
+        np.arange(CHANNELS),
+    )["rel_rmse"]
+    int4, e2m3 = MIXED.fewer_bits.candidates
+    reference = best(MIXED.fewer_bits.reference)
+    ratio = {"int4": best(int4) / reference, "e2m3": best(e2m3) / reference}
+    assert ratio["e2m3"] <= 1.5 < ratio["int4"]  # the forward budget admits E2M3 only
+
+    fewer = tj.FewerBits(MIXED.fewer_bits.candidates, backward_tolerance=1.05 * ratio["int4"])
+    config = dataclasses.replace(MIXED, fewer_bits=fewer)
+    state, report = calibration.calibrate(_collector_of(samples, calibration.DIRECTIONS), config, **only_identity)
+    assert calibration.candidate_of(state.plan("s", "forward").quant, fewer) == e2m3
+    assert calibration.candidate_of(state.plan("s", "backward").quant, fewer) == int4
+    chosen = {row["direction"]: row for row in calibration.choices(report)}
+    assert chosen["forward"]["tolerance"] == 1.5 and chosen["backward"]["tolerance"] == fewer.backward_tolerance
+    for direction, name in (("forward", "e2m3"), ("backward", "int4")):
+        assert chosen[direction]["sent"] == state.plan("s", direction).spec(MIXED.forward).text
+        assert chosen[direction]["error_ratio"] == pytest.approx(ratio[name], rel=1e-6)
+        assert chosen[direction]["reference_rel_rmse"] == pytest.approx(reference, rel=1e-6)
+
+    # The message, the calibration.json and the summary.
+    monkeypatch.setattr(tj.calibration, "calibrate", lambda *args, **kwargs: (state, report))
+    calibrate.calibrate_run(TrainConfig.from_keys(taco="taco+mixed"), calibration.Collector(), tmp_path)
+    message = capsys.readouterr().err
+    assert f"s/b: {chosen['backward']['sent']} ({ratio['int4']:.2f}x e4m3:128:H:dual's error, tolerance" in message
+    assert f"s/f: {chosen['forward']['sent']} ({ratio['e2m3']:.2f}x e4m3:128:H:dual's error, tolerance 1.5x)" in message
+    recorded = calibrate.recorded_choices(state, tmp_path / "calibration.json")
+    assert recorded == calibration.choices(report)
+    assert calibrate.recorded_choices(calibration.Calibration(), tmp_path / "calibration.json", None) == []
+    summary = calibrate.calibration_summary(state, recorded)
+    assert summary["sites_with_fewer_bits_by_direction"] == {
+        "forward": {chosen["forward"]["sent"]: 1},
+        "backward": {chosen["backward"]["sent"]: 1},
+    }
+    assert summary["calibration_choices"]["s/backward"]["error_ratio"] == pytest.approx(ratio["int4"], rel=1e-6)
+
+
+def test_direction_tolerances_are_checked():
+    with pytest.raises(ValueError, match="FewerBits.backward_tolerance must be a positive finite number"):
+        tj.FewerBits(MIXED.fewer_bits.candidates, backward_tolerance=0.0)
+    with pytest.raises(ValueError, match="FewerBits.forward_tolerance must be a positive finite number"):
+        tj.FewerBits(MIXED.fewer_bits.candidates, forward_tolerance=True)
+    with pytest.raises(ValueError, match="unknown direction 'sideways'"):
+        MIXED.fewer_bits.tolerance_for("sideways")
+    single = tj.FewerBits(MIXED.fewer_bits.candidates, tolerance=3.0)  # one tolerance sets both
+    assert (single.tolerance_for("forward"), single.tolerance_for("backward")) == (3.0, 3.0)
+    forward_only = tj.FewerBits(MIXED.fewer_bits.candidates, tolerance=3.0, forward_tolerance=1.2)
+    assert (forward_only.tolerance_for("forward"), forward_only.tolerance_for("backward")) == (1.2, 3.0)
+    assert tj.TacoConfig.preset("taco6-4").forward.text == "e2m3:128:H:bf16"
+    assert tj.TacoConfig.preset("taco6-4").backward.text == "int4:32:H:bf16"

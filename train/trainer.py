@@ -30,7 +30,7 @@ from taco_jax.models.transformer import Parallelism
 
 from . import data as data_lib
 from . import link_policy
-from .calibrate import calibrate_run, calibration_summary
+from .calibrate import calibrate_run, calibration_summary, recorded_choices
 from .compression import feedback_specs, init_error_feedback, taco_config
 from .config import TrainConfig, overlap_sites, to_dict
 from .errors import TrainingError
@@ -222,7 +222,7 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False, force: bool = Fals
     return {
         "model": cfg.model,
         "step": run.step,
-        **calibration_summary(calibration),
+        **calibration_summary(calibration, recorded_choices(calibration, run.out / "calibration.json")),
         "file": str(run.out / "calibration.json"),
     }
 
@@ -504,6 +504,10 @@ def _train_and_summarize(loop: TrainLoop, progress: bool) -> dict:
         save_checkpoint(loop)
     rows = loop.log.rows() if loop.main_process else []
     result = summary(run, rows, loop.wire, stop.signal_name, time.time() - started)
+    # What each site and direction sends, with its measured error, from the report of
+    # the calibration the run holds (its own, or the calibration_file it loaded).
+    choices = recorded_choices(run.calibration, run.out / "calibration.json", run.cfg.calibration_file or None)
+    result |= calibration_summary(run.calibration, choices)
     if loop.main_process:
         strict_json.write(run.out / "summary.json", result, indent=1)
         if rows:
