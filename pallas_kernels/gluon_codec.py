@@ -79,6 +79,8 @@ if gluon is not None:
 
     SCALE_MIN = gl.constexpr(float(group_codec.SCALE_MIN))
 
+    MAX_SCALE = gl.constexpr(float(formats.MAX_SCALE))
+
     ROUNDING_BIAS = gl.constexpr(float(formats.ROUNDING_BIAS))
 
     ROUNDING_BIAS_BITS = gl.constexpr(formats.ROUNDING_BIAS_BITS)
@@ -157,6 +159,9 @@ if gluon is not None:
         `scales_ptr` and returns the codes in `codes_dtype`, in the layout of `values`."""
         scale = gl.div_rn(gl.max(gl.abs(values), axis=1) * factor, gl.full_like(factor, FMT_MAX))
         scale = gl.where(scale < SCALE_MIN, SCALE_MIN, scale)  # NaN stays NaN
+        # A requantized sum beyond float32's range: its multiplier held at MAX_SCALE
+        # (`group_codec.scale_entries`), so the group decodes finite.
+        scale = gl.where(gl.div_rn(scale, prescale) > MAX_SCALE, prescale * MAX_SCALE, scale)
         divisor = scale
         if SCALES == 0:
             gl.store(scales_ptr + 2 * rows, prescale, mask=in_range)
