@@ -5,19 +5,30 @@ for each quantizer spec: relative RMSE after one round trip and through a simula
 two-shot all-reduce, and wire bytes against bf16. The error budget of the `taco+mixed`
 preset (`taco_jax.FewerBits`) is a multiple of the E4M3 codec's error.
 
+Beside the codec's specs, 4-bit forms it does not have, emulated in float64 numpy:
+two-level scales as NVFP4 sends them ("e4m3x2": one float32 scale per message and one
+E4M3 scale per group, rounded up so that no value clips; 4.5 bits per element at G=16),
+and a random-sign Hadamard ("+rs": a fixed +-1 per channel from a seed, the same on every
+rank, applied before the transform; measured through the codec on the signed tensor,
+whose errors are those of the tensor itself, the signs undone).
+
 Usage:
   python -m benchmarks.fewer_bits [--tokens 1024] [--channels 4096] [--out FILE.json]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
+import numpy as np
+
 import taco_jax as tj
 from benchmarks import tp_tensors
-from benchmarks.codec_error import measure, run_meta, tensor_arguments
+from benchmarks.codec_error import _metrics, measure, run_meta, tensor_arguments
 from taco_jax import strict_json
+from taco_jax.kernels.hadamard import hadamard_matrix
 
 SPECS = (
     "e4m3:128:H:dual",  # taco
@@ -30,7 +41,119 @@ SPECS = (
     "e2m1:32:H:e8m0",
     "e2m1:16:H:e8m0",
     "e2m1:32:H:bf16",
+    # 4 bits forward: groups of 16 (NVFP4's), and the random-sign Hadamard.
+    "int4:16:H:bf16",
+    "int4:16:H:e8m0",
+    "e2m1:16:H:bf16",
+    "int4:32:H:bf16+rs",
+    "int4:16:H:bf16+rs",
+    # Emulated (`TwoLevel`): NVFP4 as published (no transform), and with the transform.
+    "e2m1:16:-:e4m3x2",
+    "e2m1:16:H:e4m3x2",
+    "int4:16:-:e4m3x2",
+    "int4:16:H:e4m3x2",
+    "int4:16:H:e4m3x2+rs",
 )
+RANDOM_SIGNS = "+rs"
+SIGN_SEED = 0
+# Magnitudes of the 4-bit grids: E2M1's eight, INT4's symmetric [-7, 7].
+GRIDS = {"e2m1": np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]), "int4": np.arange(8.0)}
+E4M3_MAX, E4M3_MIN_EXPONENT, E4M3_MANTISSA_BITS = 448.0, -6, 3
+
+
+def round_up(values: np.ndarray, mantissa_bits: int, min_exponent: int) -> np.ndarray:
+    """Positive float64 values rounded up onto a float grid with `mantissa_bits` and
+    smallest normal exponent `min_exponent` (subnormals below it); 0 stays 0."""
+    exponent = np.maximum(np.floor(np.log2(np.where(values > 0, values, 1.0))), min_exponent)
+    step = np.exp2(exponent - mantissa_bits)
+    return np.ceil(values / step) * step
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevel:
+    """A 4-bit form with two-level scales: per message one float32 scale S (the largest
+    group scale over E4M3's largest value), per group an E4M3 code of its scale over S,
+    rounded up; an all-zero group's code is 0.
+
+    Attributes:
+      fmt: "e2m1" or "int4".
+      group_size: G.
+      hadamard: the normalized Walsh-Hadamard transform per group first.
+    """
+
+    fmt: str
+    group_size: int
+    hadamard: bool
+
+    @classmethod
+    def parse(cls, text: str) -> TwoLevel:
+        """A form from "fmt:G:H|-:e4m3x2"."""
+        fmt, group, transform, scales = text.split(":")
+        if fmt not in GRIDS or scales != "e4m3x2":
+            raise ValueError(f"not a two-level form: {text!r}")
+        return cls(fmt, int(group), transform == "H")
+
+    @property
+    def bits_per_element(self) -> float:
+        """Payload and group-scale bits per element (the message's 4 bytes aside)."""
+        return 4 + 8 / self.group_size
+
+    def wire_ratio(self, size: int) -> float:
+        """Wire bytes of one message of `size` elements against bf16's."""
+        return (size / 2 + size / self.group_size + 4) / (2 * size)
+
+    def transform(self, x: np.ndarray) -> np.ndarray:
+        """(..., C) -> (..., C / G, G), transformed per group where `hadamard` (its own inverse)."""
+        groups = x.reshape(*x.shape[:-1], -1, self.group_size)
+        if not self.hadamard:
+            return groups
+        return groups @ (hadamard_matrix(self.group_size).astype(np.float64) / np.sqrt(self.group_size))
+
+    def quantize(self, groups: np.ndarray) -> np.ndarray:
+        """One message (..., N, G) through the wire and back (in the transformed domain)."""
+        grid = GRIDS[self.fmt]
+        scale = np.abs(groups).max(axis=-1, keepdims=True) / grid[-1]
+        message_scale = max(float(scale.max()) / E4M3_MAX, np.finfo(np.float32).tiny)
+        decoded = round_up(scale / message_scale, E4M3_MANTISSA_BITS, E4M3_MIN_EXPONENT) * message_scale
+        steps = np.abs(groups) / np.where(decoded > 0, decoded, 1.0)
+        nearest = grid[np.searchsorted((grid[1:] + grid[:-1]) / 2, np.minimum(steps, grid[-1]))]
+        return np.sign(groups) * nearest * decoded
+
+    def measure(self, x: np.ndarray, parts: np.ndarray) -> dict[str, float]:
+        """As `benchmarks.codec_error.measure`: one round trip, and the two-shot
+        all-reduce of `parts` (each rank's message quantized, summed in the transformed
+        domain, the sum quantized again as one message, transformed back)."""
+        x64, parts64 = x.astype(np.float64), parts.astype(np.float64)
+        back = lambda groups: self.transform(groups.reshape(x.shape)).reshape(x.shape)
+        round_trip = back(self.quantize(self.transform(x64)))
+        summed = sum(self.quantize(self.transform(part)) for part in parts64)
+        exact = parts64.sum(axis=0)
+        two_shot = back(self.quantize(summed))
+        return {
+            **_metrics(x, round_trip),
+            "two_shot_rel_rmse": float(np.linalg.norm(two_shot - exact) / np.linalg.norm(exact)),
+            "wire_ratio": self.wire_ratio(x.size),
+        }
+
+
+def random_signs(channels: int, seed: int = SIGN_SEED) -> np.ndarray:
+    """The fixed +-1 per channel that every rank applies before the transform."""
+    return np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), channels)
+
+
+def measure_form(text: str, x: np.ndarray, parts: np.ndarray) -> dict:
+    """One row's measurements: a codec spec or a `TwoLevel` form, "+rs" on the tensor
+    with random signs (each channel's sign flipped or not: norms, per-channel norms and
+    sums keep their errors, so these are the tensor's own)."""
+    base = text.removesuffix(RANDOM_SIGNS)
+    if base != text:
+        signs = random_signs(x.shape[-1])
+        x, parts = x * signs, parts * signs
+    if base.endswith(":e4m3x2"):
+        form = TwoLevel.parse(base)
+        return {"emulated": True, "bits_per_element": form.bits_per_element, **form.measure(x, parts)}
+    spec = tj.QuantSpec.parse(base)
+    return {"emulated": False, "bits_per_element": spec.bits_per_element, **measure(x, parts, spec)}
 
 
 def run(tokens: int, channels: int, ranks: int) -> list[dict]:
@@ -40,10 +163,7 @@ def run(tokens: int, channels: int, ranks: int) -> list[dict]:
         x = tp_tensors.generate(kind, tokens, channels, seed=1)
         parts = tp_tensors.partial_sums(x, ranks, seed=2)
         for text in SPECS:
-            spec = tj.QuantSpec.parse(text)
-            rows.append(
-                {"tensor": kind, "spec": text, "bits_per_element": spec.bits_per_element} | measure(x, parts, spec)
-            )
+            rows.append({"tensor": kind, "spec": text} | measure_form(text, x, parts))
         print(f"  {kind}: done", file=sys.stderr, flush=True)
     return rows
 
