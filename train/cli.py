@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", help="model preset, e.g. gpt2-tiny, gpt2-small, qwen2-0.5b")
     parser.add_argument("--mesh", help="DATA,PIPE,TENSOR degrees; their product must equal the device count")
-    parser.add_argument("--taco", help="compression preset: off | fp8 | taco | taco+ | taco+mixed | taco4")
+    parser.add_argument("--taco", help="compression preset: off | fp8 | taco | taco+ | taco+mixed | taco6-4 | taco4")
     parser.add_argument("--steps", help="train up to this optimizer step")
     parser.add_argument("--seed", help="seed of the parameter init and the data order, in [0, 2**32)")
     parser.add_argument("--out", help="run directory: checkpoints/, metrics.jsonl, summary.json, loss.png")

@@ -66,7 +66,7 @@ class AxisCompression:
 
     Attributes:
       preset: TACO preset (`taco_jax.TacoConfig.preset`): off | fp8 | taco | taco+ |
-        taco+mixed | taco4.
+        taco+mixed | taco6-4 | taco4.
       forward, backward: replace the preset's forward / backward quantizer, as
         "fmt:group_size:H|-:scales" (e.g. "int4:128:H:bf16"); empty: the preset's.
     """
@@ -152,7 +152,7 @@ class TrainConfig:
       mesh: `MeshShape` (data, pipe, tensor) degrees; their product is the device count.
       compression: the `Compression` of each axis, from the keys below.
       taco: TACO preset for the tensor-parallel collectives (off | fp8 | taco | taco+ |
-        taco+mixed | taco4).
+        taco+mixed | taco6-4 | taco4).
       taco_min_bytes: messages under this many bytes stay uncompressed (-1: preset's).
       taco_policy: where compression is used (train/link_policy.py): "auto" (on GPUs
         with tensor > 1, a start-up probe times every TP message plain and compressed

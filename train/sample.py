@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--mesh", default="1,1,1", help="DATA,1,TENSOR degrees over the first devices (no pipeline)")
     parser.add_argument(
-        "--taco", default="off", help="compression preset of the prefill: off | fp8 | taco | taco+ | taco+mixed | taco4"
+        "--taco",
+        default="off",
+        help="compression preset of the prefill: off | fp8 | taco | taco+ | taco+mixed | taco6-4 | taco4",
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0)
