@@ -393,6 +393,7 @@ def plan_message(
             raise ValueError("plan_message reports the message's values: pass the array, or report=False")
         calibration_lib.observe(x, site, direction)
     spec, permutation = planned_spec(call.config, direction, call.calibration, site, x.shape[-1])
+    spec.check_channels(x.shape[-1], site)
     if permutation is not None and moves_channels:
         raise ValueError(
             f"site {site!r} has a channel permutation, so it cannot gather or scatter along "

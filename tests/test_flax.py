@@ -203,7 +203,10 @@ def test_bad_layers_are_clear_errors():
 
 
 # Attention-shaped N-D kernels: (embed, heads, head_dim) column, (heads, head_dim, embed) row.
-BATCH, SEQ, EMBED, HEADS, HEAD_DIM = 4, 4, 8, 2, 4
+# Every message has at least 16 channels (the smallest group), the feature layout's
+# tokens per shard included.
+BATCH, SEQ, EMBED, HEADS, HEAD_DIM = 4, 16, 32, 2, 8
+GROUP = 16
 COLUMN_DIMS, ROW_DIMS = (((2,), (0,)), ((), ())), (((2, 3), (0, 1)), ((), ()))
 BATCH_AXES = ("data", "fsdp")
 # Where each layout puts the activation outside the pair (batch over data x fsdp).
@@ -249,7 +252,12 @@ def _attention_pair_inputs(mesh, layout, kernel_specs):
 
 
 def _pair(mesh, mode, layout, kernel_specs):
-    config = tj.TacoConfig.preset(mode, min_bytes=0)
+    preset = tj.TacoConfig.preset(mode, min_bytes=0)
+    config = dataclasses.replace(
+        preset,
+        forward=dataclasses.replace(preset.forward, group_size=GROUP),
+        backward=dataclasses.replace(preset.backward, group_size=GROUP),
+    )
     return tuple(
         ParallelDotGeneral(
             mesh,
