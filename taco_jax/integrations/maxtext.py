@@ -278,6 +278,10 @@ class TacoQuantization:
         batch = self._batch_entry(lhs.shape[0])
         if batch is None and self.resolved_batch_axes():
             return plain()  # MaxText's dummy initialisation call (a batch of one), or a batch that does not split
+        ways = math.prod(self.mesh.shape[a] for a in batch) if batch else 1
+        message = math.prod(shape) // ways // (ranks if moved is not None else 1)
+        if message % self._row_length():
+            return plain()  # a message that does not cut into the codec's groups
         matmul = functools.partial(
             lax.dot_general,
             dimension_numbers=dimension_numbers,
@@ -321,7 +325,9 @@ class TacoQuantization:
         def enter(shard: jax.Array) -> jax.Array:
             assert isinstance(config, TacoConfig)
             if moved is None:
-                whole = tp.copy_to_tp(shard, axis, config, site=site, calibration=calibration)
+                whole = self._as_rows(
+                    shard, lambda rows: tp.copy_to_tp(rows, axis, config, site=site, calibration=calibration)
+                )
             else:
                 whole = self._gather_rows(shard, moved, site)
             return whole[None]
@@ -332,29 +338,30 @@ class TacoQuantization:
         self._gathers[key] = (x, stacked)
         return stacked
 
-    def _rows(self, size: int) -> int | None:
-        """The row length the messages of a block of `size` elements are cut into: the
-        codec's group size (every format's, with `fewer_bits`), so that a shard narrower
-        than a group (MaxText's feature shards) is not padded to one; None where it does
-        not divide."""
+    def _row_length(self) -> int:
+        """The row length messages are cut into: the codec's group size (every format's,
+        with `fewer_bits`), so that a shard narrower than a group (MaxText's feature
+        shards) makes whole groups."""
         assert isinstance(self.taco, TacoConfig)
         specs = [
             self.taco.forward,
             self.taco.backward,
             *(self.taco.fewer_bits.candidates if self.taco.fewer_bits else ()),
         ]
-        row = math.lcm(*(spec.group_size for spec in specs))
-        return row if size % row == 0 else None
+        return math.lcm(*(spec.group_size for spec in specs))
+
+    def _as_rows(self, x: jax.Array, collective: Any) -> jax.Array:
+        """`collective` (an all-reduce, or an identity whose transpose is one) applied to x
+        cut into rows of the group size."""
+        return collective(x.reshape(-1, self._row_length())).reshape(x.shape)
 
     def _gather_rows(self, shard: jax.Array, moved: int, site: str) -> jax.Array:
         """All-gather (compressed) of the shards along axis `moved`, sent as rows of the
         group size."""
         assert isinstance(self.taco, TacoConfig)
         axis, config, calibration = self.axis_name, self.taco, self.calibration
-        row = self._rows(shard.size)
-        if row is None:
-            return tp.gather_from_sp(shard, axis, config, axis=moved, site=site, calibration=calibration)
-        rows = tp.gather_from_sp(shard.reshape(-1, row), axis, config, axis=0, site=site, calibration=calibration)
+        rows = shard.reshape(-1, self._row_length())
+        rows = tp.gather_from_sp(rows, axis, config, axis=0, site=site, calibration=calibration)
         blocks = jax.numpy.moveaxis(rows.reshape(-1, *shard.shape), 0, moved)
         return blocks.reshape(*shard.shape[:moved], -1, *shard.shape[moved + 1 :])
 
@@ -364,14 +371,10 @@ class TacoQuantization:
         assert isinstance(self.taco, TacoConfig)
         axis, config, calibration = self.axis_name, self.taco, self.calibration
         ranks = self.mesh.shape[axis]
-        row = self._rows(partial.size // ranks)
-        if row is None:
-            return tp.reduce_scatter_to_sp(partial, axis, config, axis=moved, site=site, calibration=calibration)
         split = partial.reshape(*partial.shape[:moved], ranks, -1, *partial.shape[moved + 1 :])
         blocks = jax.numpy.moveaxis(split, moved, 0)
-        rows = tp.reduce_scatter_to_sp(
-            blocks.reshape(-1, row), axis, config, axis=0, site=site, calibration=calibration
-        )
+        rows = blocks.reshape(-1, self._row_length())
+        rows = tp.reduce_scatter_to_sp(rows, axis, config, axis=0, site=site, calibration=calibration)
         return rows.reshape(blocks.shape[1:])
 
     def _column(self, stacked, kernel, plan, batch, out_ndim, k, matmul) -> jax.Array:
@@ -394,7 +397,9 @@ class TacoQuantization:
             assert isinstance(config, TacoConfig)
             partial = matmul(shard, self._whole_kernel(w, plan))
             if moved is None:
-                return tp.reduce_from_tp(partial, axis, config, site=site, calibration=calibration)
+                return self._as_rows(
+                    partial, lambda rows: tp.reduce_from_tp(rows, axis, config, site=site, calibration=calibration)
+                )
             return self._reduce_scatter_rows(partial, moved, site)
 
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(x, kernel)
