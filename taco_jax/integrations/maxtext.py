@@ -15,8 +15,9 @@ MaxText's rules put them (`layout="auto"`):
 | neither | `replicated` | nothing / 8-bit all-reduce | 8-bit all-reduce / nothing |
 
 Column matmuls that read the same activation (key and value; the MLP's two input
-projections) share one gather, so their gradients are summed before one reduce-scatter,
-as the plain program does. The batch axis is split over the mesh axes the rules give
+projections) share one gather, so their gradients are summed before one reduce-scatter.
+Messages are cut into rows of the codec's group size, so that feature shards narrower
+than a group make whole groups. The batch axis is split over the mesh axes the rules give
 `activation_batch` (`data`, `fsdp`, ...), so data and fsdp parallelism send what they
 send without taco.
 
