@@ -142,7 +142,7 @@ class QuantSpec:
         if self.group_size > channels:
             largest = 1 << (channels.bit_length() - 1) if channels > 0 else 0
             fix = (
-                f"use a spec with group_size <= {largest}"
+                f"use a spec with group_size <= {largest} (`TacoConfig.with_group_size`)"
                 if largest >= MIN_GROUP_SIZE
                 else f"no group size fits (at least {MIN_GROUP_SIZE}): send it plain"
             )
@@ -326,6 +326,20 @@ class TacoConfig:
     def compresses(self, nbytes: int) -> bool:
         """Whether a message of `nbytes` (input dtype) is sent compressed."""
         return self.enabled and nbytes >= self.min_bytes
+
+    def with_group_size(self, group_size: int) -> TacoConfig:
+        """This configuration with groups of `group_size` in both directions: for models
+        whose messages have fewer channels than the preset's groups (`check_channels`).
+
+        Examples:
+          >>> TacoConfig.preset("taco+").with_group_size(32).forward.text
+          'int8:32:H:bf16'
+        """
+        return dataclasses.replace(
+            self,
+            forward=dataclasses.replace(self.forward, group_size=group_size),
+            backward=dataclasses.replace(self.backward, group_size=group_size),
+        )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> TacoConfig:

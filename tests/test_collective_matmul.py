@@ -1,5 +1,6 @@
 """Collective matmuls (`overlap=True`) against the collective-then-matmul path (8 CPU devices)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,8 @@ COMPRESSED_BOUND = 0.05
 
 
 def _config(mode):
-    return tj.TacoConfig.preset(mode, min_bytes=0)
+    # Groups of 32: the block's messages have 96 channels.
+    return tj.TacoConfig.preset(mode, min_bytes=0).with_group_size(32)
 
 
 def _block(config, overlap, sequence_parallel=True):
@@ -103,7 +105,7 @@ def test_overlapped_block_matches_the_collective_path(mesh_shape, sequence_paral
     compressed = run(mesh, _config("taco+"), True, args)
     unoverlapped = run(mesh, _config("taco+"), False, args)
     for got, same_codec, exact in zip(compressed, unoverlapped, reference, strict=True):
-        assert _rel(got, same_codec) < 1e-4
+        assert _rel(got, same_codec) < 3e-4  # the same messages, summed in another order
         assert 0 < _rel(got, exact) < COMPRESSED_BOUND
 
 
@@ -220,7 +222,7 @@ def test_collective_matmul_on_the_gpu_takes_the_kernels_and_matches_the_jnp_path
     def run(kernel_mode, overlap):
         # The gradient inside the simulated mesh, as the trainer takes it (outside a
         # vmap JAX cannot transpose the collectives: docs/limitations.md).
-        block = _block(tj.TacoConfig.preset("taco+", min_bytes=0, kernel_mode=kernel_mode), overlap)
+        block = _block(dataclasses.replace(_config("taco+"), kernel_mode=kernel_mode), overlap)
 
         def body(*a):
             grads = jax.grad(lambda *b: jnp.sum(jnp.sin(block(*b))), argnums=(0, 1, 2))(*a)

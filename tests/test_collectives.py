@@ -119,12 +119,13 @@ def test_collectives_match_lax(mesh_shape, mode):
 
 @pytest.mark.parametrize(
     "shape, dtype",
-    [((8,), jnp.float32), ((3, 5, 40), jnp.bfloat16), ((4, 300), jnp.float16), ((1, 4, 129), jnp.float32)],
+    [((24,), jnp.float32), ((3, 5, 40), jnp.bfloat16), ((4, 300), jnp.float16), ((1, 4, 129), jnp.float32)],
     ids=["vector", "odd_bf16", "odd_f16", "one_row"],
 )
 def test_odd_shapes_and_dtypes(shape, dtype):
+    """Channel counts that are not a multiple of the (smallest) group: rows padded."""
     mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
-    config = _config("taco")
+    config = _config("taco").with_group_size(16)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((4 * shape[0], *shape[1:])), dtype)
 
     def pairs(v):
@@ -147,16 +148,25 @@ def test_odd_shapes_and_dtypes(shape, dtype):
         assert _rel(ours, theirs) < TWO_QUANT + float(jnp.finfo(dtype).eps)
 
 
-def test_untiled_reduce_scatter_to_scalars():
+def test_untiled_reduce_scatter_drops_the_scattered_axis():
     mesh = tj.make_mesh(1, 1, 8)
-    x = jnp.arange(64.0).reshape(8, 8) + 1
+    x = jnp.arange(8 * 8 * 16.0).reshape(8, 8, 16) + 1
     body = lambda v: (
-        tj.reduce_scatter(v[0], "tensor", _config("taco"), tiled=False)[None],
+        tj.reduce_scatter(v[0], "tensor", _config("taco").with_group_size(16), tiled=False)[None],
         lax.psum_scatter(v[0], "tensor", tiled=False)[None],
     )
     ours, theirs = _shard_run(mesh, body, x, in_specs=(P("tensor"),), out_specs=(P("tensor"), P("tensor")))
-    assert ours.shape == theirs.shape == (8,)
-    assert _rel(ours, theirs) < ONE_QUANT
+    assert ours.shape == theirs.shape == (8, 16)
+    assert 0 < _rel(ours, theirs) < ONE_QUANT
+
+
+def test_a_group_wider_than_the_message_is_one_error_naming_the_site():
+    """G = 128 on 40 channels would pad every row to three times its size: refused
+    where the spec meets the message, naming the site and the fix."""
+    mesh = tj.make_mesh(1, 1, 4, devices=jax.devices()[:4])
+    body = lambda v: tj.all_reduce(v, "tensor", _config("taco+"), site="mlp.out")
+    with pytest.raises(ValueError, match=r"site 'mlp.out': group size 128 .* 40 channels .*group_size <= 32"):
+        jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P()), jnp.zeros((12, 40)))
 
 
 def _mlp_params(d_model, d_ff, seed=0):

@@ -368,7 +368,7 @@ def test_ledger_names_the_loss_reductions_and_why_they_are_exact():
     they are per-token statistics (not "mode off" under a compressing config); every
     other row of the step is compressed (traced only)."""
     mesh = tj.make_mesh(1, 1, 2, devices=jax.devices()[:2])
-    taco = tj.TacoConfig.preset("taco+", min_bytes=0)
+    taco = tj.TacoConfig.preset("taco+", min_bytes=0).with_group_size(32)
     model = nnx.eval_shape(lambda: flax_modules.Transformer(_GPT2, mesh=mesh, taco=taco, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     tokens = jax.ShapeDtypeStruct((2, 9), jnp.int32)

@@ -60,7 +60,10 @@ def test_ppermute_delivers_each_rank_its_source(shape):
     reference = _lax_permute(x)
     np.testing.assert_array_equal(_permute_run(_config("off"), x), reference)
     for preset, bound in [("taco", 0.07), ("taco+", 0.02)]:
-        got = _permute_run(_config(preset), x)
+        config = _config(preset)
+        if shape[-1] < config.forward.group_size:  # 100 channels: groups of 64, the last row padded
+            config = config.with_group_size(64)
+        got = _permute_run(config, x)
         assert got.shape == x.shape and got.dtype == x.dtype
         for r in range(RANKS):  # each block came from its source rank, within one quantization
             block = slice(r * shape[0], (r + 1) * shape[0])
