@@ -69,6 +69,15 @@ def recorded_choices(calibration: Calibration, *files: Path | str | None) -> lis
     return []
 
 
+def refuse_overwrite(target: Path, force: bool) -> None:
+    """Raise ValueError if `target` (a run's calibration.json) exists and `force` is not
+    given: --calibrate-only never replaces a calibration unasked."""
+    if target.exists() and not force:
+        raise ValueError(
+            f"--calibrate-only: {target} already holds a calibration; pass --force to overwrite it or choose another --out"
+        )
+
+
 def calibration_digest(calibration: Calibration) -> str:
     """A fingerprint of what `calibration` decides (its JSON, keys sorted): checkpoints
     keep the one of their calibration_file, which a resume checks the file against."""

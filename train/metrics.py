@@ -17,7 +17,7 @@ from taco_jax import models, strict_json
 from taco_jax.mesh import TENSOR_AXIS
 
 from . import data as data_lib
-from .calibrate import calibration_summary
+from .calibrate import calibration_summary, recorded_choices
 from .compression import taco_config
 from .pipeline import bubble_fraction
 from .run_state import SAMPLE_PROMPT_TOKENS, RunState
@@ -158,7 +158,12 @@ def summary(run: RunState, rows: list[dict], wire: WireBytes, stopped_by: str | 
         "wire_fraction_by_axis": _fractions(wire.sent, wire.bf16),
         "wire_fraction_of_uncompressed_by_axis": _fractions(wire.sent, wire.uncompressed),
         "pipeline_bubble": bubble_fraction(cfg.mesh.pipe, cfg.microbatches),
-        **calibration_summary(run.calibration),
+        # What each site and direction sends, with its measured error, from the report of
+        # the calibration the run holds (its own, or the calibration_file it loaded).
+        **calibration_summary(
+            run.calibration,
+            recorded_choices(run.calibration, run.out / "calibration.json", run.cfg.calibration_file or None),
+        ),
     }
 
 

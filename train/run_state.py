@@ -21,7 +21,7 @@ from . import run_dir
 from .calibrate import calibration_digest, file_calibration, load_calibration
 from .checkpoint import Checkpointer
 from .compression import feedback_layout, init_error_feedback
-from .config import RESUMABLE_KEYS, TrainConfig, changed_keys
+from .config import RESUMABLE_KEYS, TrainConfig, changed_keys, to_dict
 from .optimizer import abstract_opt_state, init_state, make_optimizer
 
 
@@ -95,6 +95,24 @@ class RunState:
     calibrated: bool = False
     calibration_file_digest: str | None = None
     lock: run_dir.RunLock | None = None
+
+    def checkpoint_meta(self, given: TrainConfig) -> dict:
+        """What a checkpoint at the current step records beside the arrays, for a resume
+        to check (`resumed_config`, `check_calibration_file`); `given`: the configuration
+        as the user gave it."""
+        return {
+            "step": self.step,
+            "data_position": self.step,
+            "skipped_steps": self.bad_total,
+            "model": self.cfg.model,
+            "seed": self.cfg.seed,
+            "calibrated": self.calibrated,
+            "calibration": self.calibration.to_json(),
+            "calibration_file_digest": self.calibration_file_digest,
+            "error_feedback": bool(self.feedback),
+            "config": to_dict(given),
+            "schedule_steps": self.cfg.decay_steps or self.cfg.steps,
+        }
 
     def close(self) -> None:
         """Close the checkpoint manager and release the run directory."""

@@ -30,7 +30,7 @@ from taco_jax.models.transformer import Parallelism
 
 from . import data as data_lib
 from . import link_policy
-from .calibrate import calibrate_run, calibration_summary, recorded_choices
+from .calibrate import calibrate_run, calibration_summary, recorded_choices, refuse_overwrite
 from .compression import feedback_specs, init_error_feedback, taco_config
 from .config import TrainConfig, overlap_sites, to_dict
 from .errors import TrainingError
@@ -205,11 +205,7 @@ def calibrate_only(cfg: TrainConfig, *, resume: bool = False, force: bool = Fals
         raise ValueError(
             f"--calibrate-only needs a taco preset (got {cfg.compression.tensor.preset!r}) and calibration_steps >= 1"
         )
-    target = Path(cfg.out) / "calibration.json"
-    if target.exists() and not force:
-        raise ValueError(
-            f"--calibrate-only: {target} already holds a calibration; pass --force to overwrite it or choose another --out"
-        )
+    refuse_overwrite(Path(cfg.out) / "calibration.json", force)
     run = start_run(cfg, resume, force=force)
     try:
         batch_of = data_lib.batch_maker(cfg, run.mesh)
@@ -420,20 +416,9 @@ def save_checkpoint(loop: TrainLoop) -> None:
             f"gradient were (an update overflowed: is lr={run.cfg.lr:g} too high?); not saving them, the newest "
             f"checkpoint is step {run.checkpoints.latest_step()}"
         )
-    meta = {
-        "step": run.step,
-        "data_position": run.step,
-        "skipped_steps": run.bad_total,
-        "model": run.cfg.model,
-        "seed": run.cfg.seed,
-        "calibrated": run.calibrated,
-        "calibration": run.calibration.to_json(),
-        "calibration_file_digest": run.calibration_file_digest,
-        "error_feedback": bool(run.feedback),
-        "config": to_dict(loop.given),
-        "schedule_steps": run.cfg.decay_steps or run.cfg.steps,
-    }
-    run.checkpoints.save(run.step, checkpoint_state(run.params, run.opt_state, run.feedback), meta)
+    run.checkpoints.save(
+        run.step, checkpoint_state(run.params, run.opt_state, run.feedback), run.checkpoint_meta(loop.given)
+    )
 
 
 def train_loop(loop: TrainLoop, stop: StopFlag, bar=None) -> None:
@@ -504,10 +489,6 @@ def _train_and_summarize(loop: TrainLoop, progress: bool) -> dict:
         save_checkpoint(loop)
     rows = loop.log.rows() if loop.main_process else []
     result = summary(run, rows, loop.wire, stop.signal_name, time.time() - started)
-    # What each site and direction sends, with its measured error, from the report of
-    # the calibration the run holds (its own, or the calibration_file it loaded).
-    choices = recorded_choices(run.calibration, run.out / "calibration.json", run.cfg.calibration_file or None)
-    result |= calibration_summary(run.calibration, choices)
     if loop.main_process:
         strict_json.write(run.out / "summary.json", result, indent=1)
         if rows:
