@@ -240,13 +240,22 @@ QUALITY_COMMANDS = {
     "quality_pipe_data.json": "python -m benchmarks.quality --simulate --mesh 2,2,2 --microbatches 2 --tag pipe_data "
     "--variants off,pipe-taco,pipe-taco+,data-taco,data-taco+,data-int4+H,all-taco+ --models gpt2-mini,qwen2-mini "
     "--seeds 5",
+    "quality_bits_direction.json": "python -m benchmarks.quality --simulate --tag bits_direction "
+    "--corpora shakespeare --models gpt2-40m,qwen2-40m --variants off,e2m3fwd-int4bwd,int4g16fwd-int4bwd,"
+    "e2m3fwd-int4g16bwd --seeds 2 --steps 1600 --batch-size 8 --seq-len 128 --lr 1.5e-4, then --seeds 4 "
+    "without int4g16fwd-int4bwd",
 }
-QUALITY_DATES = {"quality_stable.json": "2026-12-02 to 2026-12-03", "quality_pipe_data.json": "2026-11-30"}
+QUALITY_DATES = {
+    "quality_stable.json": "2026-12-02 to 2026-12-03",
+    "quality_pipe_data.json": "2026-11-30",
+    "quality_bits_direction.json": "2026-12-06",
+}
+QUALITY_CARDS = {"quality_bits_direction.json": "NVIDIA H100 80GB HBM3"}
 
 
 def quality_source(file: str) -> Source:
     """The source line of a quality harness's results file."""
-    return Source(file, QUALITY_COMMANDS[file], card="NVIDIA H200", date=QUALITY_DATES[file])
+    return Source(file, QUALITY_COMMANDS[file], card=QUALITY_CARDS.get(file, "NVIDIA H200"), date=QUALITY_DATES[file])
 
 
 def gradient_fidelity() -> tuple[str, list[Source]]:
@@ -581,6 +590,7 @@ TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "kernels_4096": lambda: kernels("kernels_4096x4096.json"),
     "quality": quality,
     "quality_pipe_data": lambda: quality("quality_pipe_data.json"),
+    "quality_bits_direction": lambda: quality("quality_bits_direction.json"),
     "gradient_fidelity": gradient_fidelity,
     "codec_error": codec_error,
     "fewer_bits": fewer_bits,
