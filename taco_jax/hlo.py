@@ -1,12 +1,15 @@
-"""List the collectives of a compiled function with their dtypes and bytes."""
+"""List the collectives of a compiled function with their dtypes and bytes, and count
+the bytes a call sends, loops included (`bytes_by_axis`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 import numpy as np
+from jax.sharding import Mesh
 
 COLLECTIVE_OPS = ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute")
 _DTYPE_BYTES = {
@@ -170,4 +173,135 @@ def collectives_in_hlo(hlo_text: str) -> list[HloCollective]:
     return found
 
 
-__all__ = ["COLLECTIVE_OPS", "HloCollective", "collectives_in_hlo", "dtype_bytes"]
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
+_CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations)=\{?([^}\s]+(?:,\s*%[^\s,}]+)*)\}?")
+_WHILE = re.compile(r"\swhile\(.*?body=%?([^\s,]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"')
+
+
+class CountedCollective(NamedTuple):
+    """A collective instruction with the times one call of the program runs it.
+
+    Attributes:
+      collective: the instruction (`HloCollective`).
+      times: runs per call: the trip counts of the while loops around it multiplied
+        (a scanned layer's collective runs once per layer).
+      recomputed: it sits in a rematerialised computation, recomputing a forward
+        message for the backward pass.
+    """
+
+    collective: HloCollective
+    times: int
+    recomputed: bool
+
+
+def _computations(hlo_text: str) -> tuple[str, dict[str, list[str]]]:
+    """The ENTRY computation's name and every computation's instruction lines."""
+    bodies: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if (match := _COMPUTATION.match(line)) and not line.startswith(" "):
+            current = match.group(1).lstrip("%")
+            bodies[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None:
+            bodies[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return entry, bodies
+
+
+def collectives_with_counts(hlo_text: str) -> list[CountedCollective]:
+    """The collectives of a compiled module, each with the times one call runs it.
+
+    A collective in a while loop's body (a `lax.scan`, e.g. scanned layers) counts its
+    loop's known trip count, nested loops multiplied; one reached from several call
+    sites counts each.
+
+    Args:
+      hlo_text: the compiled module's text (`jax.jit(f).lower(...).compile().as_text()`).
+
+    Returns:
+      One `CountedCollective` per collective instruction (async `-start` halves
+      included), computation by computation.
+
+    Raises:
+      ValueError: no ENTRY computation; a collective inside a loop whose trip count the
+        compiler does not know; a collective of an unknown element type.
+    """
+    entry, bodies = _computations(hlo_text)
+    counts: dict[str, int | None] = {}
+
+    def visit(name: str, times: int | None) -> None:
+        counts[name] = times if name not in counts else _add(counts[name], times)
+        for line in bodies.get(name, ()):
+            loop = _WHILE.search(line)
+            for match in _CALLS.finditer(line):
+                for callee in (c.strip().lstrip("%") for c in match.group(1).split(",")):
+                    if callee not in bodies:
+                        continue
+                    if loop and callee == loop.group(1).lstrip("%"):
+                        trips = _TRIP_COUNT.search(line)
+                        visit(callee, None if trips is None or times is None else times * int(trips.group(1)))
+                    else:
+                        visit(callee, times)
+
+    visit(entry, 1)
+    found = []
+    for name, times in counts.items():
+        for line in bodies[name]:
+            for collective in collectives_in_hlo(line):
+                if times is None:
+                    raise ValueError(f"a {collective.op} in computation {name!r} runs in a loop of unknown trip count")
+                found.append(CountedCollective(collective, times, "rematted_computation" in line))
+    return found
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
+
+
+def bytes_by_axis(hlo_text: str, mesh: Mesh, *, recomputed: bool | None = None) -> dict[str, dict[str, int]]:
+    """Bytes each device sends per call of a compiled program, by mesh axes and element
+    type, loops counted by their trip counts (`collectives_with_counts`).
+
+    Args:
+      hlo_text: the compiled module's text.
+      mesh: the mesh the program runs on; its devices name the collectives' axes.
+      recomputed: True: only the rematerialisation's recomputed messages; False: only
+        the others; None: all.
+
+    Returns:
+      {mesh axes joined by "+" (e.g. "tensor", "fsdp+tensor"; "none" for a group of one
+      device): {element type (e.g. "u8", "f32"): bytes}}.
+
+    Raises:
+      ValueError: as `collectives_with_counts`.
+    """
+    table: dict[str, dict[str, int]] = {}
+    for collective, times, remat in collectives_with_counts(hlo_text):
+        if recomputed is not None and remat != recomputed:
+            continue
+        axes = "+".join(collective.mesh_axes(mesh)) or "none"
+        row = table.setdefault(axes, {})
+        row[collective.dtype] = row.get(collective.dtype, 0) + times * collective.sent_bytes
+    return table
+
+
+def f32_as_bf16(row: dict[str, int]) -> int:
+    """Bytes of one `bytes_by_axis` row with its f32 messages counted at 2 bytes an
+    element: what the program sends on GPU, where XLA keeps bf16 activations'
+    collectives in bf16 (the CPU compiler widens them to f32)."""
+    return sum(size // 2 if dtype == "f32" else size for dtype, size in row.items())
+
+
+__all__ = [
+    "COLLECTIVE_OPS",
+    "CountedCollective",
+    "HloCollective",
+    "bytes_by_axis",
+    "collectives_in_hlo",
+    "collectives_with_counts",
+    "dtype_bytes",
+    "f32_as_bf16",
+]

@@ -135,3 +135,40 @@ def test_gpu_collectives_move_only_messages_and_match_lax():
         got, want = (np.asarray(fn(x), np.float64) for fn in compiled)
         error = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert 1e-3 < error < 0.02  # INT8 after the transform: compressed, within codec error
+
+
+def test_bytes_inside_a_scan_count_once_per_trip():
+    """`hlo.bytes_by_axis` on a compiled `lax.scan` of 3 steps, each summing over
+    "tensor" and gathering over "data": each loop collective counts 3 times, the one
+    after the loop once; the same collectives the parser lists without counts."""
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from taco_jax import hlo
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    trips = 3
+
+    def body(carry, w):
+        summed = lax.psum(carry * w, "tensor")
+        return summed + lax.all_gather(summed, "data", tiled=True)[: summed.shape[0]], None
+
+    def program(x, ws):
+        out, _ = lax.scan(body, x, ws)
+        return lax.psum(out, "data")
+
+    step = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+    text = step.lower(jnp.ones((8, 32)), jnp.ones((trips, 8, 32))).compile().as_text()
+    counted = hlo.collectives_with_counts(text)
+    assert sorted(map(repr, (c.collective for c in counted))) == sorted(map(repr, hlo.collectives_in_hlo(text)))
+    assert sorted(c.times for c in counted) == [1, trips, trips]
+    message = 8 * 32 * 4  # one f32 (8, 32) block
+    all_reduce_tensor, gather_data, all_reduce_data = message * 2 * 3 // 4, message, message * 2 // 2
+    table = hlo.bytes_by_axis(text, mesh)
+    assert table == {
+        "tensor": {"f32": trips * all_reduce_tensor},
+        "data": {"f32": trips * gather_data + all_reduce_data},
+    }
+    assert hlo.bytes_by_axis(text, mesh, recomputed=True) == {}
+    assert hlo.f32_as_bf16(table["tensor"]) == trips * all_reduce_tensor // 2

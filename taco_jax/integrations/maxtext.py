@@ -46,7 +46,6 @@ import importlib.metadata
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, NoReturn
@@ -60,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import accounting, strict_json, tp
 from taco_jax.accounting import WireLedger, record_wire
 from taco_jax.calibration import Calibration, Collector, calibrate, observing
-from taco_jax.hlo import HloCollective, collectives_in_hlo
+from taco_jax.hlo import bytes_by_axis, f32_as_bf16
 from taco_jax.spec import PRESETS, TacoConfig
 
 MAXTEXT_VERSION = "0.2.5"
@@ -494,83 +493,6 @@ def check_config(config: Any, axis_name: str = "tensor") -> None:
 
 # ----------------------------------------------------------------------------- wire bytes
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
-_CALLS = re.compile(r"(?:calls|body|to_apply|branch_computations)=\{?([^}\s]+(?:,\s*%[^\s,}]+)*)\}?")
-_WHILE = re.compile(r"\swhile\(.*?body=%?([^\s,]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"')
-
-
-def collectives_with_counts(hlo_text: str) -> list[tuple[HloCollective, int, bool]]:
-    """The collectives of a compiled module, each with the times it runs per call (the
-    trip counts of the while loops around it, MaxText's scanned layers, multiplied) and
-    whether it recomputes a forward message for the backward pass (rematerialisation).
-
-    Raises:
-      ValueError: a loop without a known trip count around a collective.
-    """
-    bodies: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if (match := _COMPUTATION.match(line)) and not line.startswith(" "):
-            current = match.group(1).lstrip("%")
-            bodies[current] = []
-            entry = current if line.startswith("ENTRY") else entry
-        elif current is not None:
-            bodies[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    counts: dict[str, int | None] = {}
-
-    def visit(name: str, times: int | None) -> None:
-        counts[name] = times if name not in counts else _add(counts[name], times)
-        for line in bodies.get(name, ()):
-            loop = _WHILE.search(line)
-            for match in _CALLS.finditer(line):
-                for callee in (c.strip().lstrip("%") for c in match.group(1).split(",")):
-                    if callee not in bodies:
-                        continue
-                    if loop and callee == loop.group(1).lstrip("%"):
-                        trips = _TRIP_COUNT.search(line)
-                        visit(callee, None if trips is None or times is None else times * int(trips.group(1)))
-                    else:
-                        visit(callee, times)
-
-    visit(entry, 1)
-    found = []
-    for name, times in counts.items():
-        for line in bodies[name]:
-            for collective in collectives_in_hlo(line):
-                if times is None:
-                    raise ValueError(f"a {collective.op} in computation {name!r} runs in a loop of unknown trip count")
-                found.append((collective, times, "rematted_computation" in line))
-    return found
-
-
-def _add(a: int | None, b: int | None) -> int | None:
-    return None if a is None or b is None else a + b
-
-
-def hlo_bytes_by_axis(hlo_text: str, mesh: Mesh, *, recomputed: bool | None = None) -> dict[str, dict[str, int]]:
-    """Bytes each device sends per call of a compiled program, by mesh axes ("tensor",
-    "data", "fsdp+tensor", ...) and element type, loops counted by their trip counts;
-    `recomputed` True / False: only the rematerialisation's recomputed messages / only
-    the others (None: all)."""
-    table: dict[str, dict[str, int]] = {}
-    for collective, times, remat in collectives_with_counts(hlo_text):
-        if recomputed is not None and remat != recomputed:
-            continue
-        axes = "+".join(collective.mesh_axes(mesh)) or "none"
-        row = table.setdefault(axes, {})
-        row[collective.dtype] = row.get(collective.dtype, 0) + times * collective.sent_bytes
-    return table
-
-
-def f32_as_bf16(row: dict[str, int]) -> int:
-    """Bytes of one axis's row with its f32 messages counted at 2 bytes an element: what
-    the program sends on GPU, where XLA keeps bf16 activations' collectives in bf16 (the
-    CPU compiler widens them to f32)."""
-    return sum(size // 2 if dtype == "f32" else size for dtype, size in row.items())
-
 
 @contextlib.contextmanager
 def counting_scans() -> Iterator[None]:
@@ -660,7 +582,7 @@ def wire_summary(captured: CompiledStep, preset: str, layout: str, axis_name: st
     device, from its HLO by mesh axes and element type (all of them, and those the
     rematerialisation recomputes), and the wire ledger of taco's own messages."""
     assert captured.mesh is not None
-    by_axis = hlo_bytes_by_axis(captured.hlo, captured.mesh)
+    by_axis = bytes_by_axis(captured.hlo, captured.mesh)
     axes = tuple(captured.mesh.axis_names)
     return {
         "maxtext": MAXTEXT_VERSION,
@@ -668,7 +590,7 @@ def wire_summary(captured: CompiledStep, preset: str, layout: str, axis_name: st
         "layout": layout,
         "mesh": {name: int(size) for name, size in captured.mesh.shape.items() if size > 1},
         "hlo_bytes_by_axis": by_axis,
-        "hlo_recomputed_bytes_by_axis": hlo_bytes_by_axis(captured.hlo, captured.mesh, recomputed=True),
+        "hlo_recomputed_bytes_by_axis": bytes_by_axis(captured.hlo, captured.mesh, recomputed=True),
         "tensor_bytes": sum(by_axis.get(axis_name, {}).values()),
         "tensor_bytes_f32_as_bf16": f32_as_bf16(by_axis.get(axis_name, {})),
         "ledger_tensor_bytes": captured.ledger.by_axis(axes).get(axis_name, 0),
