@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import flax as taco_flax
+from taco_jax import dot_general
 from taco_jax.flax import ColumnParallelLinear, ParallelDotGeneral, RowParallelLinear
 
 MESHES = [pytest.param((2, 1, 4), id="dp2_tp4"), pytest.param((1, 1, 8), id="tp8")]
@@ -322,11 +322,94 @@ def test_feature_layout_sends_uint8_and_nothing_more_on_the_batch_axes(fsdp_mesh
     assert any(c.dtype == "f32" and c.shape != () for c in tensor_collectives["plain"])
 
 
+WIDE_EMBED = 128  # 64 features a shard on 2 tensor ranks, under taco+'s groups of 128
+
+
+@pytest.mark.parametrize(
+    ("sharing", "layout"), [("column_many", "feature"), ("gather_input", "feature"), ("column_many", "replicated")]
+)
+def test_column_kernels_share_one_gather_of_64_wide_feature_shards(fsdp_mesh, sharing, layout):
+    """Two column kernels reading one input, then a row kernel. Feature layout (64
+    features a rank, groups of 128: the messages go as rows of the group size): one
+    gather and one reduce-scatter each way; replicated with `message_rows`: one
+    all-reduce each way, as rows. Values and gradients equal lax.dot_general's with mode
+    off, close but not equal with taco+."""
+    keys = jax.random.split(jax.random.key(3), 5)
+    activation = NamedSharding(fsdp_mesh, ACTIVATION_SPECS[layout])
+    x, target = (jax.device_put(jax.random.normal(k, (BATCH, SEQ, WIDE_EMBED)), activation) for k in keys[:2])
+    column, row = (NamedSharding(fsdp_mesh, spec) for spec in TENSOR_KERNELS)
+    kernels = tuple(
+        jax.device_put(jax.random.normal(k, shape) / 8, sharding)
+        for k, shape, sharding in zip(
+            keys[2:],
+            [(WIDE_EMBED, HEADS, HEAD_DIM)] * 2 + [(HEADS, HEAD_DIM, WIDE_EMBED)],
+            [column, column, row],
+            strict=True,
+        )
+    )
+
+    def loss(params, x, target, mode):
+        key_kernel, value_kernel, out_kernel = params
+        if mode is None:
+            keys_, values = (lax.dot_general(x, w, COLUMN_DIMS) for w in (key_kernel, value_kernel))
+            out = lax.dot_general(jnp.tanh(keys_) * values, out_kernel, ROW_DIMS)
+            return jnp.mean(jnp.tanh(out) * target)
+        config = tj.TacoConfig.preset(mode, min_bytes=0)
+        dots = [
+            ParallelDotGeneral(
+                fsdp_mesh, config, kind, site=kind, layout=layout, batch_axes=BATCH_AXES, message_rows=True
+            )
+            for kind in ("column", "row")
+        ]
+        if sharing == "column_many":
+            keys_, values = dots[0].column_many(x, (key_kernel, value_kernel), COLUMN_DIMS)
+        else:
+            gathered = dots[0].gather_input(x)
+            keys_, values = (dots[0](gathered, w, COLUMN_DIMS) for w in (key_kernel, value_kernel))
+        return jnp.mean(jnp.tanh(dots[1](jnp.tanh(keys_) * values, out_kernel, ROW_DIMS)) * target)
+
+    value_and_grad = jax.value_and_grad(loss, argnums=(0, 1))
+    with tj.record_wire() as ledger:
+        results = jax.jit(lambda *a: {m: value_and_grad(*a, m) for m in ("off", "taco+")})(kernels, x, target)
+    taco_plus = [(r.op[:10], r.site, r.direction, r.shape) for r in ledger.records if r.compressed]
+    if layout == "feature":
+        shard_rows = (BATCH * SEQ * WIDE_EMBED // 8 // 128, 128)  # one rank's 1 x 16 x 64 block, in rows of 128
+        assert sorted(taco_plus) == [
+            ("all_gather", "column", "forward", shard_rows),
+            ("all_gather", "row", "backward", shard_rows),
+            ("reduce_sca", "column", "backward", (2 * shard_rows[0], 128)),
+            ("reduce_sca", "row", "forward", (2 * shard_rows[0], 128)),
+        ]
+    else:
+        whole_rows = (BATCH * SEQ * WIDE_EMBED // 4 // 128, 128)  # one rank's 1 x 16 x 128 block
+        assert sorted(taco_plus) == [
+            ("all_reduce", "column", "backward", whole_rows),
+            ("all_reduce", "row", "forward", whole_rows),
+        ]
+    want = jax.tree.leaves(
+        jax.jit(value_and_grad, static_argnums=3)(*jax.tree.map(np.asarray, (kernels, x, target)), None)
+    )
+    for mode in ("off", "taco+"):
+        for index, (got, exact) in enumerate(zip(jax.tree.leaves(results[mode]), want, strict=True)):
+            if mode == "off":
+                np.testing.assert_allclose(np.asarray(got), np.asarray(exact), rtol=1e-5, atol=1e-7, err_msg=index)
+            else:
+                assert COMPRESSED_MIN < _rel(got, exact) < COMPRESSED_MAX, (index, _rel(got, exact))
+
+
 def test_bad_dot_generals_are_clear_errors(fsdp_mesh):
     """Raised before anything compiles, naming the value."""
     config = tj.TacoConfig.preset("taco")
     with pytest.raises(ValueError, match="layout must be one of"):
         ParallelDotGeneral(fsdp_mesh, config, "column", layout="diagonal")
+    with pytest.raises(ValueError, match="block of 192 elements .* does not cut into them"):
+        ParallelDotGeneral(fsdp_mesh, tj.TacoConfig.preset("taco+"), "column", layout="feature").check_shapes(
+            (BATCH, SEQ, 12), (12, HEADS, HEAD_DIM), COLUMN_DIMS
+        )
+    with pytest.raises(ValueError, match="gather_input gathers a column layer's input"):
+        ParallelDotGeneral(fsdp_mesh, config, "row").gather_input(jnp.ones((BATCH, SEQ, EMBED)))
+    with pytest.raises(ValueError, match="not 'feature' or message_rows"):
+        ParallelDotGeneral(fsdp_mesh, config, "row", message_rows=True, overlap=True)
     with pytest.raises(ValueError, match="cannot be combined with layout='feature'"):
         ParallelDotGeneral(fsdp_mesh, config, "column", sequence_parallel=True, layout="feature")
     with pytest.raises(ValueError, match="overlap=True runs with layout"):
@@ -412,7 +495,7 @@ def test_under_min_bytes_is_reported_and_warned_once(monkeypatch):
     layers warn once a process (not for a message that is compressed, nor twice)."""
     mesh = tj.make_mesh(2, 1, 4)
     x = _place(mesh, _inputs()[0], False)
-    monkeypatch.setattr(taco_flax, "_WARNED_UNDER_MIN_BYTES", False)
+    monkeypatch.setattr(dot_general, "_WARNED_UNDER_MIN_BYTES", False)
     compressed = MLP(rngs=nnx.Rngs(0), mesh=mesh, config=tj.TacoConfig.preset("taco+", min_bytes=0))
     with warnings.catch_warnings(record=True) as caught, tj.record_wire() as ledger:
         warnings.simplefilter("always")

@@ -44,7 +44,6 @@ import functools
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -54,11 +53,11 @@ import flax.linen as nn
 import jax
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from taco_jax import accounting, strict_json, tp
+from taco_jax import accounting, strict_json
 from taco_jax.accounting import WireLedger, record_wire
 from taco_jax.calibration import Calibration, Collector, calibrate, observing
+from taco_jax.dot_general import GatheredInput, ParallelDotGeneral
 from taco_jax.hlo import bytes_by_axis, f32_as_bf16
 from taco_jax.spec import PRESETS, TacoConfig
 
@@ -96,11 +95,6 @@ def _mesh_axes(entry: Any, mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes of one entry of a resolved PartitionSpec that split it (size > 1)."""
     axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     return tuple(a for a in axes if isinstance(a, str) and mesh.shape.get(a, 1) > 1)
-
-
-def _spec(ndim: int, axes: dict[int, Any]) -> P:
-    """PartitionSpec of rank `ndim` with the given entries at the given positions."""
-    return P(*(axes.get(position) for position in range(ndim)))
 
 
 def site_name(kernel_axes: Sequence[str | None]) -> str:
@@ -247,10 +241,9 @@ class TacoQuantization:
         preferred_element_type: Any = None,
     ) -> jax.Array:
         """`lax.dot_general(lhs, rhs, dimension_numbers)` with the tensor axis's
-        communication compressed, for `DenseGeneral`'s dimension numbers (the last k axes
-        of `lhs` contract with the first k of the kernel)."""
-        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-        k = len(rhs_contract)
+        communication compressed (`taco_jax.dot_general.ParallelDotGeneral`), for
+        `DenseGeneral`'s dimension numbers (the last k axes of `lhs` contract with the
+        first k of the kernel); plain where the kernel or the shapes do not split."""
         plain = functools.partial(
             lax.dot_general,
             lhs,
@@ -259,150 +252,50 @@ class TacoQuantization:
             precision=precision,
             preferred_element_type=preferred_element_type,
         )
-        dense = (
-            not lhs_batch
-            and not rhs_batch
-            and tuple(rhs_contract) == tuple(range(k))
-            and tuple(lhs_contract) == tuple(range(lhs.ndim - k, lhs.ndim))
-        )
-        plan = self.kernel_plan(kernel_axes, k) if dense else None
-        if plan is None or lhs.ndim - k < 1:
+        contracting = len(dimension_numbers[0][1])
+        plan = self.kernel_plan(kernel_axes, contracting)
+        if plan is None:
             return plain()
-        ranks, layout = self.mesh.shape[self.axis_name], self.resolved_layout()
-        out_ndim = lhs.ndim - k + rhs.ndim - k
-        moved = {"feature": (lhs.ndim if plan.kind == "column" else out_ndim) - 1, "sequence": 1}.get(layout)
-        shape = lhs.shape if plan.kind == "column" else (*lhs.shape[: lhs.ndim - k], *rhs.shape[k:])
-        indivisible = moved is not None and (moved >= len(shape) or shape[moved] % ranks)
-        if rhs.shape[plan.sharded_dim] % ranks or indivisible or (layout == "sequence" and lhs.ndim - k < 2):
+        layer = self.parallel_dot_general(plan)
+        try:
+            layer.check_shapes(lhs.shape, rhs.shape, dimension_numbers)
+        except ValueError:
+            # MaxText's dummy initialisation call (a batch of one), or shapes that do not
+            # split over the mesh or into the codec's groups.
             return plain()
-        batch = self._batch_entry(lhs.shape[0])
-        if batch is None and self.resolved_batch_axes():
-            return plain()  # MaxText's dummy initialisation call (a batch of one), or a batch that does not split
-        ways = math.prod(self.mesh.shape[a] for a in batch) if batch else 1
-        message = math.prod(shape) // ways // (ranks if moved is not None else 1)
-        if message % self._row_length():
-            return plain()  # a message that does not cut into the codec's groups
-        matmul = functools.partial(
-            lax.dot_general,
-            dimension_numbers=dimension_numbers,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
+        gathered = self._gathered(layer, lhs, contracting) if plan.kind == "column" else lhs
+        return layer(gathered, rhs, dimension_numbers, precision, preferred_element_type)
+
+    def parallel_dot_general(self, plan: KernelPlan) -> ParallelDotGeneral:
+        """The library's matmul for one kernel: its split, the activations' layout and
+        batch axes, every message cut into rows of the codec's group size (feature
+        shards narrower than a group make whole groups)."""
+        assert isinstance(self.taco, TacoConfig)
+        return ParallelDotGeneral(
+            self.mesh,
+            self.taco,
+            plan.kind,
+            site=plan.site,
+            axis_name=self.axis_name,
+            calibration=self.calibration,
+            layout=self.resolved_layout(),
+            batch_axes=self.resolved_batch_axes(),
+            kernel_spec=plan.kernel_spec,
+            message_rows=True,
         )
-        if plan.kind == "column":
-            stacked = self._gathered(lhs, layout, moved, batch, plan.site)
-            return self._column(stacked, rhs, plan, batch, out_ndim, k, matmul)
-        return self._row(lhs, rhs, plan, layout, moved, batch, out_ndim, k, matmul)
 
-    def _batch_entry(self, size: int) -> tuple[str, ...] | None:
-        axes = self.resolved_batch_axes()
-        return axes if axes and size % math.prod(self.mesh.shape[a] for a in axes) == 0 else None
-
-    def _kernel_in_spec(self, plan: KernelPlan) -> P:
-        return P(*(axes if axes else None for axes in plan.kernel_spec))
-
-    def _whole_kernel(self, kernel: jax.Array, plan: KernelPlan) -> jax.Array:
-        """Gather the kernel's non-tensor shards (fsdp and the like), as the plain program
-        does before the matmul (its transpose reduce-scatters the gradient)."""
-        for dim, axes in enumerate(plan.kernel_spec):
-            others = tuple(a for a in axes if a != self.axis_name)
-            if others:
-                kernel = lax.all_gather(kernel, others, axis=dim, tiled=True)
-        return kernel
-
-    def _gathered(self, x: jax.Array, layout: str, moved: int | None, batch: Any, site: str) -> jax.Array:
-        """x, whole on every rank of the tensor axis, as a global array stacked along a
-        new leading axis split over it (each rank's copy). The matmuls reading it add
-        their gradients locally before the one compressed reduction back."""
-        key = (id(x), layout, batch)
+    def _gathered(self, layer: ParallelDotGeneral, x: jax.Array, contracting: int) -> GatheredInput:
+        """x gathered once for the column matmuls that read it (MaxText calls the key
+        and value projections, and the MLP's two input projections, one by one)."""
+        key = (id(x), layer.layout, layer.batch_axes)
         cached = self._gathers.get(key)
         if cached is not None and cached[0] is x:
             return cached[1]
-        axis, config, calibration = self.axis_name, self.taco, self.calibration
-        placed = {0: batch} if batch else {}
-        in_spec = _spec(x.ndim, {**placed, **({moved: axis} if moved is not None else {})})
-        out_spec = _spec(x.ndim + 1, {0: axis, **({1: batch} if batch else {})})
-
-        def enter(shard: jax.Array) -> jax.Array:
-            assert isinstance(config, TacoConfig)
-            if moved is None:
-                whole = self._as_rows(
-                    shard, lambda rows: tp.copy_to_tp(rows, axis, config, site=site, calibration=calibration)
-                )
-            else:
-                whole = self._gather_rows(shard, moved, site)
-            return whole[None]
-
-        stacked = jax.shard_map(enter, mesh=self.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=True)(x)
+        gathered = layer.gather_input(x, contracting)
         while len(self._gathers) >= _SHARED_GATHERS:
             self._gathers.pop(next(iter(self._gathers)))
-        self._gathers[key] = (x, stacked)
-        return stacked
-
-    def _row_length(self) -> int:
-        """The row length messages are cut into: the codec's group size (every format's,
-        with `fewer_bits`), so that a shard narrower than a group (MaxText's feature
-        shards) makes whole groups."""
-        assert isinstance(self.taco, TacoConfig)
-        specs = [
-            self.taco.forward,
-            self.taco.backward,
-            *(self.taco.fewer_bits.candidates if self.taco.fewer_bits else ()),
-        ]
-        return math.lcm(*(spec.group_size for spec in specs))
-
-    def _as_rows(self, x: jax.Array, collective: Any) -> jax.Array:
-        """`collective` (an all-reduce, or an identity whose transpose is one) applied to x
-        cut into rows of the group size."""
-        return collective(x.reshape(-1, self._row_length())).reshape(x.shape)
-
-    def _gather_rows(self, shard: jax.Array, moved: int, site: str) -> jax.Array:
-        """All-gather (compressed) of the shards along axis `moved`, sent as rows of the
-        group size."""
-        assert isinstance(self.taco, TacoConfig)
-        axis, config, calibration = self.axis_name, self.taco, self.calibration
-        rows = shard.reshape(-1, self._row_length())
-        rows = tp.gather_from_sp(rows, axis, config, axis=0, site=site, calibration=calibration)
-        blocks = jax.numpy.moveaxis(rows.reshape(-1, *shard.shape), 0, moved)
-        return blocks.reshape(*shard.shape[:moved], -1, *shard.shape[moved + 1 :])
-
-    def _reduce_scatter_rows(self, partial: jax.Array, moved: int, site: str) -> jax.Array:
-        """Reduce-scatter (compressed) of the partial sums along axis `moved`, sent as
-        rows of the group size."""
-        assert isinstance(self.taco, TacoConfig)
-        axis, config, calibration = self.axis_name, self.taco, self.calibration
-        ranks = self.mesh.shape[axis]
-        split = partial.reshape(*partial.shape[:moved], ranks, -1, *partial.shape[moved + 1 :])
-        blocks = jax.numpy.moveaxis(split, moved, 0)
-        rows = blocks.reshape(-1, self._row_length())
-        rows = tp.reduce_scatter_to_sp(rows, axis, config, axis=0, site=site, calibration=calibration)
-        return rows.reshape(blocks.shape[1:])
-
-    def _column(self, stacked, kernel, plan, batch, out_ndim, k, matmul) -> jax.Array:
-        axis = self.axis_name
-        in_specs = (_spec(stacked.ndim, {0: axis, **({1: batch} if batch else {})}), self._kernel_in_spec(plan))
-        out_position = stacked.ndim - 1 - k + plan.sharded_dim - k
-        out_spec = _spec(out_ndim, {**({0: batch} if batch else {}), out_position: axis})
-        body = lambda x, w: matmul(x[0], self._whole_kernel(w, plan))
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(
-            stacked, kernel
-        )
-
-    def _row(self, x, kernel, plan, layout, moved, batch, out_ndim, k, matmul) -> jax.Array:
-        axis, config, calibration, site = self.axis_name, self.taco, self.calibration, plan.site
-        placed = {0: batch} if batch else {}
-        in_specs = (_spec(x.ndim, {**placed, x.ndim - k + plan.sharded_dim: axis}), self._kernel_in_spec(plan))
-        out_spec = _spec(out_ndim, {**placed, **({moved: axis} if moved is not None else {})})
-
-        def body(shard: jax.Array, w: jax.Array) -> jax.Array:
-            assert isinstance(config, TacoConfig)
-            partial = matmul(shard, self._whole_kernel(w, plan))
-            if moved is None:
-                return self._as_rows(
-                    partial, lambda rows: tp.reduce_from_tp(rows, axis, config, site=site, calibration=calibration)
-                )
-            return self._reduce_scatter_rows(partial, moved, site)
-
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=True)(x, kernel)
+        self._gathers[key] = (x, gathered)
+        return gathered
 
 
 def _freeze(value: Any) -> Any:
