@@ -1,5 +1,6 @@
 """The layout holds for the real imports: `pallas_kernels` <- `taco_jax` <- `models` <-
-`train`, each module within its size (700 lines; the trainer 500)."""
+`train`, with the integrations (`taco_jax/integrations`) above the library and using
+only its public names, each module within its size (700 lines; the trainer 500)."""
 
 import ast
 from pathlib import Path
@@ -10,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Each folder, the package it installs as, and the packages it must not import.
 LAYERS = {
     "pallas_kernels": ("taco_jax.kernels", ("taco_jax",)),
-    "taco_jax": ("taco_jax", ("taco_jax.models", "taco_jax.train")),
+    "taco_jax": ("taco_jax", ("taco_jax.models", "taco_jax.train", "taco_jax.integrations")),
+    "taco_jax/integrations": ("taco_jax.integrations", ("taco_jax.models", "taco_jax.train")),
     "models": ("taco_jax.models", ("taco_jax.train",)),
     "train": ("taco_jax.train", ()),
 }
@@ -48,6 +50,16 @@ def test_imports_point_one_way(folder):
             if (name == banned or name.startswith(banned + ".")) and not (allowed and name.startswith(allowed))
         }
         assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}"
+
+
+def test_integrations_use_the_public_api():
+    for path in _modules("taco_jax/integrations"):
+        private = {
+            name
+            for name in _imports(path, "taco_jax.integrations")
+            if name.startswith("taco_jax.") and any(part.startswith("_") for part in name.split("."))
+        }
+        assert not private, f"{path.relative_to(ROOT)} imports private names {sorted(private)}"
 
 
 def test_modules_stay_within_their_size():
