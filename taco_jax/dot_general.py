@@ -288,7 +288,8 @@ class ParallelDotGeneral:
           kernels: global kernels of equal contracting shape, each partitioned as this
             layer's `kernel_spec` (or split over `axis_name` on `sharded_dim`).
           dimension_numbers: flax `DenseGeneral`'s (the same for every kernel).
-          precision, preferred_element_type: as `lax.dot_general`'s.
+          precision: as `lax.dot_general`'s.
+          preferred_element_type: as `lax.dot_general`'s.
 
         Returns:
           One output per kernel, split over `axis_name` on the kernel's sharded axis.
