@@ -411,7 +411,7 @@ def test_group_size_at_most_the_channels_where_a_spec_meets_its_tensor():
     with pytest.raises(
         ValueError,
         match=r"^site 'attn.out': group size 512 \(int8:512:H:bf16\) exceeds the message's "
-        r"256 channels \(its last axis\); use a spec with group_size <= 256$",
+        r"256 channels \(its last axis\); use a spec with group_size <= 256 \(`TacoConfig.with_group_size`\)$",
     ):
         spec.check_channels(256, "attn.out")
     with pytest.raises(ValueError, match="8 channels .* no group size fits .*send it plain"):
