@@ -144,7 +144,7 @@ class QuantSpec:
             fix = (
                 f"use a spec with group_size <= {largest} (`TacoConfig.with_group_size`)"
                 if largest >= MIN_GROUP_SIZE
-                else f"no group size fits (at least {MIN_GROUP_SIZE}): send it plain"
+                else f"no group size fits (at least {MIN_GROUP_SIZE}): send it plain (a min_bytes above its size, or the lax collective)"
             )
             raise ValueError(
                 f"site {site!r}: group size {self.group_size} ({self.text}) exceeds the message's {channels} "
