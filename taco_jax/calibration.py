@@ -487,7 +487,7 @@ def calibrate(
     plans, report = [], []
     options: dict[str, Any] = dict(strategies=strategies, metric=metric, min_gain=min_gain)
     for site, direction in collector.keys():
-        spec = config.forward if direction == "forward" else config.backward
+        spec = config.spec(direction)
         rms, samples = collector.rms((site, direction)), collector.sample((site, direction))
         if len(rms) % spec.group_size:
             continue

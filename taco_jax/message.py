@@ -82,7 +82,7 @@ class Call:
 
     def spec(self, direction: str) -> QuantSpec:
         """The quantizer of `direction`'s messages ("forward" or "backward")."""
-        return self.config.forward if direction == "forward" else self.config.backward
+        return self.config.spec(direction)
 
     def record(
         self,
@@ -302,7 +302,7 @@ def planned_spec(
       ValueError: the plan permutes another number of channels than `channels`, or
         gives the site a format the config does not allow.
     """
-    spec = config.forward if direction == "forward" else config.backward
+    spec = config.spec(direction)
     plan = calibration.plan(site, direction) if calibration is not None and config.mode == "taco" else None
     if plan is None:
         return spec, None

@@ -327,6 +327,10 @@ class TacoConfig:
         """Whether a message of `nbytes` (input dtype) is sent compressed."""
         return self.enabled and nbytes >= self.min_bytes
 
+    def spec(self, direction: str) -> QuantSpec:
+        """The quantizer of `direction`'s messages: `forward` for "forward", else `backward`."""
+        return self.forward if direction == "forward" else self.backward
+
     def with_group_size(self, group_size: int) -> TacoConfig:
         """This configuration with groups of `group_size` in both directions: for models
         whose messages have fewer channels than the preset's groups (`check_channels`).

@@ -99,10 +99,7 @@ def calibrate_run(cfg: TrainConfig, collector: tj.calibration.Collector, out: Pa
         )
     config = taco_config(cfg)
     measured = {(row["site"], row["direction"], row["sent"]): choice_text(row) for row in choices}
-    sent = [
-        (site, direction, plan.spec(config.forward if direction == "forward" else config.backward).text)
-        for site, direction, plan in calibration.plans
-    ]
+    sent = [(site, direction, plan.spec(config.spec(direction)).text) for site, direction, plan in calibration.plans]
     # Another process's report may differ from process 0's calibration, which all hold.
     chosen = ", ".join(measured.get(key, f"{key[0]}/{key[1][0]}: {key[2]}") for key in sent)
     message = f"calibrated {len(calibration.plans)} site directions ({chosen})"
