@@ -50,7 +50,8 @@ Below 8 bits (calibrated like taco+):
   taco4-sr       taco4 with stochastic rounding of the gradient messages
   taco+mixed     per site and direction the fewest bits within 1.5x E4M3's error
 Per direction (activations forward, activation gradients backward):
-  e2m3fwd-int4bwd      E2M3 G128 forward, INT4 G32 backward (33.2% of bf16's bytes)
+  taco6-4              the preset: E2M3 G128 forward, INT4 G32 backward (33.2% of bf16's bytes)
+  e2m3fwd-int4bwd      the same written as specs
   e2m3fwd-int4g16bwd   E2M3 G128 forward, INT4 G16 backward (34.8%)
   int4g16fwd-int4bwd   INT4 G16 forward, INT4 G32 backward (29.7%)
 
@@ -64,8 +65,8 @@ Usage (GPU, one device):
       --models gpt2-40m,qwen2-40m --variants off,off-control,fp8,taco,taco+,int4+H --seeds 3 \
       --steps 1600 --batch-size 8 --seq-len 128 --lr-sweep 1e-3,6e-4,3e-4 --jobs 12
   python -m benchmarks.quality --simulate --tag bits --corpora shakespeare,python-docs,python-code \
-      --models gpt2-40m,qwen2-40m --variants off,off-control,taco+,e2m3,e3m2,e2m1,taco4,taco4-sr,taco+mixed --seeds 3 \
-      --steps 1600 --batch-size 8 --seq-len 128 --lr-sweep 1.5e-4 --jobs 12
+      --models gpt2-40m,qwen2-40m --variants off,taco+,taco+mixed,taco6-4,taco4,int4g16fwd-int4bwd --seeds 3 \
+      --steps 1600 --batch-size 8 --seq-len 128 --lr 1.5e-4 --jobs 18
 CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.quality \\
       --models gpt2-tiny --steps 200
 """
@@ -114,6 +115,7 @@ VARIANTS: dict[str, dict] = {
     "taco4": {"taco": "taco4"},
     "taco4-sr": {"taco": "taco4", "taco_backward": "int4:32:H:bf16:sr"},
     "taco+mixed": {"taco": "taco+mixed"},
+    "taco6-4": {"taco": "taco6-4"},
     # Per direction: 6-bit activations, 4-bit activation gradients, and 4-bit forward forms.
     "e2m3fwd-int4bwd": {"taco": "taco+", "taco_forward": "e2m3:128:H:bf16", "taco_backward": "int4:32:H:bf16"},
     "e2m3fwd-int4g16bwd": {"taco": "taco+", "taco_forward": "e2m3:128:H:bf16", "taco_backward": "int4:16:H:bf16"},
