@@ -42,18 +42,19 @@ from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
 from taco_jax import codec, strict_json
+from taco_jax.collective_op import Op
 from taco_jax.message import chunk_bounds
 from taco_jax.probe import median_ms
 
 HIDDEN = 8192
 AXIS = "tensor"
 PLAIN = {
-    "all_gather": lambda v: lax.all_gather(v, AXIS, tiled=True),
-    "reduce_scatter": lambda v: lax.psum_scatter(v, AXIS, tiled=True),
-    "all_reduce": lambda v: lax.psum(v, AXIS),
+    Op.ALL_GATHER: lambda v: lax.all_gather(v, AXIS, tiled=True),
+    Op.REDUCE_SCATTER: lambda v: lax.psum_scatter(v, AXIS, tiled=True),
+    Op.ALL_REDUCE: lambda v: lax.psum(v, AXIS),
 }
 # The library's routes per op: (all-reduce algorithm or None, label of the byte/codec parts).
-ROUTES = {"all_gather": (None,), "reduce_scatter": (None,), "all_reduce": ("one_shot", "two_shot")}
+ROUTES = {Op.ALL_GATHER: (None,), Op.REDUCE_SCATTER: (None,), Op.ALL_REDUCE: ("one_shot", "two_shot")}
 
 
 def _sharded(mesh, fn, out_spec=P(AXIS)):
@@ -61,16 +62,16 @@ def _sharded(mesh, fn, out_spec=P(AXIS)):
 
 
 def _library(op: str, config: tj.TacoConfig, algorithm: str | None):
-    if op == "all_gather":
+    if op == Op.ALL_GATHER:
         return lambda v: tj.all_gather(v, AXIS, config)
-    if op == "reduce_scatter":
+    if op == Op.REDUCE_SCATTER:
         return lambda v: tj.reduce_scatter(v, AXIS, config)
     return lambda v: tj.all_reduce(v, AXIS, config, algorithm=algorithm)
 
 
 def _message_groups(op: str, algorithm: str | None, groups: int, ranks: int) -> tuple[int, int]:
     """(groups per message, messages each rank sends) of an op's first exchange."""
-    if op == "reduce_scatter" or algorithm == "two_shot":
+    if op == Op.REDUCE_SCATTER or algorithm == "two_shot":
         return groups // ranks, ranks
     return groups, 1
 
@@ -80,10 +81,10 @@ def _bytes_alone(op: str, algorithm: str | None, layout, ranks: int):
     a (ranks * messages, rows, W) uint8 array sharded over the axis."""
 
     def move(buffers):
-        if op == "all_gather" or algorithm == "one_shot":
+        if op == Op.ALL_GATHER or algorithm == "one_shot":
             return lax.all_gather(buffers[0], AXIS, axis=0, tiled=False)
         received = lax.all_to_all(buffers, AXIS, 0, 0, tiled=True)
-        if op == "reduce_scatter":
+        if op == Op.REDUCE_SCATTER:
             return received
         # Two-shot: the reduced block (the size of one message) goes out again once
         # the first exchange has arrived.
@@ -102,7 +103,7 @@ def _codec_alone(op: str, algorithm: str | None, spec: tj.QuantSpec, groups: int
         return codec.encode(shaped, spec)
 
     def receive(received):  # (ranks, rows, W): what the first exchange delivers
-        if op == "all_gather":
+        if op == Op.ALL_GATHER:
             return codec.decode(received[:, None], per_message, spec, dtype)
         if algorithm != "two_shot":
             return codec.decode(received[None], per_message, spec, dtype)

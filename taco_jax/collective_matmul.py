@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import calibration as calibration_lib
+from taco_jax.collective_op import Op
 from taco_jax.collectives import (
     forward_recording,
     gather_invariant,
@@ -46,10 +47,8 @@ from taco_jax.message import (
     Gathered,
     WirePlan,
     check_axis,
-    group_count,
     in_rank_order,
     plan_message,
-    ring_all_reduce_bytes,
 )
 
 
@@ -71,18 +70,15 @@ def gather_by_shifts(x: jax.Array, call: Call, *, direction: str, axis: int) -> 
     """Every rank's `x`, moved by the k-1 shift permutes (compressed where the plan of
     the all-gather it replaces says so), recorded as that all-gather; gathered along
     `axis` where `Gathered.value` joins them."""
-    ranks = lax.axis_size(call.axis_name)
-    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
-    plan = plan_message(x, call, op="all_gather", direction=direction)
-    shifts = [functools.partial(_shifted, axis_name=call.axis_name, shift=s) for s in range(1, ranks)]
+    collective = call.collective(x, Op.ALL_GATHER, direction)
+    plan = plan_message(x, call, op=collective.op, direction=direction)
+    call.record(collective, plan)
+    shifts = [functools.partial(_shifted, axis_name=call.axis_name, shift=s) for s in range(1, collective.ranks)]
     parts: tuple[Any, ...]
     if plan is None:
-        call.record(x, op="all_gather", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
         parts = (x, *(shift(x) for shift in shifts))
     else:
         own = plan.encode(plan.rows(x), x.dtype)
-        sent = (ranks - 1) * plan.message_bytes(own.groups)
-        call.record(x, op="all_gather", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
         parts = (own, *(own.moved(shift) for shift in shifts))
     return Gathered(parts, plan, tuple(x.shape), axis, True, call.axis_name, by_shifts=True)
 
@@ -91,7 +87,7 @@ def gather_by_shifts(x: jax.Array, call: Call, *, direction: str, axis: int) -> 
 
 
 def _sent_by_shifts(
-    partial_for: Callable[[jax.Array], jax.Array], call: Call, plan: WirePlan | None, *, op: str, direction: str
+    partial_for: Callable[[jax.Array], jax.Array], call: Call, plan: WirePlan | None, *, op: Op, direction: str
 ) -> list[jax.Array]:
     """This rank's block of a sum, as received: element s is rank r - s's contribution
     `partial_for(r)` (s = 0 this rank's own), sent s ranks on by its shift permute, a
@@ -111,10 +107,10 @@ def _sent_by_shifts(
 def reduce_scatter_by_shifts(
     partial_for: Callable[[jax.Array], jax.Array],
     message: jax.ShapeDtypeStruct,
-    block: jax.ShapeDtypeStruct,
     call: Call,
     *,
     direction: str,
+    axis: int,
 ) -> jax.Array:
     """This rank's block of the sum over ranks of `partial_for(j)`, the rank's
     contribution to rank j's block (j a traced rank index), each block sent by the
@@ -122,22 +118,21 @@ def reduce_scatter_by_shifts(
     reduce-scatter of `message` it replaces.
 
     Args:
-      partial_for: j -> this rank's contribution to block j, shaped like `block`.
+      partial_for: j -> this rank's contribution to block j: `message` cut along `axis`.
       message: the whole contribution the reduce-scatter would send (shape, dtype).
-      block: one block's shape and dtype.
       call: the call.
       direction: "forward" or "backward".
+      axis: the axis `message` is scattered along, one block per rank.
     """
-    ranks = lax.axis_size(call.axis_name)
-    plain_sent = (ranks - 1) * message.size * jnp.dtype(message.dtype).itemsize // ranks
-    plan = plan_message(message, call, op="reduce_scatter", direction=direction, report=False)
-    received = _sent_by_shifts(partial_for, call, plan, op="reduce_scatter", direction=direction)
-    groups = 0 if plan is None else group_count(tuple(block.shape), plan.spec.group_size)
-    sent = plain_sent if plan is None else (ranks - 1) * plan.message_bytes(groups)
-    call.record(message, op="reduce_scatter", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
+    collective = call.collective(message, Op.REDUCE_SCATTER, direction, scatter_dimension=axis)
+    plan = plan_message(message, call, op=collective.op, direction=direction, report=False)
+    received = _sent_by_shifts(partial_for, call, plan, op=collective.op, direction=direction)
+    call.record(collective, plan)
     if plan is None:
         return functools.reduce(jnp.add, received)
-    return plan.array(plan.stacked(received, groups, block.dtype).sum(), tuple(block.shape))
+    block = (*message.shape[:axis], message.shape[axis] // collective.ranks, *message.shape[axis + 1 :])
+    groups = collective.block_groups(plan.spec.group_size)
+    return plan.array(plan.stacked(received, groups, message.dtype).sum(), block)
 
 
 def all_reduce_by_shifts(
@@ -159,18 +154,16 @@ def all_reduce_by_shifts(
       call: the call.
       direction: "forward" or "backward".
     """
-    ranks = lax.axis_size(call.axis_name)
-    block_shape = (message.shape[0] // ranks, *message.shape[1:])
-    plain_sent = ring_all_reduce_bytes(message.size * jnp.dtype(message.dtype).itemsize, ranks)
-    plan = plan_message(message, call, op="all_reduce", direction=direction, algorithm="two_shot", report=False)
-    received = _sent_by_shifts(partial_for, call, plan, op="all_reduce", direction=direction)
+    collective = call.collective(message, Op.ALL_REDUCE_TWO_SHOT, direction)  # so named even where plain
+    block_shape = (message.shape[0] // collective.ranks, *message.shape[1:])
+    plan = plan_message(message, call, op=Op.ALL_REDUCE, direction=direction, algorithm="two_shot", report=False)
+    received = _sent_by_shifts(partial_for, call, plan, op=Op.ALL_REDUCE, direction=direction)
     if plan is None:
-        blocks, sent = gather_invariant(functools.reduce(jnp.add, received), call.axis_name), plain_sent
+        blocks = gather_invariant(functools.reduce(jnp.add, received), call.axis_name)
     else:
-        groups = group_count(block_shape, plan.spec.group_size)
+        groups = collective.block_groups(plan.spec.group_size)
         blocks = plan.array(second_shot(plan.stacked(received, groups, message.dtype), call.axis_name), block_shape, 1)
-        sent = 2 * (ranks - 1) * plan.message_bytes(groups)
-    call.record(message, op="all_reduce_two_shot", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
+    call.record(collective, plan)
     return blocks.reshape(message.shape)
 
 
@@ -198,15 +191,13 @@ def _matmul_scatter(xs, weights, call, axis, direction):
     ranks = lax.axis_size(call.axis_name)
     size = xs[0].shape[axis] // ranks
     out_shape = (*xs[0].shape[:-1], weights[0].shape[-1])
-    block = (*out_shape[:axis], size, *out_shape[axis + 1 :])
 
     def partial_for(j):
         return sum(_chunk(x, j, size, axis) @ w for x, w in zip(xs, weights, strict=True)).astype(xs[0].dtype)
 
     message = jax.ShapeDtypeStruct(out_shape, xs[0].dtype)
-    block_type = jax.ShapeDtypeStruct(block, xs[0].dtype)
     with forward_recording() if direction == "forward" else contextlib.nullcontext():
-        return reduce_scatter_by_shifts(partial_for, message, block_type, call, direction=direction)
+        return reduce_scatter_by_shifts(partial_for, message, call, direction=direction, axis=axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

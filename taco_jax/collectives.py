@@ -29,6 +29,7 @@ from jax import lax
 
 from taco_jax import accounting
 from taco_jax.calibration import Calibration
+from taco_jax.collective_op import Op
 from taco_jax.kernels.jax_compat import checks_vma, transposing_whole_shard_map
 from taco_jax.message import (
     Call,
@@ -40,7 +41,6 @@ from taco_jax.message import (
     concatenated,
     plan_message,
     rank_blocks,
-    ring_all_reduce_bytes,
     to_rows,
 )
 from taco_jax.spec import TacoConfig
@@ -127,12 +127,11 @@ def run_all_gather(
     Raises:
       ValueError: `axis` out of range.
     """
-    ranks = lax.axis_size(call.axis_name)
     axis = check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
-    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize
-    plan = plan_message(x, call, op="all_gather", direction=direction)
+    collective = call.collective(x, Op.ALL_GATHER, direction)
+    plan = plan_message(x, call, op=collective.op, direction=direction)
+    call.record(collective, plan)
     if plan is None:
-        call.record(x, op="all_gather", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
         parts: tuple[Any, ...] = (_plain_all_gather(x, call.axis_name, axis, tiled),)
     else:
         rows = plan.rows(x)
@@ -140,8 +139,6 @@ def run_all_gather(
             plan.encode(rows[a:b], x.dtype).moved(lambda buffer: gather_stacked(buffer, call.axis_name))
             for a, b in plan.chunk_bounds(rows.shape[0])
         )
-        sent = (ranks - 1) * plan.message_bytes(rows.shape[0])
-        call.record(x, op="all_gather", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
     residual = Gathered(parts, plan, tuple(x.shape), axis, tiled, call.axis_name, by_shifts=False)
     return residual.value(), residual
 
@@ -175,11 +172,11 @@ def run_reduce_scatter(
     if (tiled and size % ranks) or (not tiled and size != ranks):
         need = f"divisible by {ranks}" if tiled else f"equal to {ranks}"
         raise ValueError(f"scatter_dimension {dim} of shape {x.shape} has size {size}, must be {need} (axis size)")
-    plain_sent = (ranks - 1) * x.size * x.dtype.itemsize // ranks
-    plan = plan_message(x, call, op="reduce_scatter", direction=direction, moves_channels=dim == x.ndim - 1)
+    collective = call.collective(x, Op.REDUCE_SCATTER, direction, scatter_dimension=dim, tiled=tiled)
+    plan = plan_message(x, call, op=collective.op, direction=direction, moves_channels=dim == x.ndim - 1)
+    call.record(collective, plan)
     block_shape = (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1 :])
     if plan is None:
-        call.record(x, op="reduce_scatter", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
         if not x.size:
             return _empty_result(x, block_shape, call.axis_name)
         return lax.psum_scatter(x, call.axis_name, scatter_dimension=dim, tiled=tiled)
@@ -188,8 +185,6 @@ def run_reduce_scatter(
     rows = to_rows(moved.reshape(ranks, *chunk_shape), plan.spec.group_size, 1)
     exchange = functools.partial(exchange_blocks, axis_name=call.axis_name)
     pieces = [plan.encode(rows[:, a:b], x.dtype).moved(exchange).sum() for a, b in plan.chunk_bounds(rows.shape[1])]
-    sent = (ranks - 1) * plan.message_bytes(rows.shape[1])
-    call.record(x, op="reduce_scatter", direction=direction, plan=plan, sent=sent, plain_sent=plain_sent)
     out = plan.array(concatenated(pieces, axis=0), chunk_shape)
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
@@ -199,30 +194,24 @@ def run_reduce_scatter(
 
 def run_all_reduce(x: jax.Array, call: Call, *, direction: str, algorithm: str = "auto") -> jax.Array:
     """One direction of `all_reduce` (no gradient rule)."""
-    ranks = lax.axis_size(call.axis_name)
-    plain_sent = ring_all_reduce_bytes(x.size * x.dtype.itemsize, ranks)
-    plan = plan_message(x, call, op="all_reduce", direction=direction, algorithm=algorithm)
+    collective = call.collective(x, Op.ALL_REDUCE, direction)
+    plan = plan_message(x, call, op=collective.op, direction=direction, algorithm=algorithm)
+    call.record(collective, plan)  # a compressed one under its algorithm's name
     if plan is None:
-        call.record(x, op="all_reduce", direction=direction, plan=None, sent=plain_sent, plain_sent=plain_sent)
         return lax.psum(x, call.axis_name)
-    rows = plan.rows(x)
     exchange = _one_shot if plan.algorithm == "one_shot" else _two_shot
-    out, sent = exchange(rows, call, plan, x.dtype)
-    op = f"all_reduce_{plan.algorithm}"  # the ledger names the algorithm
-    call.record(x, op=op, direction=direction, plan=plan, sent=(ranks - 1) * sent, plain_sent=plain_sent)
-    return plan.array(out, x.shape)
+    return plan.array(exchange(plan.rows(x), call, plan, x.dtype), x.shape)
 
 
-def _one_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> tuple[jax.Array, int]:
-    """All-gather every rank's messages, decode their sum: (n, G) sum, bytes per peer."""
+def _one_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> jax.Array:
+    """All-gather every rank's messages, decode their sum: (n, G)."""
     gather = functools.partial(gather_invariant, axis_name=call.axis_name)
     pieces = [plan.encode(rows[a:b], dtype).moved(gather).sum() for a, b in plan.chunk_bounds(rows.shape[0])]
-    return concatenated(pieces, axis=0), plan.message_bytes(rows.shape[0])
+    return concatenated(pieces, axis=0)
 
 
-def _two_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> tuple[jax.Array, int]:
-    """Reduce-scatter, requantize the reduced block, all-gather it: (n, G) sum, bytes
-    per peer."""
+def _two_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> jax.Array:
+    """Reduce-scatter, requantize the reduced block, all-gather it: the (n, G) sum."""
     blocks = rank_blocks(rows, lax.axis_size(call.axis_name))
     per_rank = blocks.shape[1]
     exchange = functools.partial(exchange_blocks, axis_name=call.axis_name)
@@ -231,7 +220,7 @@ def _two_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> tuple[
         for a, b in plan.chunk_bounds(per_rank)
     ]
     out = concatenated(pieces, axis=1)
-    return out.reshape(-1, plan.spec.group_size)[: rows.shape[0]], 2 * plan.message_bytes(per_rank)
+    return out.reshape(-1, plan.spec.group_size)[: rows.shape[0]]
 
 
 def second_shot(received: Message, axis_name: str) -> jax.Array:
@@ -247,13 +236,12 @@ def second_shot(received: Message, axis_name: str) -> jax.Array:
 def run_ppermute(x: jax.Array, call: Call, *, direction: str, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
     """One direction of `ppermute` (no gradient rule), compressed where the plan says so
     (one message: point-to-point sends are not pipelined, and not calibrated)."""
-    nbytes = x.size * x.dtype.itemsize
-    plan = plan_message(x, call, op="ppermute", direction=direction, report=False, pipelined=False)
+    collective = call.collective(x, Op.PPERMUTE, direction)
+    plan = plan_message(x, call, op=collective.op, direction=direction, report=False, pipelined=False)
+    call.record(collective, plan)
     if plan is None:
-        call.record(x, op="ppermute", direction=direction, plan=None, sent=nbytes, plain_sent=nbytes)
         return lax.ppermute(per_rank(x, call.axis_name), call.axis_name, pairs)
     message = plan.encode(plan.rows(x), x.dtype)
-    call.record(x, op="ppermute", direction=direction, plan=plan, sent=message.nbytes, plain_sent=nbytes)
     received = message.moved(lambda buffer: lax.ppermute(per_rank(buffer, call.axis_name), call.axis_name, pairs))
     return plan.array(received.decode(), x.shape)
 

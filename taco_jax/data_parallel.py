@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from taco_jax.collective_op import Op
 from taco_jax.collectives import exchange_blocks, second_shot
-from taco_jax.message import Call, WirePlan, plan_message, rank_blocks, record_plain_all_reduce, ring_all_reduce_bytes
+from taco_jax.message import Call, WirePlan, plan_message, rank_blocks, record_plain_all_reduce
 from taco_jax.spec import TacoConfig
 
 
@@ -43,13 +44,12 @@ def _unbucket(rows: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
     return leaves
 
 
-def _two_shot_with_feedback(rows: jax.Array, axis_name: str, plan: WirePlan) -> tuple[jax.Array, jax.Array, int]:
+def _two_shot_with_feedback(rows: jax.Array, axis_name: str, plan: WirePlan) -> tuple[jax.Array, jax.Array]:
     """Sum (n, G) rows over the axis through the compressed two-shot all-reduce.
 
     Returns:
       (the sum as every rank decodes it, this rank's residual (n, G): its message's
-      quantization error plus, on the block it requantized, that block's error; bytes
-      each rank sends).
+      quantization error plus, on the block it requantized, that block's error).
     """
     ranks, count = lax.axis_size(axis_name), rows.shape[0]
     blocks = rank_blocks(rows, ranks)
@@ -62,7 +62,7 @@ def _two_shot_with_feedback(rows: jax.Array, axis_name: str, plan: WirePlan) -> 
     block_error = block_sum - lax.dynamic_index_in_dim(total, own, keepdims=False)
     residual = message_error + jnp.where((jnp.arange(ranks) == own)[:, None, None], block_error, 0.0)
     trim = lambda x: x.reshape(-1, plan.spec.group_size)[:count]
-    return trim(total), trim(residual), 2 * (ranks - 1) * sent.nbytes
+    return trim(total), trim(residual)
 
 
 def mean_gradients(
@@ -101,7 +101,7 @@ def mean_gradients(
     ranks = lax.axis_size(axis_name)
     bucket = jax.ShapeDtypeStruct((sum(leaf.size for leaf in leaves),), jnp.result_type(*leaves))
     plan = plan_message(
-        bucket, call, op="all_reduce", direction="backward", algorithm="two_shot", report=False, pipelined=False
+        bucket, call, op=Op.ALL_REDUCE, direction="backward", algorithm="two_shot", report=False, pipelined=False
     )
     if ranks == 1 or plan is None:
         for leaf in leaves:
@@ -111,9 +111,9 @@ def mean_gradients(
     if residual is not None:
         rows = rows + _bucket(jax.tree.leaves(residual), plan.spec.group_size)
     # Each rank sends its share of the mean; the residual is kept in gradient units.
-    total, dropped, sent = _two_shot_with_feedback(rows / ranks, axis_name, plan)
-    plain_sent = ring_all_reduce_bytes(bucket.size * bucket.dtype.itemsize, ranks)
-    call.record(bucket, op="all_reduce_two_shot", direction="backward", plan=plan, sent=sent, plain_sent=plain_sent)
+    total, dropped = _two_shot_with_feedback(rows / ranks, axis_name, plan)
+    sizes = tuple(leaf.size for leaf in leaves)  # each leaf padded to whole groups
+    call.record(call.collective(bucket, Op.ALL_REDUCE_TWO_SHOT, "backward", bucket=sizes), plan)
     mean = treedef.unflatten(_unbucket(total, leaves))
     new_residual = treedef.unflatten(_unbucket(dropped * ranks, [leaf.astype(jnp.float32) for leaf in leaves]))
     return mean, new_residual

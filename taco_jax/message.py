@@ -14,7 +14,7 @@ alone; `sum`: the received buffers summed in float32 in the transformed domain, 
 inverse transform; `requantize`: their sum as one new message), and the plan turns rows
 back into the array (`WirePlan.array`). `Gathered` is what a gather keeps for its backward
 pass: the 8-bit buffers, decoded again when needed. `Call.record` enters the collective
-in the wire ledger.
+(a `taco_jax.collective_op.Collective`, which counts its bytes) in the wire ledger.
 
 compress kernel -> wire buffer -> collective -> decode kernel: nothing is copied between
 the stages, and every backend moves one byte per element.
@@ -35,6 +35,7 @@ from taco_jax import accounting, policy
 from taco_jax import calibration as calibration_lib
 from taco_jax.calibration import Calibration
 from taco_jax.codec import decode, encode, message_layout, requantize
+from taco_jax.collective_op import Collective, Op, record_collective
 from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
 
@@ -76,38 +77,26 @@ class Call:
     def __post_init__(self) -> None:
         check_config(self.config, self.calibration)
 
-    def site_of(self, op: str) -> str:
-        """The name `op`'s messages are recorded and calibrated under."""
-        return self.site or op
+    def site_of(self, op: Op | str) -> str:
+        """The name `op`'s messages are calibrated under (the ledger's: `Collective.name`)."""
+        return self.site or Op(op).value
 
     def spec(self, direction: str) -> QuantSpec:
         """The quantizer of `direction`'s messages ("forward" or "backward")."""
         return self.config.spec(direction)
 
-    def record(
-        self,
-        x: jax.Array | jax.ShapeDtypeStruct,
-        *,
-        op: str,
-        direction: str,
-        plan: WirePlan | None,
-        sent: int,
-        plain_sent: int,
-    ) -> None:
-        """Enter the call's collective `op` of `x` in the wire ledger (`record_collective`):
-        `sent` bytes per rank as it travels (`plan` None: uncompressed)."""
-        record_collective(
-            x,
-            site=self.site_of(op),
-            op=op,
-            direction=direction,
-            axis_name=self.axis_name,
-            spec=None if plan is None else plan.spec,
-            sent=sent,
-            plain_sent=plain_sent,
-            reason=plain_reason(x, self.config) if plan is None else plan.spec.text,
-            repeats=self.repeats,
-        )
+    def collective(
+        self, x: jax.Array | jax.ShapeDtypeStruct, op: Op | str, direction: str, **fields: Any
+    ) -> Collective:
+        """The call's collective `op` of the per-rank message `x` (`fields`: the other
+        `Collective` attributes)."""
+        return Collective.traced(x, op, self.axis_name, direction=direction, site=self.site, **fields)
+
+    def record(self, collective: Collective, plan: WirePlan | None) -> None:
+        """Enter the call's `collective` in the wire ledger (`record_collective`) as `plan`
+        sends it (None: uncompressed, for the reason `plain_reason` gives)."""
+        reason = None if plan is not None else plain_reason(collective.abstract, self.config)
+        record_collective(collective, plan, reason=reason, repeats=self.repeats)
 
 
 def check_config(config: TacoConfig, calibration: Calibration | None = None) -> None:
@@ -349,7 +338,7 @@ def plan_message(
     x: jax.Array | jax.ShapeDtypeStruct,
     call: Call,
     *,
-    op: str,
+    op: Op | str,
     direction: str,
     algorithm: str = "auto",
     moves_channels: bool = False,
@@ -362,7 +351,7 @@ def plan_message(
     Args:
       x: the message, channels on its last axis.
       call: the call it belongs to.
-      op: "all_gather", "reduce_scatter" or "all_reduce".
+      op: the `Op` the policy routes: all-gather, reduce-scatter, all-reduce or ppermute.
       direction: "forward" or "backward".
       algorithm: the caller's all-reduce algorithm ("auto": the policy's choice).
       moves_channels: the op gathers or scatters along the channel axis.
@@ -424,12 +413,6 @@ def from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
     return rows.reshape(*lead_shape, *chunk)
 
 
-def group_count(shape: tuple[int, ...], group_size: int) -> int:
-    """Rows of G that `to_rows` makes of an array of `shape`."""
-    last = shape[-1] if shape else 1
-    return math.prod(shape[:-1]) * -(-last // group_size)
-
-
 def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
     """Split `groups` rows into at most `chunks` pieces starting at multiples of
     `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
@@ -462,62 +445,10 @@ def check_axis(axis: int, ndim: int, what: str) -> int:
 # ----------------------------------------------------------------------------- ledger
 
 
-def record_collective(
-    x: jax.Array | jax.ShapeDtypeStruct,
-    *,
-    site: str,
-    op: str,
-    direction: str,
-    axis_name: str,
-    spec: QuantSpec | None,
-    sent: int,
-    plain_sent: int,
-    reason: str,
-    repeats: int | None = None,
-) -> None:
-    """Record a collective's wire bytes per rank: `sent` as it travels (`spec` None:
-    uncompressed), `plain_sent` as the uncompressed collective in x's dtype (scaled to
-    2-byte elements that is the bf16 figure), and the `reason` it went so; counted
-    `repeats` times (None: as the enclosing loops run, `accounting.record`)."""
-    itemsize = jnp.dtype(x.dtype).itemsize
-    accounting.record(
-        accounting.WireRecord(
-            site=site,
-            op=op,
-            direction=direction,
-            shape=tuple(x.shape),
-            dtype=jnp.dtype(x.dtype).name,
-            ranks=lax.axis_size(axis_name),
-            compressed=spec is not None,
-            sent_bytes=int(sent),
-            uncompressed_sent_bytes=int(plain_sent),
-            axis=str(axis_name),
-            bf16_sent_bytes=int(plain_sent) * 2 // itemsize,
-            reason=reason,
-        ),
-        repeats=repeats,
-    )
-
-
-def ring_all_reduce_bytes(nbytes: int, ranks: int) -> int:
-    """Bytes each rank sends in a ring all-reduce of `nbytes`: 2 (k-1)/k of them."""
-    return 2 * (ranks - 1) * nbytes // ranks
-
-
 def record_plain_all_reduce(
     x: jax.Array, axis_name: str, *, site: str, direction: str = "forward", reason: str = "a plain lax reduction"
 ) -> None:
     """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
     with `jax.lax` directly, with the `reason` it goes uncompressed."""
-    plain = ring_all_reduce_bytes(x.size * jnp.dtype(x.dtype).itemsize, lax.axis_size(axis_name))
-    record_collective(
-        x,
-        site=site,
-        op="all_reduce",
-        direction=direction,
-        axis_name=axis_name,
-        spec=None,
-        sent=plain,
-        plain_sent=plain,
-        reason=reason,
-    )
+    collective = Collective.traced(x, Op.ALL_REDUCE, axis_name, direction=direction, site=site)
+    record_collective(collective, None, reason=reason)

@@ -17,7 +17,10 @@ from typing import Any
 
 import jax
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
+from taco_jax.collective_op import Op
+
+# The ops a route is chosen for (a link profile times them; `taco_jax.probe`).
+OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)
 ALGORITHMS = ("one_shot", "two_shot", "auto")
 # On a GPU link, under this size (input bytes per rank) "auto" picks the one-shot
 # all-reduce: a single all-gather step costs less latency than the two steps of the
@@ -105,7 +108,9 @@ class LinkProfile:
             raise ValueError(f"LinkProfile.margin must be in [0, 1), got {self.margin!r}")
         for t in self.timings:
             if t.op not in OPS or not math.isfinite(t.ms) or t.ms <= 0:
-                raise ValueError(f"bad timing {t}: op must be one of {list(OPS)} and ms a positive number")
+                raise ValueError(
+                    f"bad timing {t}: op must be one of {[op.value for op in OPS]} and ms a positive number"
+                )
 
     def route(self, op: str, ranks: int, nbytes: int) -> Route | None:
         """The route for a message, from the timings at the nearest measured size (in
@@ -187,7 +192,7 @@ def route_for(
     """How a message travels.
 
     Args:
-      op: "all_gather", "reduce_scatter" or "all_reduce".
+      op: the `Op` (or its name): all-gather, reduce-scatter, all-reduce or ppermute.
       ranks: size of the mesh axis.
       nbytes: input bytes per rank.
       compresses: whether the config compresses a message of this size at all (mode
@@ -204,7 +209,7 @@ def route_for(
         return Route(False)
     measured = link.route(op, ranks, nbytes) if link is not None else None
     if measured is None:
-        if op != "all_reduce":  # the algorithm only names how an all-reduce travels
+        if op != Op.ALL_REDUCE:  # the algorithm only names how an all-reduce travels
             return Route(True, chunks=chunks)
         return Route(True, default_algorithm(ranks, nbytes) if algorithm == "auto" else algorithm, chunks)
     if measured.compressed and algorithm != "auto":

@@ -23,19 +23,22 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives
+from taco_jax.collective_op import Op
 from taco_jax.policy import LinkProfile, Route, Timing, default_algorithm
 from taco_jax.spec import TacoConfig
 
+# The plain lax collective of each op a route is chosen for (`policy.OPS`).
 _PLAIN = {
-    "all_gather": lambda v, axis: lax.all_gather(v, axis, tiled=True),
-    "reduce_scatter": lambda v, axis: lax.psum_scatter(v, axis, tiled=True),
-    "all_reduce": lambda v, axis: lax.psum(v, axis),
+    Op.ALL_GATHER: lambda v, axis: lax.all_gather(v, axis, tiled=True),
+    Op.REDUCE_SCATTER: lambda v, axis: lax.psum_scatter(v, axis, tiled=True),
+    Op.ALL_REDUCE: lambda v, axis: lax.psum(v, axis),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """One message shape a model sends: `op` of a per-rank array of `shape` and `dtype`."""
+    """One message shape a model sends: `op` (an `Op` or its name) of a per-rank array
+    of `shape` and `dtype`."""
 
     op: str
     shape: tuple[int, ...]
@@ -45,7 +48,7 @@ class Message:
 def candidate_routes(op: str, ranks: int, nbytes: int, chunk_counts: Sequence[int]) -> list[Route]:
     """The plain route and the compressed ones worth timing for a message."""
     algorithms: tuple[str, ...]
-    if op != "all_reduce":
+    if op != Op.ALL_REDUCE:
         algorithms = ("one_shot",)  # the algorithm only names how an all-reduce travels
     else:
         algorithms = ("one_shot", "two_shot") if ranks > 2 else (default_algorithm(ranks, nbytes),)
@@ -56,9 +59,9 @@ def _collective(op: str, route: Route, config: TacoConfig, axis_name: str) -> Ca
     if not route.compressed:
         return lambda v: _PLAIN[op](v, axis_name)
     routed = dataclasses.replace(config, min_bytes=0, chunks=route.chunks, link=None)
-    if op == "all_gather":
+    if op == Op.ALL_GATHER:
         return lambda v: collectives.all_gather(v, axis_name, routed)
-    if op == "reduce_scatter":
+    if op == Op.REDUCE_SCATTER:
         return lambda v: collectives.reduce_scatter(v, axis_name, routed)
     return lambda v: collectives.all_reduce(v, axis_name, routed, algorithm=route.algorithm)
 
@@ -124,8 +127,8 @@ def probe_link(
     timings, keys = [], []
     for message in dict.fromkeys(messages):
         if message.op not in _PLAIN:
-            raise ValueError(f"unknown collective {message.op!r}; expected one of {sorted(_PLAIN)}")
-        if message.op == "reduce_scatter" and message.shape[0] % ranks:
+            raise ValueError(f"unknown collective {message.op!r}; expected one of {sorted(op.value for op in _PLAIN)}")
+        if message.op == Op.REDUCE_SCATTER and message.shape[0] % ranks:
             raise ValueError(f"reduce_scatter message {message.shape} does not split over {ranks} ranks on axis 0")
         global_shape = (mesh.size * message.shape[0], *message.shape[1:])
         x = jax.device_put(jax.random.normal(jax.random.key(0), global_shape, message.dtype), NamedSharding(mesh, spec))
