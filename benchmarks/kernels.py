@@ -48,9 +48,9 @@ import numpy as np
 
 from benchmarks import profiling
 from taco_jax import strict_json
+from taco_jax.kernels import backends, group_codec, row_kernels, split_kernels
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import gluon_codec, group_codec, row_kernels, split_kernels
 from taco_jax.kernels.formats import SCALE_FORMATS
 from taco_jax.kernels.launch import TRANSFORM_METHODS, KernelConfig
 
@@ -355,18 +355,25 @@ def sweep_configs(
 
 def _compress_kernels(fmt: str, pallas_default: KernelConfig) -> list[tuple[str, object]]:
     """(name, config) of the kernels compress is timed with: the Gluon kernel ("gluon",
-    `row_kernels.compress_config`'s, what runs by default where `gluon_codec.supports`
-    holds) and the Pallas kernel's default."""
-    gluon = [("gluon", row_kernels.compress_config(GROUP))] if gluon_codec.supports(GROUP, jnp.bfloat16, fmt) else []
+    `row_kernels.compress_config`'s, what runs by default where `backends.GLUON` takes
+    the work) and the Pallas kernel's default."""
+    gluon = [("gluon", row_kernels.compress_config(GROUP))] if _gluon_runs(fmt) else []
     return gluon + [("pallas", pallas_default)]
+
+
+def _gluon_runs(fmt: str, shards: int = 1) -> bool:
+    """Whether the Gluon kernels take bf16 groups of `GROUP` in `fmt` and run here."""
+    return backends.kernel_backend(backends.CodecWork(fmt, GROUP, jnp.dtype(jnp.bfloat16), shards), False) is (
+        backends.GLUON
+    )
 
 
 def _decode_kernels(fmt: str, shards: int, requantize: bool, pallas_default: KernelConfig) -> list[tuple[str, object]]:
     """(name, decode function) of the kernels a decode is timed with: the split kernel's
-    launch the work runs on by default where `gluon_codec.supports` holds ("gluon":
+    launch the work runs on by default where `backends.GLUON` takes it ("gluon":
     `split_kernels.decode_config`'s default) and the Pallas kernel's default launch."""
     pallas = [("pallas", functools.partial(kd.decompress_groups, config=pallas_default))]
-    if not gluon_codec.supports(GROUP, jnp.bfloat16, fmt, shards):
+    if not _gluon_runs(fmt, shards):
         return pallas
     gluon = split_kernels.decode_config(shards, requantize)
     return [("gluon", functools.partial(kd.decompress_groups, config=gluon)), *pallas]
@@ -626,7 +633,7 @@ def main() -> None:
         "device": device,
         "jax": jax.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "default_kernel": "gluon" if gluon_codec.supports(GROUP, jnp.bfloat16, "int8") else "pallas",
+        "default_kernel": "gluon" if _gluon_runs("int8") else "pallas",
         "compress_gluon_default": dataclasses.asdict(row_kernels.compress_config(GROUP)),
         "split_default": dataclasses.asdict(split_kernels.SplitConfig()),
         "compress_default": dataclasses.asdict(kc.default_config(GROUP)),

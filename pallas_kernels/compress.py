@@ -11,7 +11,7 @@ program (exact in bf16, FP32 accumulation; float32 inputs split into three bf16 
 `compress_reference` beside the kernel is the plain-jnp definition it is tested against.
 On a CUDA GPU with Triton, `compress_groups` and `compress_message` run the Gluon kernels
 (`row_kernels`: a group per thread up to G = 128, a group over a few lanes above; faster
-on an H200, benchmarks/RESULTS.md) where `launch.GLUON_KERNELS` takes the groups, unless
+on an H200, benchmarks/RESULTS.md) where `backends.GLUON` takes the groups, unless
 a `KernelConfig` asks for this one. This kernel (JAX's Pallas Triton lowering, which JAX
 has deprecated) is then an opt-in, and what the Pallas interpreter runs off GPU.
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import formats, gluon_codec, group_codec, row_kernels, split_kernels, wire
+from . import backends, formats, group_codec, row_kernels, split_kernels, wire
 from .hadamard import hadamard_matrix
 from .launch import (
     BF16_SPLITS,
@@ -114,16 +114,15 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
 
 
 def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows):
-    """x (B, N, G) quantized by the kernel `config` names: a Gluon kernel
-    (`row_kernels.RowConfig` or `SplitConfig`, and by default where `gluon_codec.supports`
-    holds), else the Pallas kernel (`KernelConfig`). Arguments as `_launch`.
+    """x (B, N, G) quantized by the kernel `config` names (its `backend`): a Gluon kernel
+    (`row_kernels.RowConfig` or `SplitConfig`), or the Pallas kernel (`KernelConfig`);
+    without a config, the first kernel of `backends.BACKENDS` that takes the work.
+    Arguments as `_launch`.
 
     Returns:
       (payload (B, >= payload_rows, G), scales (B, N, 1, 2) for "dual", else (B, N, 1)).
     """
-    if isinstance(config, row_kernels.RowConfig | split_kernels.SplitConfig) or (
-        config is None and not interpret and gluon_codec.supports(x.shape[-1], x.dtype, fmt)
-    ):
+    if backends.launched_by(config, backends.CodecWork(fmt, x.shape[-1], x.dtype), interpret) is backends.GLUON:
         payload, scales = row_kernels.gluon_compress(
             x,
             fmt=fmt,
@@ -158,8 +157,8 @@ def compress_groups(
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
         kernel, a `row_kernels.RowConfig` (G <= 128) or `SplitConfig` for a Gluon
         kernel; if None, the Gluon kernel of the group size
-        (`row_kernels.compress_config`) where `gluon_codec.supports` holds (not in
-        interpret mode), else the Pallas kernel's `default_config`.
+        (`row_kernels.compress_config`) where `backends.GLUON` takes the work and runs
+        (not in interpret mode), else the Pallas kernel's `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:

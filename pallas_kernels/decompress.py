@@ -13,7 +13,7 @@ tiles in turn with their per-group multipliers, sums the dequantized shards in t
 
 `decompress_reference` beside the kernel is the plain-jnp definition it is tested against.
 On a CUDA GPU with Triton, `decompress_groups` and `decompress_message` run the Gluon
-split kernels (`row_kernels`) where `launch.GLUON_KERNELS` takes the groups, unless a
+split kernels (`split_kernels`) where `backends.GLUON` takes the groups, unless a
 `KernelConfig` asks for this one. This kernel (JAX's Pallas Triton lowering, which JAX
 has deprecated) is then an opt-in, and what the Pallas interpreter runs off GPU.
 """
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import formats, gluon_codec, group_codec, row_kernels, split_kernels, wire
+from . import backends, formats, group_codec, split_kernels, wire
 from .hadamard import hadamard_matrix, hadamard_transform
 from .launch import (
     KernelConfig,
@@ -142,10 +142,10 @@ CODE_FORMATS = {spec.dtype: name for name, spec in formats.WIRE_FORMATS.items() 
 def _decode(
     payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
 ):
-    """The decode by the kernel `config` names: a Gluon split kernel
-    (`split_kernels.SplitConfig`, and by default where `gluon_codec.supports` holds; a
-    `RowConfig` is refused by name there), else the Pallas kernel (`KernelConfig`).
-    Arguments as `_launch`.
+    """The decode by the kernel `config` names (`backends.launched_by`): a Gluon split
+    kernel (`split_kernels.SplitConfig`; a `RowConfig` is refused by name there), or the
+    Pallas kernel (`KernelConfig`); without a config, the first kernel of
+    `backends.BACKENDS` that takes the work. Arguments as `_launch`.
 
     Returns:
       decoded (B, N, G), or with `requantize_to` (payload (B, rows, G), scales packed as
@@ -154,12 +154,11 @@ def _decode(
     """
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
     shards, group_size = payload.shape[1], payload.shape[-1]
-    gluon_config = isinstance(config, row_kernels.RowConfig | split_kernels.SplitConfig)
-    if gluon_config and fmt is None:
+    work = backends.CodecWork(fmt or "unknown", group_size, out_dtype, shards)
+    gluon = backends.launched_by(config, work, interpret) is backends.GLUON
+    if gluon and fmt is None:
         raise ValueError(f"the Gluon kernels decode 8-bit codes {sorted(CODE_FORMATS.values())}, got {payload.dtype}")
-    if fmt is not None and (
-        gluon_config or (config is None and not interpret and gluon_codec.supports(group_size, out_dtype, fmt, shards))
-    ):
+    if gluon:
         return split_kernels.gluon_decompress(
             payload,
             multiplier.astype(jnp.float32),
@@ -276,8 +275,8 @@ def decompress_groups(
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas
         kernel, a `split_kernels.SplitConfig` for the Gluon split kernel; if None, the
         split kernel's launch for the work (`split_kernels.decode_config`) where
-        `gluon_codec.supports` holds (not in interpret mode), else the Pallas kernel's
-        `default_config`.
+        `backends.GLUON` takes the work and runs (not in interpret mode), else the
+        Pallas kernel's `default_config`.
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:

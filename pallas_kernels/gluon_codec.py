@@ -1,5 +1,5 @@
-"""What the Gluon codec kernels share (Gluon: Triton with explicit layouts): the work they
-take (`supports`), their launch helpers, and the per-group math in registers, step for
+"""What the Gluon codec kernels share (Gluon: Triton with explicit layouts): their launch
+helpers, and the per-group math in registers, step for
 step `group_codec`'s (IEEE division and square root for the per-group scalars): the
 binade normalization, the Walsh-Hadamard stages within a thread, the scales and the
 codes. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) build on it.
@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import formats, group_codec, triton_launch
-from .launch import GLUON_KERNELS, output_struct
+from . import formats, group_codec
+from .launch import output_struct
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-except ImportError:  # no Triton with Gluon: `supports` is False and nothing below is traced
+except ImportError:  # no Triton with Gluon: `backends.GLUON` does not run and nothing below is traced
     gluon = gl = async_copy = None
 
 SCALE_FORMAT_IDS = {"dual": 0, "single": 1, "bf16": 2, "e8m0": 3}
@@ -33,13 +33,6 @@ POINTER_TYPES = {
     jnp.dtype(jnp.int8): "*i8",
     jnp.dtype(jnp.uint8): "*u8",
 }
-
-
-def supports(group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
-    """Whether the Gluon kernels run groups of `group_size` values of `dtype` (the input of
-    a compress, the output of a decode) in `fmt`, summing `shards` shards, here: Gluon on a
-    CUDA GPU (`triton_launch.available`) and work `launch.GLUON_KERNELS` takes."""
-    return GLUON_KERNELS.takes(group_size, dtype, fmt, shards) and triton_launch.available()
 
 
 def inverse_sqrt(group_size: int) -> float:

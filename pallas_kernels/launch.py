@@ -1,11 +1,12 @@
-"""What the codec kernels share: what each kernel takes (the one list the codec's kernel
-choice reads), their launch parameters, the rows a program takes and the loop over them,
-the tile helpers of the Pallas kernels, and how a kernel output is typed."""
+"""What the codec kernels share: their launch parameters, the rows a program takes and the
+loop over them, the tile helpers of the Pallas kernels, how a kernel output is typed, and
+where a program is lowered (what each kernel takes is `backends.BACKENDS`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -16,44 +17,11 @@ from . import group_codec
 from .hadamard import hadamard_across, hadamard_lanes, hadamard_pairs
 
 TRANSFORM_METHODS = ("matmul", "lanes", "pairs")
-KERNEL_FORMATS = ("e4m3", "e5m2", "int8")
-KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and not n & (n - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelSupport:
-    """What one kernel takes: groups of a power-of-two size in [`min_group`,
-    `max_group`] of a float32/bfloat16/float16 tensor (`KERNEL_DTYPES`), in an 8-bit
-    element format (`KERNEL_FORMATS`), summing a power-of-two number of shards."""
-
-    max_group: int
-    min_group: int = 16
-
-    def takes(self, group_size: int, dtype, fmt: str, shards: int = 1) -> bool:
-        """Whether the kernel takes this work (the jnp path runs what it does not)."""
-        return (
-            fmt in KERNEL_FORMATS
-            and self.min_group <= group_size <= self.max_group
-            and _power_of_two(group_size)
-            and jnp.dtype(dtype) in KERNEL_DTYPES
-            and _power_of_two(shards)
-        )
-
-
-# The Pallas compress and decompress kernels.
-PALLAS_KERNELS = KernelSupport(max_group=512)
-# The Gluon kernels (`row_kernels`, `split_kernels`): the split kernels spread a group over at most a warp's
-# 32 lanes, so groups up to 512 keep 16 values per thread.
-GLUON_KERNELS = KernelSupport(max_group=512)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of a codec kernel.
+    """Launch parameters of the Pallas codec kernels (`backend` "pallas").
 
     Attributes:
       block_rows: groups (rows of G elements) a program works on at a time; a power of
@@ -87,6 +55,7 @@ class KernelConfig:
     min_programs: int = 1024
     transform_method: str = "matmul"
     pieces: int = 1
+    backend: ClassVar[str] = "pallas"
 
     def __post_init__(self):
         if self.transform_method not in TRANSFORM_METHODS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ class RowConfig:
     """
 
     num_warps: int = 1
+    backend: ClassVar[str] = "gluon"
 
     def __post_init__(self):
         if self.num_warps not in (1, 2, 4, 8):

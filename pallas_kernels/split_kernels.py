@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ class SplitConfig:
     values_per_thread: int = 8
     rows_per_thread: int = 1
     num_warps: int = 4
+    backend: ClassVar[str] = "gluon"
 
     def __post_init__(self):
         for name, allowed in (("values_per_thread", (4, 8, 16, 32)), ("rows_per_thread", (1, 2, 4))):

@@ -1,15 +1,15 @@
 """The TACO codec: permute -> adaptive pre-scale -> Hadamard -> scale -> 8-bit cast.
 
 The math lives in `pallas_kernels` (group codec reference and fused kernels); this module
-validates, handles permutations and shapes, and is the one place that chooses between the
-GPU kernels and the jnp path (the `kernel_mode` argument, `TacoConfig.kernel_mode` in the
-collectives; "auto" lets the platform a program is lowered for choose).
+validates, handles permutations and shapes, and runs each call on the codec path that
+`pallas_kernels.backends`' one table chooses (`codec_choice`: from the `kernel_mode`
+argument, `TacoConfig.kernel_mode` in the collectives, once per wire plan there; "auto"
+lets the platform a program is lowered for choose).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
@@ -18,35 +18,38 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from taco_jax.kernels import backends, formats, group_codec, wire
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
-from taco_jax.kernels import formats, group_codec, launch, wire
 from taco_jax.spec import QuantSpec, check_kernel_mode
 
+# How a codec call runs: a kernel mode (`KERNEL_MODES`), chosen per call, or a choice
+# already made for the call's plan (`message.WirePlan.codec`).
+Codec = str | backends.CodecChoice
 
-def _kernel_mode(spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, size: int, shards: int = 1) -> str:
-    """How this call runs under `kernel_mode` (`KERNEL_MODES`): "jnp", "interpret", "gpu",
-    or "auto" (the kernels where the program is lowered for a CUDA GPU, jnp elsewhere).
-    Work the kernels do not take (`launch.PALLAS_KERNELS`; stochastic rounding) and
-    empty arrays run the jnp path."""
+
+def codec_choice(
+    spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, *, shards: int = 1, size: int = 1
+) -> backends.CodecChoice:
+    """The codec path of work with `spec` on `dtype` (a compress's input, a decode's
+    output) summing `shards` messages, under `kernel_mode` (`KERNEL_MODES`): the one
+    table, `backends.choose`. Empty arrays (`size` 0) run the jnp path.
+
+    Raises:
+      ValueError: unknown kernel mode.
+    """
     check_kernel_mode(kernel_mode)
-    supported = (
-        size > 0 and not spec.stochastic and launch.PALLAS_KERNELS.takes(spec.group_size, dtype, spec.fmt, shards)
-    )
-    if not supported or kernel_mode == "jnp" or (kernel_mode == "auto" and not launch.has_cuda()):
-        return "jnp"
-    return kernel_mode
+    if size == 0:
+        return backends.JNP_PATH
+    work = backends.CodecWork(spec.fmt, spec.group_size, jnp.dtype(dtype), shards, spec.stochastic)
+    return backends.choose(work, kernel_mode)
 
 
-def _dispatch(mode: str, kernel_fn, reference_fn, *args):
-    """`kernel_fn(*args, interpret=...)` or `reference_fn(*args)` as `mode` (`_kernel_mode`)
-    says, the one place the codec chooses between a kernel and the jnp path; "auto" lets
-    the platform the program is lowered for choose (`launch.on_cuda`)."""
-    if mode == "jnp":
-        return reference_fn(*args)
-    if mode == "auto":
-        return launch.on_cuda(functools.partial(kernel_fn, interpret=False), reference_fn, *args)
-    return kernel_fn(*args, interpret=mode == "interpret")
+def _resolved(codec: Codec, spec: QuantSpec, dtype: jnp.dtype, shards: int, size: int) -> backends.CodecChoice:
+    """`codec` itself when already chosen (a `WirePlan`'s), else its kernel mode's choice."""
+    if isinstance(codec, backends.CodecChoice):
+        return codec
+    return codec_choice(spec, dtype, codec, shards=shards, size=size)
 
 
 @jax.tree_util.register_dataclass
@@ -127,9 +130,8 @@ def _quantize(values: jax.Array, spec: QuantSpec, kernel_mode: str) -> tuple[jax
         )
         return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
 
-    return _dispatch(
-        _kernel_mode(spec, values.dtype, kernel_mode, values.size), kernel, lambda v: _quantize_jnp(v, spec), values
-    )
+    choice = codec_choice(spec, values.dtype, kernel_mode, size=values.size)
+    return choice.run(kernel, lambda v: _quantize_jnp(v, spec), values)
 
 
 def _quantize_jnp(values: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
@@ -179,8 +181,8 @@ def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, d
             headroom=_headroom(spec),
         )
 
-    mode = _kernel_mode(spec, dtype, kernel_mode, payload.size, count)
-    return _dispatch(mode, kernel, reference, payload, multiplier)
+    choice = codec_choice(spec, dtype, kernel_mode, shards=count, size=payload.size)
+    return choice.run(kernel, reference, payload, multiplier)
 
 
 # ----------------------------------------------------------------------------- wire messages
@@ -191,14 +193,14 @@ def message_layout(groups: int, spec: QuantSpec) -> wire.MessageLayout:
     return wire.MessageLayout(groups, spec.group_size, spec.fmt, spec.scales)
 
 
-def encode(rows: jax.Array, spec: QuantSpec, kernel_mode: str = "auto") -> jax.Array:
+def encode(rows: jax.Array, spec: QuantSpec, codec: Codec = "auto") -> jax.Array:
     """Compress rows straight into wire messages (`pallas_kernels.wire`), one per
     leading index.
 
     Args:
       rows: float (..., N, G), G = spec.group_size, in wire channel order.
       spec: the `QuantSpec` (its `hadamard` decides the transform).
-      kernel_mode: kernel mode (`KERNEL_MODES`).
+      codec: a kernel mode (`KERNEL_MODES`) or the plan's `CodecChoice`.
 
     Returns:
       uint8 (..., *message_layout(N, spec).shape).
@@ -218,10 +220,10 @@ def encode(rows: jax.Array, spec: QuantSpec, kernel_mode: str = "auto") -> jax.A
     def reference(rows):
         return wire.pack(*_quantize_jnp(rows, spec), message_layout(groups, spec))
 
-    return _dispatch(_kernel_mode(spec, rows.dtype, kernel_mode, rows.size), kernel, reference, rows)
+    return _resolved(codec, spec, rows.dtype, 1, rows.size).run(kernel, reference, rows)
 
 
-def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str = "auto") -> jax.Array:
+def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, codec: Codec = "auto") -> jax.Array:
     """Decode messages: for each of B batches the sum of its k messages, in float32 in
     the transformed domain, transformed back once.
 
@@ -230,7 +232,7 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
       groups: N.
       spec: the `QuantSpec` they were compressed with.
       dtype: output dtype.
-      kernel_mode: kernel mode (`KERNEL_MODES`).
+      codec: a kernel mode (`KERNEL_MODES`) or the plan's `CodecChoice`.
 
     Returns:
       (B, N, G) in `dtype`.
@@ -252,13 +254,14 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
         )
         return decoded.reshape(batch, groups, spec.group_size)
 
-    mode = _kernel_mode(spec, dtype, kernel_mode, groups * messages.shape[0], messages.shape[1])
-    return _dispatch(mode, kernel, reference, messages)
+    choice = _resolved(codec, spec, dtype, messages.shape[1], groups * messages.shape[0])
+    return choice.run(kernel, reference, messages)
 
 
-def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernel_mode: str = "auto") -> jax.Array:
+def requantize(messages: jax.Array, groups: int, spec: QuantSpec, codec: Codec = "auto") -> jax.Array:
     """Sum k messages (k, rows, W) in float32 and quantize the sum into one message with
-    the same spec, staying in the transformed domain (the two-shot all-reduce's middle).
+    the same spec, staying in the transformed domain (the two-shot all-reduce's middle);
+    `codec` as `decode`'s.
 
     Returns:
       uint8 message of `message_layout(groups, spec).shape`.
@@ -280,8 +283,7 @@ def requantize(messages: jax.Array, groups: int, spec: QuantSpec, kernel_mode: s
         )
         return wire.pack(payload, scales, layout)
 
-    mode = _kernel_mode(spec, jnp.float32, kernel_mode, groups, messages.shape[0])
-    return _dispatch(mode, kernel, reference, messages)
+    return _resolved(codec, spec, jnp.float32, messages.shape[0], groups).run(kernel, reference, messages)
 
 
 # ----------------------------------------------------------------------------- public API

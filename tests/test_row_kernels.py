@@ -11,9 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from taco_jax.kernels import (
+    backends,
+    formats,
+    gluon_codec,
+    group_codec,
+    launch,
+    row_kernels,
+    split_kernels,
+    triton_launch,
+    wire,
+)
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import formats, gluon_codec, group_codec, launch, row_kernels, split_kernels, triton_launch, wire
 from taco_jax.kernels.launch import KernelConfig
 from tests import reference as ref
 from tests.test_kernels import (
@@ -163,11 +173,16 @@ def test_gluon_kernels_need_an_ampere_or_newer_gpu(monkeypatch):
 
 
 def test_gluon_kernels_take_8_bit_groups_up_to_512():
-    """Off GPU nothing is taken (`supports` needs a CUDA GPU); the work list itself takes
-    groups of 16 to 512 in the 8-bit formats, and not int4 or G = 1024."""
-    take = launch.GLUON_KERNELS.takes
+    """The table's Gluon entry takes groups of 16 to 512 in the 8-bit formats, and not
+    int4, G = 1024, three shards or stochastic rounding; off GPU it does not run."""
+
+    def take(group_size, dtype, fmt, shards=1, stochastic=False):
+        return backends.GLUON.takes(backends.CodecWork(fmt, group_size, jnp.dtype(dtype), shards, stochastic))
+
     assert take(16, jnp.bfloat16, "e4m3") and take(512, jnp.float16, "int8", shards=8)
     assert not take(1024, jnp.bfloat16, "int8") and not take(128, jnp.bfloat16, "int4")
+    assert not take(128, jnp.bfloat16, "int8", shards=3) and not take(128, jnp.bfloat16, "int8", stochastic=True)
+    assert backends.GLUON.runs(False) is triton_launch.available()
 
 
 @pytest.mark.parametrize("kernel", ["row", "split"])

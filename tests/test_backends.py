@@ -1,0 +1,59 @@
+"""The codec backend table (`pallas_kernels.backends`): which path each kernel mode and
+piece of work gets, from the one table the codec and the kernels read."""
+
+import jax.numpy as jnp
+import pytest
+
+import taco_jax as tj
+from taco_jax import codec
+from taco_jax.kernels import backends, launch, triton_launch
+
+INT8 = tj.QuantSpec.parse("int8:128:H:bf16")
+
+
+@pytest.mark.parametrize(
+    "spec, dtype, shards, interpret_path",
+    [
+        (INT8, jnp.bfloat16, 4, "pallas"),
+        (tj.QuantSpec.parse("e4m3:512:H:dual"), jnp.float32, 1, "pallas"),
+        (tj.QuantSpec.parse("int4:32:H:bf16"), jnp.bfloat16, 1, "jnp"),  # no 4-bit kernel
+        (tj.QuantSpec.parse("int8:1024:H:bf16"), jnp.bfloat16, 1, "jnp"),  # past the kernels' groups
+        (tj.QuantSpec.parse("int8:128:H:bf16:sr"), jnp.bfloat16, 1, "jnp"),  # stochastic rounding
+        (INT8, jnp.bfloat16, 3, "jnp"),  # a sum of three shards
+        (INT8, jnp.int32, 1, "jnp"),  # not a kernel dtype
+    ],
+)
+def test_each_kernel_mode_takes_the_first_backend_that_takes_the_work(spec, dtype, shards, interpret_path):
+    """Off GPU: "auto" and "jnp" run the jnp path; "interpret" the Pallas kernel where it
+    takes the work; "gpu" the Pallas kernel too (Gluon runs only on a CUDA GPU)."""
+    choose = lambda mode: codec.codec_choice(spec, dtype, mode, shards=shards)
+    assert choose("jnp") == backends.JNP_PATH and choose("auto") == backends.JNP_PATH
+    interpreted = choose("interpret")
+    assert interpreted.name == interpret_path and interpreted.interpret == (interpret_path == "pallas")
+    assert choose("gpu").name == interpret_path and not choose("gpu").interpret
+
+
+def test_auto_stages_the_gpu_choice_where_cuda_exists(monkeypatch):
+    """With a CUDA backend "auto" stages the GPU's choice beside the jnp path, and the
+    lowering platform picks; Gluon where it runs, else Pallas."""
+    monkeypatch.setattr(launch, "has_cuda", lambda: True)
+    choice = codec.codec_choice(INT8, jnp.bfloat16, "auto", shards=2)
+    expected = "gluon" if triton_launch.available() else "pallas"
+    assert choice.platform_dependent and not choice.interpret and choice.name == expected
+    assert codec.codec_choice(INT8, jnp.bfloat16, "auto", size=0) == backends.JNP_PATH
+
+
+def test_an_unknown_kernel_mode_is_named():
+    with pytest.raises(ValueError, match="unknown kernel mode 'pallas'.*now \"gpu\""):
+        codec.codec_choice(INT8, jnp.bfloat16, "pallas")
+
+
+def test_kernel_configs_name_their_backend():
+    """A launch config names the kernel it launches; without one the table decides."""
+    from taco_jax.kernels import row_kernels, split_kernels
+
+    work = backends.CodecWork("int8", 128, jnp.dtype(jnp.bfloat16))
+    assert backends.launched_by(row_kernels.RowConfig(), work, False) is backends.GLUON
+    assert backends.launched_by(split_kernels.SplitConfig(), work, False) is backends.GLUON
+    assert backends.launched_by(launch.KernelConfig(), work, False) is backends.PALLAS
+    assert backends.launched_by(None, work, True) is backends.PALLAS
