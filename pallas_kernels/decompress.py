@@ -155,10 +155,10 @@ def _decode(
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
     shards, group_size = payload.shape[1], payload.shape[-1]
     work = backends.CodecWork(fmt or "unknown", group_size, out_dtype, shards)
-    gluon = backends.launched_by(config, work, interpret) is backends.GLUON
-    if gluon and fmt is None:
-        raise ValueError(f"the Gluon kernels decode 8-bit codes {sorted(CODE_FORMATS.values())}, got {payload.dtype}")
-    if gluon:
+    if backends.launched_by(config, work, interpret) is backends.GLUON:
+        if fmt is None:
+            codes = sorted(CODE_FORMATS.values())
+            raise ValueError(f"the Gluon kernels decode 8-bit codes {codes}, got {payload.dtype}")
         return split_kernels.gluon_decompress(
             payload,
             multiplier.astype(jnp.float32),
