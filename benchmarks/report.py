@@ -244,13 +244,17 @@ QUALITY_COMMANDS = {
     "--corpora shakespeare --models gpt2-40m,qwen2-40m --variants off,e2m3fwd-int4bwd,int4g16fwd-int4bwd,"
     "e2m3fwd-int4g16bwd --seeds 2 --steps 1600 --batch-size 8 --seq-len 128 --lr 1.5e-4, then --seeds 4 "
     "without int4g16fwd-int4bwd",
+    "quality_bits.json": "python -m benchmarks.quality --simulate --tag bits --corpora shakespeare "
+    "--models gpt2-40m,qwen2-40m --variants off,taco+,taco+mixed,taco6-4,taco4 --seeds 3 --steps 1600 "
+    "--batch-size 8 --seq-len 128 --lr 1.5e-4 --jobs 16 (the panel's first corpus)",
 }
 QUALITY_DATES = {
     "quality_stable.json": "2026-12-02 to 2026-12-03",
     "quality_pipe_data.json": "2026-11-30",
     "quality_bits_direction.json": "2026-12-06",
+    "quality_bits.json": "2026-12-06",
 }
-QUALITY_CARDS = {"quality_bits_direction.json": "NVIDIA H100 80GB HBM3"}
+QUALITY_CARDS = {"quality_bits_direction.json": "NVIDIA H100 80GB HBM3", "quality_bits.json": "NVIDIA H100 80GB HBM3"}
 
 
 def quality_source(file: str) -> Source:
@@ -591,6 +595,7 @@ TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "quality": quality,
     "quality_pipe_data": lambda: quality("quality_pipe_data.json"),
     "quality_bits_direction": lambda: quality("quality_bits_direction.json"),
+    "quality_bits": lambda: quality("quality_bits.json"),
     "gradient_fidelity": gradient_fidelity,
     "codec_error": codec_error,
     "fewer_bits": fewer_bits,
