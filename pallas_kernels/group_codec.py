@@ -1,4 +1,4 @@
-"""Per-group 8-bit quantization: the plain-jnp definition of TACO's ASHT + DSQ math.
+"""Per-group quantization: the plain-jnp definition of TACO's ASHT + DSQ math.
 
 For each group g of G contiguous values along the last axis (all arithmetic in float32):
 
@@ -10,7 +10,7 @@ For each group g of G contiguous values along the last axis (all arithmetic in f
   y = H(a * g) = H(g_n) * (a * 2**e)    normalized Walsh-Hadamard transform (optional);
                                         transforming g_n keeps every intermediate in range
   s = max(absmax(y) / fmt_max, 2**-126) quantization scale
-  q = cast(clip(y / s))                 8-bit payload, round to nearest even
+  q = cast(clip(y / s))                 payload on the wire format's grid, to nearest even
 
 and the receiver computes g = H(q) * (s / a). Unlike the authors' clamps of a to
 [1e-3, 1e3] and s to [1e-12, 1e6], nothing saturates or flushes for any float32 value
@@ -18,9 +18,10 @@ from about 1e-35 up to the float32 maximum. A NaN or Inf in a group makes that g
 pre-scale, hence its scale, NaN, so the whole group decodes to NaN: bad values propagate,
 they are never zeroed or turned into finite numbers.
 
-Scale encodings (see `formats.SCALE_FORMATS`): "dual" sends (a, s); "single" sends s / a;
-"bf16" sends s / a rounded up to bfloat16 and "e8m0" rounded up to a power of two; for
-those two the payload is computed against the rounded scale.
+Scale encodings (`formats.ScaleFormat`, by name in `formats.SCALE_ENCODINGS`): "dual"
+sends (a, s); "single" sends s / a; "bf16" sends s / a rounded up to bfloat16 and "e8m0"
+rounded up to a power of two; for those two the payload is computed against the rounded
+scale.
 
 The per-step functions below work on any (..., G) block, whole or split into pieces, so
 the Pallas kernels call them on their tiles and replace only the transform.
@@ -49,8 +50,7 @@ Pieces = tuple[jax.Array, ...]
 
 def check_scale_format(scale_format: str) -> None:
     """Raise ValueError for an unknown scale format name."""
-    if scale_format not in formats.SCALE_FORMATS:
-        raise ValueError(f"unknown scale format {scale_format!r}; expected one of {sorted(formats.SCALE_FORMATS)}")
+    formats.scale_format(scale_format)
 
 
 def normalize_groups(pieces: Pieces, fmt_max: float) -> tuple[Pieces, jax.Array, jax.Array]:
@@ -154,8 +154,8 @@ def quantize_scaled(
       fmt: wire format name.
       scale_format: scale encoding.
       in_kernel: traced inside a Pallas kernel (`formats.cast_to_wire`).
-      stochastic: round stochastically (`formats.round_stochastically`) instead of to
-        nearest.
+      stochastic: round stochastically (`formats.WireFormat.round_stochastically`)
+        instead of to nearest.
       headroom: K of `formats.scale_headroom`: the scales are sent as s / a * 2**-K.
       dither_keys: what stochastic rounding's dither hashes, pieces like `values` (None:
         `values`). Their bits must come out the same jitted and eager.
@@ -189,38 +189,23 @@ def scale_entries(
     A multiplier beyond `formats.MAX_SCALE` (only a requantized sum whose exact value
     passes float32's range reaches one) is held at it: the payload then clips at the
     format's largest value and the group decodes finite, never to Inf or NaN."""
+    encoding = formats.scale_format(scale_format)
     if headroom:
         prescale = formats.times_pow2(prescale, jnp.int32(headroom))
     scale = jnp.maximum(absmax / np.float32(formats.wire_format(fmt).max_value), SCALE_MIN)
     scale = jnp.where(scale / prescale > formats.MAX_SCALE, prescale * formats.MAX_SCALE, scale)
-    if scale_format == "dual":
-        return scale, (prescale, scale)
-    if scale_format == "single":
-        return scale, (scale / prescale,)
-    if scale_format == "bf16":
-        rounded = formats.round_up_to_bf16(scale / prescale)
-        return prescale * rounded.astype(jnp.float32), (rounded,)
-    check_scale_format(scale_format)
-    code = formats.encode_e8m0(scale / prescale)
-    return prescale * formats.decode_e8m0(code), (code,)
+    return encoding.encode(prescale, scale)
 
 
 def pack_scale_entries(entries: tuple, scale_format: str) -> jax.Array:
     """Scale entries (each (..., n, 1)) in the wire layout: (..., n, 2) for "dual",
-    (..., n) otherwise."""
-    if scale_format == "dual":
-        return jnp.concatenate(entries, axis=-1)
-    return entries[0][..., 0]
+    (..., n) otherwise (`formats.ScaleFormat.layout`)."""
+    return formats.scale_format(scale_format).layout(entries)
 
 
 def dequantize_scale(scales: jax.Array, scale_format: str) -> jax.Array:
     """Per-group float32 dequantization multiplier (..., n, 1) from the wire scales."""
-    if scale_format == "dual":
-        return scales[..., 1:2] / scales[..., 0:1]
-    if scale_format in ("single", "bf16"):
-        return scales[..., None].astype(jnp.float32)
-    check_scale_format(scale_format)
-    return formats.decode_e8m0(scales)[..., None]
+    return formats.scale_format(scale_format).decode(scales)
 
 
 def _as_groups(values: jax.Array, group_size: int) -> jax.Array:
@@ -230,17 +215,17 @@ def _as_groups(values: jax.Array, group_size: int) -> jax.Array:
 def quantize_groups(
     values: jax.Array, *, fmt: str, group_size: int, scale_format: str, transform: bool, stochastic: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """Quantize groups of the last axis to an 8-bit payload plus per-group scales.
+    """Quantize groups of the last axis to a payload in the wire format plus per-group scales.
 
     Args:
       values: float array (..., C), C divisible by group_size.
-      fmt: wire format name ("e4m3", "e5m2", "int8").
+      fmt: wire format name (a key of `formats.WIRE_FORMATS`).
       group_size: G, a power of two when transform is True.
       scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the Walsh-Hadamard transform after the pre-scale. False for plain
         per-group absmax quantization, or for values already in the transformed domain.
-      stochastic: round stochastically instead of to nearest (integer and sub-byte
-        float formats).
+      stochastic: round stochastically instead of to nearest (the formats whose
+        `stochastic_rounding` is set).
 
     Returns:
       (payload, scales): payload (..., C) in the format's dtype; scales float32

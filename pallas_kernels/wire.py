@@ -3,12 +3,14 @@
 A message carries N groups of G elements. It is a (rows, W) uint8 array, W = G * bits / 8
 bytes per payload row:
 
-    rows [0, N)              payload: group i's codes in row i (8-bit codes as they are;
-                             4-bit codes two per byte, the even-indexed one in the low
-                             nibble; 6-bit codes four per three bytes, the earliest in
-                             the lowest bits)
+    rows [0, N)              payload: group i's codes in row i, packed by the format
+                             (`formats.WireFormat.pack`: 8-bit codes as they are; fewer
+                             bits in words of lcm(bits, 8) bits, the earliest code in the
+                             lowest bits: 4-bit codes two per byte, 6-bit codes four per
+                             three bytes)
     rows [N, N + scale_rows) scales: the N * S scale bytes, group after group (S bytes per
-                             group, `formats.SCALE_FORMATS`), zero-padded to whole rows
+                             group, `formats.ScaleFormat.bytes_per_group`), zero-padded to
+                             whole rows
 
 Leading axes (the ranks of a gather, the destinations of an all-to-all, the chunks of a
 pipelined collective) are free. The Pallas kernels write the payload rows straight into
@@ -38,7 +40,7 @@ class MessageLayout:
       groups: N, groups (rows of G elements) in the message.
       group_size: G.
       fmt: element format name (`formats.WIRE_FORMATS`).
-      scale_format: scale encoding name (`formats.SCALE_FORMATS`).
+      scale_format: scale encoding name (`formats.SCALE_ENCODINGS`).
     """
 
     groups: int
@@ -48,18 +50,23 @@ class MessageLayout:
 
     def __post_init__(self) -> None:
         group_codec.check_scale_format(self.scale_format)
-        if self.group_size * formats.wire_format(self.fmt).bits % 8:
+        if self.group_size * self.wire.bits % 8:
             raise ValueError(f"group size {self.group_size} does not fill whole bytes in format {self.fmt!r}")
+
+    @property
+    def wire(self) -> formats.WireFormat:
+        """The element format."""
+        return formats.wire_format(self.fmt)
 
     @property
     def row_bytes(self) -> int:
         """W: bytes of one group's payload (the buffer's last axis)."""
-        return self.group_size * formats.wire_format(self.fmt).bits // 8
+        return self.wire.payload_bytes(self.group_size)
 
     @property
     def scale_bytes(self) -> int:
         """S: scale bytes per group."""
-        return formats.SCALE_FORMATS[self.scale_format]
+        return formats.scale_format(self.scale_format).bytes_per_group
 
     @property
     def scale_rows(self) -> int:
@@ -101,10 +108,7 @@ def scale_block(scales: jax.Array, layout: MessageLayout, lead_ndim: int) -> jax
 
 def payload_rows(payload: jax.Array, layout: MessageLayout) -> jax.Array:
     """Typed payload (..., N, G) -> its uint8 rows (..., N, W)."""
-    wire = formats.wire_format(layout.fmt)
-    if wire.bits < 8:
-        return formats.pack_codes(formats.payload_codes(payload, wire), wire.bits)
-    return lax.bitcast_convert_type(payload, jnp.uint8)
+    return layout.wire.pack(payload)
 
 
 def pack(payload: jax.Array, scales: jax.Array, layout: MessageLayout) -> jax.Array:
@@ -126,17 +130,13 @@ def place_scales(buffer: jax.Array, scales: jax.Array, layout: MessageLayout) ->
 
 def payload_of(message: jax.Array, layout: MessageLayout) -> jax.Array:
     """The typed payload (..., N, G) of messages (..., rows, W)."""
-    rows = message[..., : layout.groups, :]
-    wire = formats.wire_format(layout.fmt)
-    if wire.bits < 8:
-        return formats.payload_from_codes(formats.unpack_codes(rows, wire.bits), wire)
-    return lax.bitcast_convert_type(rows, wire.dtype)
+    return layout.wire.unpack(message[..., : layout.groups, :])
 
 
 def scales_of(message: jax.Array, layout: MessageLayout) -> jax.Array:
     """The typed scales of messages (..., rows, W), as `group_codec.quantize_groups` lays them out."""
     lead = message.shape[:-2]
-    entry_dtypes = formats.SCALE_ENTRY_DTYPES[layout.scale_format]
+    entry_dtypes = formats.scale_format(layout.scale_format).entry_dtypes
     entries, dtype = len(entry_dtypes), entry_dtypes[0]
     itemsize = jnp.dtype(dtype).itemsize
     flat = message[..., layout.groups :, :].reshape(*lead, -1)[..., : layout.groups * layout.scale_bytes]

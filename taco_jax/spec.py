@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from taco_jax.kernels.formats import SCALE_FORMATS, WIRE_FORMATS
+from taco_jax.kernels.formats import SCALE_ENCODINGS, WIRE_FORMATS
 from taco_jax.policy import LinkProfile
 
 MODES = ("off", "fp8", "taco")
@@ -39,9 +39,11 @@ class QuantSpec:
     """How one direction of a tensor-parallel collective is quantized.
 
     Attributes:
-      fmt: element format on the wire: "e4m3", "e5m2" or "int8"; below 8 bits, packed
-        and run by the jnp path (no kernel yet): "int4" (two per byte), the OCP MX
-        floats "e2m3" and "e3m2" (6 bits, four per three bytes) and "e2m1" (4 bits).
+      fmt: element format on the wire, a key of `WIRE_FORMATS` (defining a
+        `pallas_kernels.formats.WireFormat` class adds one): "e4m3", "e5m2" or "int8";
+        below 8 bits, packed and run by the jnp path (no kernel yet): "int4" (two per
+        byte), the OCP MX floats "e2m3" and "e3m2" (6 bits, four per three bytes) and
+        "e2m1" (4 bits).
       group_size: G, contiguous elements of the last axis sharing one scale; a power of
         two (the Hadamard transform needs one) from `MIN_GROUP_SIZE` (16: below it the
         scales cost more than a quarter of the payload's bits) to `MAX_GROUP_SIZE` (1024:
@@ -49,15 +51,17 @@ class QuantSpec:
         growing with G), and at most the channels of the tensors it meets
         (`check_channels`: a larger group pads every row up to G).
       hadamard: apply the adaptive-scale Walsh-Hadamard transform per group.
-      scales: per-group scale encoding: "dual" (the authors' FP32 pre-scale and
-        quantization scale, 8 bytes/group), "single" (one FP32 s/a, 4 bytes), "bf16" (s/a
-        rounded up to bfloat16, 2 bytes) or "e8m0" (one byte, a power-of-two scale).
+      scales: per-group scale encoding, a key of `SCALE_ENCODINGS`: "dual" (the
+        authors' FP32 pre-scale and quantization scale, 8 bytes/group), "single" (one
+        FP32 s/a, 4 bytes), "bf16" (s/a rounded up to bfloat16, 2 bytes) or "e8m0" (one
+        byte, a power-of-two scale).
       rounding: "nearest" (ties to even) or "stochastic": up or down with the
         probabilities that make the expected code the value, from a hash of each value's
         bits, its position and the vmap slice and shard_map device it is on
         (`pallas_kernels.formats.dither`: reproducible, the same jitted and eager, new
         each step as the tensors are, independent across slices and devices), for
-        gradient messages in the integer and sub-byte float formats; it runs the jnp path.
+        gradient messages in the formats that take it (`WireFormat.stochastic_rounding`:
+        the integer and sub-byte float formats); it runs the jnp path.
     """
 
     fmt: str = "e4m3"
@@ -69,8 +73,8 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if self.fmt not in WIRE_FORMATS:
             raise ValueError(f"unknown format {self.fmt!r}; expected one of {sorted(WIRE_FORMATS)}")
-        if self.scales not in SCALE_FORMATS:
-            raise ValueError(f"unknown scale format {self.scales!r}; expected one of {sorted(SCALE_FORMATS)}")
+        if self.scales not in SCALE_ENCODINGS:
+            raise ValueError(f"unknown scale format {self.scales!r}; expected one of {sorted(SCALE_ENCODINGS)}")
         size = self.group_size
         if (
             not isinstance(size, int)
@@ -85,8 +89,7 @@ class QuantSpec:
             raise ValueError(f"hadamard must be a bool, got {self.hadamard!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"unknown rounding {self.rounding!r}; expected one of {list(ROUNDINGS)}")
-        wire = WIRE_FORMATS[self.fmt]
-        if self.stochastic and not (wire.is_integer or wire.is_minifloat):
+        if self.stochastic and not WIRE_FORMATS[self.fmt].stochastic_rounding:
             raise ValueError(
                 f"stochastic rounding takes the integer and sub-byte float formats, not {self.fmt!r} "
                 "(its cast rounds to nearest)"
@@ -176,7 +179,7 @@ class QuantSpec:
     @property
     def scale_bytes(self) -> int:
         """Wire bytes of one group's scales."""
-        return SCALE_FORMATS[self.scales]
+        return SCALE_ENCODINGS[self.scales].bytes_per_group
 
 
 _TACO = QuantSpec(fmt="e4m3", group_size=128, hadamard=True, scales="dual")
