@@ -57,7 +57,7 @@ def candidate_routes(op: str, ranks: int, nbytes: int, chunk_counts: Sequence[in
 
 def _collective(op: str, route: Route, config: TacoConfig, axis_name: str) -> Callable:
     if not route.compressed:
-        return lambda v: _PLAIN[op](v, axis_name)
+        return lambda v: _PLAIN[Op(op)](v, axis_name)
     routed = dataclasses.replace(config, min_bytes=0, chunks=route.chunks, link=None)
     if op == Op.ALL_GATHER:
         return lambda v: collectives.all_gather(v, axis_name, routed)
