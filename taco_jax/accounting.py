@@ -16,8 +16,9 @@ class WireRecord:
 
     Attributes:
       site: call-site name given by the caller (e.g. "layer3.mlp.out"), or the op name.
-      op: "all_gather", "reduce_scatter", "all_reduce_one_shot", "all_reduce_two_shot",
-        "all_reduce" (uncompressed psum) or "ppermute".
+      op: the `taco_jax.collective_op.Op` value: "all_gather", "reduce_scatter",
+        "all_reduce_one_shot", "all_reduce_two_shot", "all_reduce" (uncompressed psum)
+        or "ppermute".
       direction: "forward" or "backward".
       shape: per-rank input shape.
       dtype: input dtype name.
