@@ -122,7 +122,8 @@ def reduce_scatter_by_shifts(
       message: the whole contribution the reduce-scatter would send (shape, dtype).
       call: the call.
       direction: "forward" or "backward".
-      axis: the axis `message` is scattered along, one block per rank.
+      axis: the axis `message` is scattered along, one block per rank (not its last,
+        which the wire layout groups).
     """
     collective = call.collective(message, Op.REDUCE_SCATTER, direction, scatter_dimension=axis)
     plan = plan_message(message, call, op=collective.op, direction=direction, report=False)
