@@ -282,13 +282,12 @@ class Minifloat(WireFormat):
         if self.exponent_bits < 1 or self.mantissa_bits < 0:
             raise ValueError(f"wire format {self.name!r}: needs exponent_bits >= 1 and mantissa_bits >= 0")
         super().check()
-        m = self.mantissa_bits
-        steps = np.arange(2 ** (self.bits - 1))  # the non-negative codes
-        field, mantissa = steps >> m, steps & ((1 << m) - 1)
-        grid = np.where(field > 0, mantissa + (1 << m), mantissa) * 2.0 ** (
-            np.maximum(field, 1) - 1 + self.min_exponent - m
-        )
-        if not np.array_equal(grid.astype(self.dtype).astype(np.float64), grid):
+        # Every value k * 2**(e - m) fits where the dtype has the mantissa bits, the range
+        # and a subnormal step no coarser than the format's.
+        held = jnp.finfo(self.dtype)
+        smallest_step = 2.0 ** (self.min_exponent - self.mantissa_bits)
+        fits = held.nmant >= self.mantissa_bits and float(held.max) >= self.max_value
+        if not fits or smallest_step < float(held.smallest_subnormal):
             raise ValueError(f"wire format {self.name!r}: its values do not all fit {self.dtype} exactly")
 
 

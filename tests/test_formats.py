@@ -71,6 +71,15 @@ def test_defining_the_class_registers_it(int5):
             name = "int6"
 
     assert "int6" not in formats.WIRE_FORMATS
+    # A minifloat is held in float8_e4m3fn: an 8-bit E4M3 without Inf or NaN reaches 480.
+    with pytest.raises(ValueError, match="do not all fit float8_e4m3fn"):
+
+        class Wide(formats.Minifloat):
+            name = "e4m3x"
+            exponent_bits = 4
+            mantissa_bits = 3
+
+    assert "e4m3x" not in formats.WIRE_FORMATS
 
 
 def test_round_trip_matches_the_float64_reference_between_int4_and_int8(int5, monkeypatch):
