@@ -80,6 +80,8 @@ def test_defining_the_class_registers_it(int5):
             mantissa_bits = 3
 
     assert "e4m3x" not in formats.WIRE_FORMATS
+    with pytest.raises(ValueError, match="stochastic rounding does not take 'e4m3'"):
+        formats.cast_to_wire(jnp.zeros(4), formats.wire_format("e4m3"), draws=jnp.zeros(4))
 
 
 def test_round_trip_matches_the_float64_reference_between_int4_and_int8(int5, monkeypatch):
