@@ -50,18 +50,18 @@ class MessageLayout:
 
     def __post_init__(self) -> None:
         group_codec.check_scale_format(self.scale_format)
-        if self.group_size * self.wire.bits % 8:
+        if self.group_size * self.wire_format.bits % 8:
             raise ValueError(f"group size {self.group_size} does not fill whole bytes in format {self.fmt!r}")
 
     @property
-    def wire(self) -> formats.WireFormat:
+    def wire_format(self) -> formats.WireFormat:
         """The element format."""
         return formats.wire_format(self.fmt)
 
     @property
     def row_bytes(self) -> int:
         """W: bytes of one group's payload (the buffer's last axis)."""
-        return self.wire.payload_bytes(self.group_size)
+        return self.wire_format.payload_bytes(self.group_size)
 
     @property
     def scale_bytes(self) -> int:
@@ -108,7 +108,7 @@ def scale_block(scales: jax.Array, layout: MessageLayout, lead_ndim: int) -> jax
 
 def payload_rows(payload: jax.Array, layout: MessageLayout) -> jax.Array:
     """Typed payload (..., N, G) -> its uint8 rows (..., N, W)."""
-    return layout.wire.pack(payload)
+    return layout.wire_format.pack(payload)
 
 
 def pack(payload: jax.Array, scales: jax.Array, layout: MessageLayout) -> jax.Array:
@@ -130,7 +130,7 @@ def place_scales(buffer: jax.Array, scales: jax.Array, layout: MessageLayout) ->
 
 def payload_of(message: jax.Array, layout: MessageLayout) -> jax.Array:
     """The typed payload (..., N, G) of messages (..., rows, W)."""
-    return layout.wire.unpack(message[..., : layout.groups, :])
+    return layout.wire_format.unpack(message[..., : layout.groups, :])
 
 
 def scales_of(message: jax.Array, layout: MessageLayout) -> jax.Array:
