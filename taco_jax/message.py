@@ -34,7 +34,7 @@ from jax import lax
 from taco_jax import accounting, policy
 from taco_jax import calibration as calibration_lib
 from taco_jax.calibration import Calibration
-from taco_jax.codec import decode, encode, message_layout, requantize
+from taco_jax.codec import Codec, codec_choice, decode, encode, message_layout, requantize
 from taco_jax.collective_op import Collective, Op, record_collective
 from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
@@ -123,14 +123,16 @@ class WirePlan:
       chunks: pieces the message is pipelined in.
       algorithm: "one_shot" or "two_shot" (all-reduce only).
       permutation: the site's channel permutation; None for the identity.
-      kernel_mode: the codec backend (`TacoConfig.kernel_mode`).
+      codec: the codec path of every encode and decode of the plan's messages, chosen
+        once by `plan_message` from the backend table (`codec.codec_choice`); a kernel
+        mode (`KERNEL_MODES`) is chosen per call instead.
     """
 
     spec: QuantSpec
     chunks: int = 1
     algorithm: str = "one_shot"
     permutation: calibration_lib.ChannelPlan | None = None
-    kernel_mode: str = "auto"
+    codec: Codec = "auto"
 
     def rows(self, x: jax.Array, lead: int = 0) -> jax.Array:
         """`x` as wire rows: channels in wire order, (*x.shape[:lead], n, G)."""
@@ -143,13 +145,13 @@ class WirePlan:
     def encode(self, rows: jax.Array, dtype: Any) -> Message:
         """Compress rows (*lead, n, G) into a `Message` of n groups per leading index
         that decodes to `dtype`."""
-        buffer = encode(rows, self.spec, self.kernel_mode)
-        return Message(buffer, self.spec, rows.shape[-2], jnp.dtype(dtype), self.kernel_mode)
+        buffer = encode(rows, self.spec, self.codec)
+        return Message(buffer, self.spec, rows.shape[-2], jnp.dtype(dtype), self.codec)
 
     def stacked(self, buffers: list[jax.Array], groups: int, dtype: Any) -> Message:
         """Received buffers of this plan's messages (one per sender, `groups` groups
         each) as one `Message` of k messages, decoding to `dtype`."""
-        return Message(jnp.stack(buffers), self.spec, groups, jnp.dtype(dtype), self.kernel_mode)
+        return Message(jnp.stack(buffers), self.spec, groups, jnp.dtype(dtype), self.codec)
 
     def to_wire_order(self, x: jax.Array) -> jax.Array:
         """`x` with its channels (last axis) in the order they are grouped on the wire."""
@@ -180,14 +182,14 @@ class Message:
       spec: the quantizer.
       groups: groups of G per message.
       dtype: what `decode` and `sum` give.
-      kernel_mode: the codec backend.
+      codec: the codec path (`WirePlan.codec`).
     """
 
     buffer: jax.Array
     spec: QuantSpec = dataclasses.field(metadata=dict(static=True))
     groups: int = dataclasses.field(metadata=dict(static=True))
     dtype: Any = dataclasses.field(metadata=dict(static=True))
-    kernel_mode: str = dataclasses.field(metadata=dict(static=True))
+    codec: Codec = dataclasses.field(metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
@@ -202,18 +204,18 @@ class Message:
         """Each message decoded alone: buffer (R, W) -> rows (n, G), or (k, R, W) ->
         (k, n, G)."""
         if self.buffer.ndim == 2:
-            return decode(self.buffer[None, None], self.groups, self.spec, self.dtype, self.kernel_mode)[0]
-        return decode(self.buffer[:, None], self.groups, self.spec, self.dtype, self.kernel_mode)
+            return decode(self.buffer[None, None], self.groups, self.spec, self.dtype, self.codec)[0]
+        return decode(self.buffer[:, None], self.groups, self.spec, self.dtype, self.codec)
 
     def sum(self) -> jax.Array:
         """The messages of the leading axis summed (float32, in the transformed domain):
         buffer (k, R, W) -> rows (n, G)."""
-        return decode(self.buffer[None], self.groups, self.spec, self.dtype, self.kernel_mode)[0]
+        return decode(self.buffer[None], self.groups, self.spec, self.dtype, self.codec)[0]
 
     def requantize(self) -> Message:
         """The messages of the leading axis summed and compressed again as one message:
         buffer (k, R, W) -> (R, W)."""
-        return self.moved(lambda buffer: requantize(buffer, self.groups, self.spec, self.kernel_mode))
+        return self.moved(lambda buffer: requantize(buffer, self.groups, self.spec, self.codec))
 
 
 @jax.tree_util.register_dataclass
@@ -388,7 +390,8 @@ def plan_message(
             f"site {site!r} has a channel permutation, so it cannot gather or scatter along "
             f"the last (channel) axis of shape {x.shape}"
         )
-    return WirePlan(spec, route.chunks if pipelined else 1, route.algorithm, permutation, call.config.kernel_mode)
+    codec = codec_choice(spec, x.dtype, call.config.kernel_mode, shards=lax.axis_size(call.axis_name))
+    return WirePlan(spec, route.chunks if pipelined else 1, route.algorithm, permutation, codec)
 
 
 # ----------------------------------------------------------------------------- layout
