@@ -22,7 +22,7 @@ from jax import lax
 import taco_jax as tj
 from taco_jax import accounting
 from taco_jax.mesh import TENSOR_AXIS
-from taco_jax.message import record_plain_all_reduce
+from taco_jax.message import record_plain_all_reduce, remat_policy
 
 from . import layers
 from .config import ModelConfig, Qwen2Config, padded_vocab
@@ -100,10 +100,12 @@ def taco_config(value: tj.TacoConfig | str | None, argument: str = "taco") -> tj
 
 
 # What a layer keeps for its backward pass (jax.checkpoint policies); None = no remat.
+# Both keep what the collectives received (`message.remat_policy`): recomputing a layer
+# sends nothing again.
 REMAT_POLICIES = {
     "none": None,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": remat_policy(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "block": remat_policy(None),
 }
 
 

@@ -49,6 +49,7 @@ from taco_jax.message import (
     check_axis,
     in_rank_order,
     plan_message,
+    received,
 )
 
 
@@ -60,7 +61,7 @@ def shift_pairs(ranks: int, shift: int) -> tuple[tuple[int, int], ...]:
 
 def _shifted(message: jax.Array, axis_name: str, shift: int) -> jax.Array:
     ranks = lax.axis_size(axis_name)
-    return lax.ppermute(per_rank(message, axis_name), axis_name, shift_pairs(ranks, shift))
+    return received(lax.ppermute(per_rank(message, axis_name), axis_name, shift_pairs(ranks, shift)))
 
 
 # ----------------------------------------------------------------------------- all-gather

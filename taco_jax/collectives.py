@@ -41,6 +41,7 @@ from taco_jax.message import (
     concatenated,
     plan_message,
     rank_blocks,
+    received,
     to_rows,
 )
 from taco_jax.spec import TacoConfig
@@ -145,7 +146,7 @@ def run_all_gather(
 
 def _plain_all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool) -> jax.Array:
     if x.size:
-        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+        return received(lax.all_gather(x, axis_name, axis=axis, tiled=tiled))
     shape = list(x.shape)
     if tiled:
         shape[axis] *= lax.axis_size(axis_name)
@@ -179,7 +180,7 @@ def run_reduce_scatter(
     if plan is None:
         if not x.size:
             return _empty_result(x, block_shape, call.axis_name)
-        return lax.psum_scatter(x, call.axis_name, scatter_dimension=dim, tiled=tiled)
+        return received(lax.psum_scatter(x, call.axis_name, scatter_dimension=dim, tiled=tiled))
     moved = jnp.moveaxis(plan.to_wire_order(x), dim, 0)
     chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
     rows = to_rows(moved.reshape(ranks, *chunk_shape), plan.spec.group_size, 1)
@@ -198,7 +199,7 @@ def run_all_reduce(x: jax.Array, call: Call, *, direction: str, algorithm: str =
     plan = plan_message(x, call, op=collective.op, direction=direction, algorithm=algorithm)
     call.record(collective, plan)  # a compressed one under its algorithm's name
     if plan is None:
-        return lax.psum(x, call.axis_name)
+        return received(lax.psum(x, call.axis_name))
     exchange = _one_shot if plan.algorithm == "one_shot" else _two_shot
     return plan.array(exchange(plan.rows(x), call, plan, x.dtype), x.shape)
 
@@ -240,10 +241,10 @@ def run_ppermute(x: jax.Array, call: Call, *, direction: str, pairs: tuple[tuple
     plan = plan_message(x, call, op=collective.op, direction=direction, report=False, pipelined=False)
     call.record(collective, plan)
     if plan is None:
-        return lax.ppermute(per_rank(x, call.axis_name), call.axis_name, pairs)
+        return received(lax.ppermute(per_rank(x, call.axis_name), call.axis_name, pairs))
     message = plan.encode(plan.rows(x), x.dtype)
-    received = message.moved(lambda buffer: lax.ppermute(per_rank(buffer, call.axis_name), call.axis_name, pairs))
-    return plan.array(received.decode(), x.shape)
+    arrived = message.moved(lambda buffer: lax.ppermute(per_rank(buffer, call.axis_name), call.axis_name, pairs))
+    return plan.array(arrived.decode(), x.shape)
 
 
 # ----------------------------------------------------------------------------- differentiable API

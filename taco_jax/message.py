@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax import accounting, policy
 from taco_jax import calibration as calibration_lib
@@ -198,7 +199,7 @@ class Message:
 
     def moved(self, move: Callable[[jax.Array], jax.Array]) -> Message:
         """The message with its buffer moved by `move` (a collective)."""
-        return dataclasses.replace(self, buffer=move(self.buffer))
+        return dataclasses.replace(self, buffer=received(move(self.buffer)))
 
     def decode(self) -> jax.Array:
         """Each message decoded alone: buffer (R, W) -> rows (n, G), or (k, R, W) ->
@@ -392,6 +393,32 @@ def plan_message(
         )
     codec = codec_choice(spec, x.dtype, call.config.kernel_mode, shards=lax.axis_size(call.axis_name))
     return WirePlan(spec, route.chunks if pipelined else 1, route.algorithm, permutation, codec)
+
+
+# ----------------------------------------------------------------------------- rematerialization
+
+# The name of every message a collective delivers (`received`), for `jax.checkpoint`
+# policies: `REMAT_KEEPS_MESSAGES` saves them, so recomputing a layer for its backward
+# pass recomputes its arithmetic but sends nothing again.
+RECEIVED = "taco_jax.received"
+
+
+def received(x: jax.Array) -> jax.Array:
+    """`x`, what a collective delivered, named `RECEIVED` for rematerialization policies."""
+    return checkpoint_name(x, RECEIVED)
+
+
+REMAT_KEEPS_MESSAGES = jax.checkpoint_policies.save_only_these_names(RECEIVED)
+
+
+def remat_policy(policy: Callable[..., bool] | None) -> Callable[..., bool]:
+    """`policy` (a `jax.checkpoint` policy; None: save nothing) that also saves every
+    received message (`RECEIVED`): a rematerialized layer recomputes, it does not send its
+    forward messages again (the compressed ones are kept as their 8-bit buffers), so the
+    wire ledger's forward messages are all the program sends."""
+    if policy is None:
+        return REMAT_KEEPS_MESSAGES
+    return jax.checkpoint_policies.save_from_both_policies(policy, REMAT_KEEPS_MESSAGES)
 
 
 # ----------------------------------------------------------------------------- layout

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec
 
 from taco_jax import collective_matmul, collectives
 from taco_jax.calibration import Calibration
-from taco_jax.message import Call, check_algorithm
+from taco_jax.message import Call, check_algorithm, record_plain_all_reduce
 from taco_jax.spec import TacoConfig
 
 
@@ -407,6 +407,11 @@ def matmul_all_reduce(
     return collectives.called(collective_matmul.matmul_all_reduce, x, weight, call)
 
 
+# Why the sequence-parallel gradient sums go plain: parameter gradients (norms, biases,
+# positions: small) feed the optimizer, where the tensor axis carries no error feedback.
+PARAMETER_GRADIENT_REASON = "replicated parameters' gradients: small, kept exact"
+
+
 def sum_sequence_parallel_grads(grads: Any, specs: Any, axis_name: str) -> Any:
     """Sum over `axis_name` the gradients of parameters that are replicated over it but
     applied to sequence shards (norms, biases after a reduce-scatter, positions) — each
@@ -430,4 +435,10 @@ def sum_sequence_parallel_grads(grads: Any, specs: Any, axis_name: str) -> Any:
     def named(spec: PartitionSpec) -> bool:
         return any(axis_name in (entry if isinstance(entry, tuple) else (entry,)) for entry in spec)
 
-    return jax.tree.map(lambda g, spec: g if named(spec) else lax.psum(g, axis_name), grads, specs)
+    def summed(grad: jax.Array) -> jax.Array:
+        record_plain_all_reduce(
+            grad, axis_name, site="sequence_parallel_grads", direction="backward", reason=PARAMETER_GRADIENT_REASON
+        )
+        return lax.psum(grad, axis_name)
+
+    return jax.tree.map(lambda g, spec: g if named(spec) else summed(g), grads, specs)

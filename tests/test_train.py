@@ -464,15 +464,16 @@ def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
 
 def _compiled_bytes_by_axis(train_step, state, tokens, mesh) -> dict[str, int]:
     """What each rank sends per step on each mesh axis, read from the compiled step's
-    non-scalar collectives, each attributed to its axis by its replica groups."""
+    non-scalar collectives (loops counted by their trip counts), each attributed to its axis
+    by its replica groups."""
     hlo = train_step.lower(*state, tokens, jnp.bool_(False)).compile().as_text()
     compiled = {"tensor": 0, "pipe": 0, "data": 0}
-    for collective in tj.collectives_in_hlo(hlo):
+    for collective, times, _ in tj.hlo.collectives_with_counts(hlo):
         arrays = [int(np.prod(shape)) * dtype_bytes(dtype) for dtype, shape in collective.parts if shape]
         if not arrays or not collective.sent_bytes:
             continue  # scalars (the loss, the gradient norm); a sum over one device sends nothing
         (axis,) = collective.mesh_axes(mesh)
-        compiled[axis] += collective.sent_bytes * sum(arrays) // collective.result_bytes
+        compiled[axis] += times * collective.sent_bytes * sum(arrays) // collective.result_bytes
     return compiled
 
 
@@ -488,11 +489,14 @@ def _loop_bytes(loop) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
 def test_reported_wire_bytes_are_those_of_the_compiled_step_after_calibration(tmp_path):
     """The bytes in the metrics rows and the summary are those of the step that trains:
     off and taco4 report their compiled steps, also when the step was traced before the
-    count; taco+mixed calibrated in the run reports, from the calibrated step on, what
-    the calibrated step sends (taco+: `test_bytes_per_axis_in_metrics_equal_the_compiled_collectives`;
-    taco+mixed from a file: `test_standalone_calibration_feeds_other_runs`)."""
-    for preset in ("off", "taco4"):
-        loop = trainer.setup_train_loop(_cfg(tmp_path, preset, taco=preset, calibration_steps=0))
+    count, with scanned layers rematerialized (recomputing a layer sends nothing again)
+    and sequence parallelism (its parameter-gradient sums counted); taco+mixed calibrated
+    in the run reports, from the calibrated step on, what the calibrated step sends
+    (taco+: `test_bytes_per_axis_in_metrics_equal_the_compiled_collectives`; taco+mixed
+    from a file: `test_standalone_calibration_feeds_other_runs`)."""
+    layouts = dict(sequence_parallel=True, scan_layers=True, calibration_steps=0)
+    for preset, remat in (("off", "block"), ("taco4", "dots")):
+        loop = trainer.setup_train_loop(_cfg(tmp_path, preset, taco=preset, remat=remat, **layouts))
         try:
             reported, compiled, counted_after_compiling = _loop_bytes(loop)
         finally:
