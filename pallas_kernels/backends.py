@@ -36,6 +36,8 @@ class CodecWork:
       dtype: the compress's input dtype, or the decode's output dtype.
       shards: messages a decode sums (1 for a compress or a lone decode).
       stochastic: values are rounded stochastically.
+      scales: the scale format's name; None where the caller has settled it (a kernel
+        entry point, which takes the scale formats its backend does).
     """
 
     fmt: str
@@ -43,6 +45,7 @@ class CodecWork:
     dtype: jnp.dtype
     shards: int = 1
     stochastic: bool = False
+    scales: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,7 @@ class CodecBackend:
     Attributes:
       name: "gluon", "pallas" or "jnp".
       formats: the element formats it encodes and decodes; None: every format.
+      scale_formats: the scale formats it writes and reads; None: every format.
       max_group: the largest group size (a power of two from 16 up).
       dtypes: the float dtypes it reads and writes; None: any.
       any_shards: whether it sums any number of shards (else a power of two).
@@ -61,6 +65,7 @@ class CodecBackend:
 
     name: str
     formats: tuple[str, ...] | None
+    scale_formats: tuple[str, ...] | None
     max_group: int
     dtypes: tuple[jnp.dtype, ...] | None
     any_shards: bool
@@ -76,6 +81,7 @@ class CodecBackend:
         """Whether this backend takes `work` (wherever it runs)."""
         return (
             (self.formats is None or work.fmt in self.formats)
+            and (self.scale_formats is None or work.scales is None or work.scales in self.scale_formats)
             and 16 <= work.group_size <= self.max_group
             and _power_of_two(work.group_size)
             and (self.dtypes is None or jnp.dtype(work.dtype) in self.dtypes)
@@ -85,12 +91,15 @@ class CodecBackend:
 
 
 _EIGHT_BIT = ("e4m3", "e5m2", "int8")
+# The scale encodings the kernels write (`gluon_codec.SCALE_FORMAT_IDS`, `group_codec`).
+_KERNEL_SCALES = ("dual", "single", "bf16", "e8m0")
 
 # The Gluon kernels (`row_kernels`, `split_kernels`): the split kernels spread a group over
 # at most a warp's 32 lanes, so groups up to 512 keep 16 values per thread.
 GLUON = CodecBackend(
     "gluon",
     _EIGHT_BIT,
+    _KERNEL_SCALES,
     max_group=512,
     dtypes=KERNEL_DTYPES,
     any_shards=False,
@@ -99,10 +108,19 @@ GLUON = CodecBackend(
 )
 # The Pallas compress and decompress kernels: on a GPU, or in the Pallas interpreter.
 PALLAS = CodecBackend(
-    "pallas", _EIGHT_BIT, max_group=512, dtypes=KERNEL_DTYPES, any_shards=False, stochastic=False, runs=lambda _: True
+    "pallas",
+    _EIGHT_BIT,
+    _KERNEL_SCALES,
+    max_group=512,
+    dtypes=KERNEL_DTYPES,
+    any_shards=False,
+    stochastic=False,
+    runs=lambda _: True,
 )
 # The plain jnp path (`group_codec`, `wire.pack`): every format, size and rounding.
-JNP = CodecBackend("jnp", None, max_group=1 << 30, dtypes=None, any_shards=True, stochastic=True, runs=lambda _: True)
+JNP = CodecBackend(
+    "jnp", None, None, max_group=1 << 30, dtypes=None, any_shards=True, stochastic=True, runs=lambda _: True
+)
 
 # In order of preference.
 BACKENDS = (GLUON, PALLAS, JNP)

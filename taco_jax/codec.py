@@ -41,7 +41,7 @@ def codec_choice(
     check_kernel_mode(kernel_mode)
     if size == 0:
         return backends.JNP_PATH
-    work = backends.CodecWork(spec.fmt, spec.group_size, jnp.dtype(dtype), shards, spec.stochastic)
+    work = backends.CodecWork(spec.fmt, spec.group_size, jnp.dtype(dtype), shards, spec.stochastic, spec.scales)
     return backends.choose(work, kernel_mode)
 
 

@@ -1,6 +1,8 @@
 """The codec backend table (`pallas_kernels.backends`): which path each kernel mode and
 piece of work gets, from the one table the codec and the kernels read."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
@@ -57,3 +59,11 @@ def test_kernel_configs_name_their_backend():
     assert backends.launched_by(split_kernels.SplitConfig(), work, False) is backends.GLUON
     assert backends.launched_by(launch.KernelConfig(), work, False) is backends.PALLAS
     assert backends.launched_by(None, work, True) is backends.PALLAS
+
+
+def test_a_scale_format_no_kernel_writes_runs_the_jnp_path():
+    """A scale format added by a user (no kernel writes it) takes the jnp path, as an
+    element format does."""
+    work = backends.CodecWork("int8", 128, jnp.dtype(jnp.bfloat16), scales="toy-scales")
+    assert backends.choose(work, "interpret") == backends.JNP_PATH
+    assert backends.choose(dataclasses.replace(work, scales="e8m0"), "interpret").name == "pallas"
