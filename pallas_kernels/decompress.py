@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import backends, formats, group_codec, split_kernels, wire
+from . import backends, elementwise, formats, group_codec, split_kernels, wire
 from .hadamard import hadamard_matrix, hadamard_transform
 from .launch import (
     KernelConfig,
@@ -98,7 +98,7 @@ def _decompress_kernel(
         multipliers = tuple(multiplier_ref[shard, rows] for shard in range(shards))
         shift = group_codec.sum_shift(multipliers)
         scaled = [
-            _scaled(_codes(payload_ref, shard, rows, message_fmt), formats.times_pow2(multiplier, -shift))
+            _scaled(_codes(payload_ref, shard, rows, message_fmt), elementwise.times_pow2(multiplier, -shift))
             for shard, multiplier in enumerate(multipliers)
         ]
         return functools.reduce(lambda a, b: tuple(map(jnp.add, a, b)), scaled), shift[:, None]
@@ -109,7 +109,7 @@ def _decompress_kernel(
             values = apply_hadamard(_codes(payload_ref, 0, rows, message_fmt), hadamard, 1, config.transform_method)
             decoded = _scaled(values, multiplier_ref[0, rows] * inv_sqrt)
             store_pieces(
-                out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
+                out_refs[0], rows, tuple(elementwise.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
             )
             return
         summed, shift = scaled_sum(rows)
@@ -117,7 +117,7 @@ def _decompress_kernel(
             fmt, scale_format = requantize_to
             normalized, factor, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
             payload, entries = group_codec.quantize_scaled(  # the pre-scale of the unscaled sum
-                normalized, factor, formats.times_pow2(prescale, -shift), fmt, scale_format, in_kernel=True
+                normalized, factor, elementwise.times_pow2(prescale, -shift), fmt, scale_format, in_kernel=True
             )
             store_pieces(out_refs[0], rows, payload)
             for ref, entry in zip(out_refs[1:], entries):
@@ -129,8 +129,10 @@ def _decompress_kernel(
             summed = tuple(
                 piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.transform_method)
             )
-        decoded = tuple(formats.times_pow2(piece, shift) for piece in summed)
-        store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded))
+        decoded = tuple(elementwise.times_pow2(piece, shift) for piece in summed)
+        store_pieces(
+            out_refs[0], rows, tuple(elementwise.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
+        )
 
     row_loop(payload_ref.shape[1], block, decode_block)
 
@@ -367,11 +369,11 @@ def decompress_reference(
     if payload.shape[0] == 1 and transform and requantize_to is None:
         # Transform the small payload values first, then scale: no overflow near f32 max.
         decoded = hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]
-        return formats.saturating_cast(
-            formats.times_pow2(decoded, jnp.int32(headroom)) if headroom else decoded, out_dtype
+        return elementwise.saturating_cast(
+            elementwise.times_pow2(decoded, jnp.int32(headroom)) if headroom else decoded, out_dtype
         )
     shift = group_codec.sum_shift(tuple(multiplier))[..., None]  # (N, 1)
-    summed = jnp.sum(payload.astype(jnp.float32) * formats.times_pow2(multiplier[..., None], -shift), axis=0)
+    summed = jnp.sum(payload.astype(jnp.float32) * elementwise.times_pow2(multiplier[..., None], -shift), axis=0)
     if requantize_to is not None:
         fmt, scale_format = requantize_to
         groups = summed[:, None, :]  # one group a row, as `group_codec.quantize_groups` lays them out
@@ -379,7 +381,7 @@ def decompress_reference(
         (codes,), entries = group_codec.quantize_scaled(
             (normalized,),
             factor,
-            formats.times_pow2(prescale, -shift[:, None]),
+            elementwise.times_pow2(prescale, -shift[:, None]),
             fmt,
             scale_format,
             stochastic=stochastic,
@@ -391,4 +393,4 @@ def decompress_reference(
         return codes, group_codec.pack_scale_entries(entries, scale_format)
     if transform:
         summed = hadamard_transform(summed)
-    return formats.saturating_cast(formats.times_pow2(summed, shift + headroom), out_dtype)
+    return elementwise.saturating_cast(elementwise.times_pow2(summed, shift + headroom), out_dtype)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import formats, group_codec
+from . import elementwise, formats, group_codec
 from .launch import output_struct
 
 try:
@@ -74,9 +74,9 @@ if gluon is not None:
 
     MAX_SCALE = gl.constexpr(float(formats.MAX_SCALE))
 
-    ROUNDING_BIAS = gl.constexpr(float(formats.ROUNDING_BIAS))
+    ROUNDING_BIAS = gl.constexpr(float(elementwise.ROUNDING_BIAS))
 
-    ROUNDING_BIAS_BITS = gl.constexpr(formats.ROUNDING_BIAS_BITS)
+    ROUNDING_BIAS_BITS = gl.constexpr(elementwise.ROUNDING_BIAS_BITS)
 
     @gluon.constexpr_function
     def row_layout(G, NUM_WARPS):
@@ -85,12 +85,12 @@ if gluon is not None:
 
     @gluon.jit
     def pow2(exponent):
-        """2.0**exponent for int32 exponents in [-126, 127] (`formats.pow2`)."""
+        """2.0**exponent for int32 exponents in [-126, 127] (`elementwise.pow2`)."""
         return ((exponent + 127) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
     def times_pow2(values, exponent):
-        """values * 2**exponent in two normal-range steps (`formats.times_pow2`)."""
+        """values * 2**exponent in two normal-range steps (`elementwise.times_pow2`)."""
         half = exponent >> 1
         return values * pow2(half) * pow2(exponent - half)
 
@@ -119,7 +119,7 @@ if gluon is not None:
 
     @gluon.jit
     def round_up_to_bf16(ratio):
-        """`formats.round_up_to_bf16`, as the float32 value of the bfloat16 result."""
+        """`elementwise.round_up_to_bf16`, as the float32 value of the bfloat16 result."""
         ratio = gl.where(ratio < SCALE_MIN, SCALE_MIN, ratio)
         bits = ratio.to(gl.uint32, bitcast=True)
         rounded = gl.where(gl.abs(ratio) < float("inf"), (bits + 0xFFFF) & 0xFFFF0000, bits)
@@ -127,7 +127,7 @@ if gluon is not None:
 
     @gluon.jit
     def encode_e8m0(ratio):
-        """`formats.encode_e8m0`, as int32 codes."""
+        """`elementwise.encode_e8m0`, as int32 codes."""
         bits = ratio.to(gl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) - 126
         code = gl.where((bits & 0x7FFFFF) == 0, exponent - 1, exponent) + 127

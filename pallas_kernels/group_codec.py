@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import formats
+from . import elementwise, formats
 from .hadamard import hadamard_transform
 
 PRESCALE_MIN = np.float32(2.0**-100)
@@ -70,11 +70,11 @@ def normalize_groups(pieces: Pieces, fmt_max: float) -> tuple[Pieces, jax.Array,
     """
     absmax = row_max_abs(pieces)
     shift = binade_shift(absmax)
-    inverse = formats.pow2(-shift)
+    inverse = elementwise.pow2(-shift)
     normalized = tuple(piece * inverse for piece in pieces)
     mean_square = row_sum(tuple(piece * piece for piece in normalized)) / np.float32(group_width(pieces))
     prescale = prescale_of(absmax, shift, mean_square, fmt_max)
-    return normalized, formats.times_pow2(prescale, shift), prescale
+    return normalized, elementwise.times_pow2(prescale, shift), prescale
 
 
 def group_width(pieces: Pieces) -> int:
@@ -95,7 +95,7 @@ def row_sum(pieces: Pieces) -> jax.Array:
 
 def binade_shift(absmax: jax.Array) -> jax.Array:
     """int32 e with absmax * 2**-e in [0.5, 1), stopped at 126 (`normalize_groups`)."""
-    return jnp.minimum(formats.binade_exponent(absmax), 126)
+    return jnp.minimum(elementwise.binade_exponent(absmax), 126)
 
 
 def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt_max: float) -> jax.Array:
@@ -107,7 +107,7 @@ def prescale_of(absmax: jax.Array, shift: jax.Array, mean_square: jax.Array, fmt
     normalized values (each below 8 in magnitude, so it cannot overflow) is NaN or Inf.
     """
     prescale = jnp.clip(
-        formats.times_pow2(np.float32(fmt_max) / jnp.sqrt(mean_square), -shift), PRESCALE_MIN, PRESCALE_MAX
+        elementwise.times_pow2(np.float32(fmt_max) / jnp.sqrt(mean_square), -shift), PRESCALE_MIN, PRESCALE_MAX
     )
     return jnp.where(jnp.isfinite(absmax) & jnp.isfinite(mean_square), prescale, np.float32(np.nan))
 
@@ -124,7 +124,7 @@ def sum_shift(multipliers: Pieces) -> jax.Array:
     away from float32's limits, decode bit for bit as they would unscaled.
     """
     largest = functools.reduce(jnp.maximum, multipliers)
-    return jnp.maximum(formats.binade_exponent(largest), 0)
+    return jnp.maximum(elementwise.binade_exponent(largest), 0)
 
 
 def quantize_scaled(
@@ -173,7 +173,7 @@ def quantize_scaled(
     # and eager, where XLA may compute the pre-scale (hence the product) an ulp apart.
     keys = values if dither_keys is None else dither_keys
     payload = tuple(
-        formats.cast_to_wire(piece * multiplier, wire, in_kernel, formats.dither(key) if stochastic else None)
+        formats.cast_to_wire(piece * multiplier, wire, in_kernel, elementwise.dither(key) if stochastic else None)
         for piece, key in zip(values, keys, strict=True)
     )
     return payload, entries
@@ -191,7 +191,7 @@ def scale_entries(
     format's largest value and the group decodes finite, never to Inf or NaN."""
     encoding = formats.scale_format(scale_format)
     if headroom:
-        prescale = formats.times_pow2(prescale, jnp.int32(headroom))
+        prescale = elementwise.times_pow2(prescale, jnp.int32(headroom))
     scale = jnp.maximum(absmax / np.float32(formats.wire_format(fmt).max_value), SCALE_MIN)
     scale = jnp.where(scale / prescale > formats.MAX_SCALE, prescale * formats.MAX_SCALE, scale)
     return encoding.encode(prescale, scale)

@@ -241,7 +241,7 @@ if gluon is not None:
 
     @gluon.jit
     def _saturating_cast(values, dtype: gl.constexpr):
-        """`formats.saturating_cast`: float32 to `dtype`, values past its largest finite
+        """`elementwise.saturating_cast`: float32 to `dtype`, values past its largest finite
         clamped to it, NaN kept: one conversion instruction per pair of values (a compare
         and two selects per value otherwise). For float32, a decode that overflowed (a
         value near its largest plus codec error) is clamped back."""

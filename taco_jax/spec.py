@@ -58,7 +58,7 @@ class QuantSpec:
       rounding: "nearest" (ties to even) or "stochastic": up or down with the
         probabilities that make the expected code the value, from a hash of each value's
         bits, its position and the vmap slice and shard_map device it is on
-        (`pallas_kernels.formats.dither`: reproducible, the same jitted and eager, new
+        (`pallas_kernels.elementwise.dither`: reproducible, the same jitted and eager, new
         each step as the tensors are, independent across slices and devices), for
         gradient messages in the formats that take it (`WireFormat.stochastic_rounding`:
         the integer and sub-byte float formats); it runs the jnp path.

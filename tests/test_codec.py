@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax.kernels import formats
+from taco_jax.kernels import elementwise, formats
 from tests import reference as ref
 
 FMTS = ["e4m3", "e5m2", "int8", "int4", "e2m3", "e3m2", "e2m1"]
@@ -126,8 +126,8 @@ def test_sub_byte_floats_are_the_ocp_mx_formats(fmt):
     wire, dtype = formats.WIRE_FORMATS[fmt], MINIFLOATS[fmt]
     codes = np.arange(2**wire.bits, dtype=np.uint8)
     values = codes.view(dtype).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(formats.minifloat_values(jnp.asarray(codes), wire)), values)
-    np.testing.assert_array_equal(np.asarray(formats.minifloat_codes(jnp.asarray(values), wire)), codes)
+    np.testing.assert_array_equal(np.asarray(elementwise.minifloat_values(jnp.asarray(codes), wire)), values)
+    np.testing.assert_array_equal(np.asarray(elementwise.minifloat_codes(jnp.asarray(values), wire)), codes)
     assert values.max() == wire.max_value
     rng = np.random.default_rng(5)
     samples = (rng.uniform(-wire.max_value, wire.max_value, 4000) * 2.0 ** rng.integers(-6, 1, 4000)).astype(np.float32)
@@ -140,9 +140,9 @@ def test_sub_byte_floats_are_the_ocp_mx_formats(fmt):
 @pytest.mark.parametrize(("bits", "width"), [(4, 3), (6, 3)])
 def test_sub_byte_codes_pack_and_unpack(bits, width):
     codes = jnp.asarray(np.random.default_rng(bits).integers(0, 2**bits, (width, 64)), jnp.uint8)
-    packed = formats.pack_codes(codes, bits)
+    packed = elementwise.pack_codes(codes, bits)
     assert packed.dtype == jnp.uint8 and packed.shape == (width, 64 * bits // 8)
-    np.testing.assert_array_equal(np.asarray(formats.unpack_codes(packed, bits)), np.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(elementwise.unpack_codes(packed, bits)), np.asarray(codes))
     # The earliest code sits in the lowest bits.
     first = np.asarray(packed[:, 0]) & (2**bits - 1) if bits == 4 else np.asarray(packed[:, 0]) & 0x3F
     np.testing.assert_array_equal(first, np.asarray(codes[:, 0]))
@@ -154,7 +154,7 @@ def test_int8_cast_rounds_half_to_even_and_clips():
     np.testing.assert_array_equal(got, [0, 2, 2, 0, -2, 126, 127, 127, -127])
 
 
-@pytest.mark.parametrize("rounding", [formats.round_to_int, formats.round_half_even], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("rounding", [elementwise.round_to_int, elementwise.round_half_even], ids=lambda f: f.__name__)
 def test_integer_rounding_is_numpy_round_half_even(rounding):
     rng = np.random.default_rng(3)
     values = np.concatenate(
@@ -371,9 +371,9 @@ def test_dataclass_replace_keeps_validation():
 def test_int4_packs_two_codes_per_byte_on_the_wire():
     wire = formats.WIRE_FORMATS["int4"]
     every = jnp.asarray(np.arange(-8, 8), jnp.int8)
-    packed = formats.pack_codes(formats.payload_codes(every, wire), 4)
+    packed = elementwise.pack_codes(formats.payload_codes(every, wire), 4)
     assert packed.dtype == jnp.uint8 and packed.shape == (8,)
-    unpacked = formats.payload_from_codes(formats.unpack_codes(packed, 4), wire)
+    unpacked = formats.payload_from_codes(elementwise.unpack_codes(packed, 4), wire)
     assert unpacked.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(unpacked), np.arange(-8, 8))
     spec = tj.QuantSpec(fmt="int4", scales="bf16", group_size=128)
@@ -426,7 +426,7 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(fmt, value, below, abo
     rounds the same way again, eagerly or jitted."""
     wire = formats.WIRE_FORMATS[fmt]
     values = jnp.concatenate([jnp.full(20000, value, jnp.float32), jnp.full(20000, -value, jnp.float32)])
-    stochastic = lambda v: formats.cast_to_wire(v, wire, draws=formats.dither(v))
+    stochastic = lambda v: formats.cast_to_wire(v, wire, draws=elementwise.dither(v))
     rounded = np.asarray(stochastic(values), np.float64)
     assert set(np.unique(np.abs(rounded))) == {below, above}
     share = (value - below) / (above - below)

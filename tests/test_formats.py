@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
 from taco_jax import calibration, codec, hlo
-from taco_jax.kernels import formats, group_codec, wire
+from taco_jax.kernels import elementwise, formats, group_codec, wire
 from taco_jax.train import compression
 from taco_jax.train.config import TrainConfig
 from tests import reference as ref
@@ -134,9 +134,9 @@ def test_codes_pack_and_unpack_into_ceil_five_eighths_bytes(int5):
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_any_width_packs_as_a_little_endian_bit_stream(bits):
     codes = np.random.default_rng(bits).integers(0, 2**bits, (2, 48), dtype=np.uint8)
-    packed = formats.pack_codes(jnp.asarray(codes), bits)
+    packed = elementwise.pack_codes(jnp.asarray(codes), bits)
     np.testing.assert_array_equal(np.asarray(packed), _pack_bits(codes, bits))
-    np.testing.assert_array_equal(np.asarray(formats.unpack_codes(packed, bits)), codes)
+    np.testing.assert_array_equal(np.asarray(elementwise.unpack_codes(packed, bits)), codes)
 
 
 MINIFLOATS = {"e2m3": ml_dtypes.float6_e2m3fn, "e3m2": ml_dtypes.float6_e3m2fn, "e2m1": ml_dtypes.float4_e2m1fn}
