@@ -25,9 +25,11 @@ INT8 = tj.QuantSpec.parse("int8:128:H:bf16")
         (INT8, jnp.int32, 1, "jnp"),  # not a kernel dtype
     ],
 )
-def test_each_kernel_mode_takes_the_first_backend_that_takes_the_work(spec, dtype, shards, interpret_path):
+def test_each_kernel_mode_takes_the_first_backend_that_takes_the_work(spec, dtype, shards, interpret_path, monkeypatch):
     """Off GPU: "auto" and "jnp" run the jnp path; "interpret" the Pallas kernel where it
     takes the work; "gpu" the Pallas kernel too (Gluon runs only on a CUDA GPU)."""
+    monkeypatch.setattr(launch, "has_cuda", lambda: False)
+    monkeypatch.setattr(triton_launch, "available", lambda: False)
     choose = lambda mode: codec.codec_choice(spec, dtype, mode, shards=shards)
     assert choose("jnp") == backends.JNP_PATH and choose("auto") == backends.JNP_PATH
     interpreted = choose("interpret")
