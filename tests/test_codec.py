@@ -336,7 +336,7 @@ def test_presets():
     assert not off.compresses(1 << 30) and taco.compresses(8 << 20) and not taco.compresses(1024)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lead=st.lists(st.integers(1, 5), min_size=0, max_size=2),
     groups=st.integers(1, 4),
