@@ -3,6 +3,8 @@ everywhere a built-in one does (codec, wire message, collectives and their ledge
 calibration, the trainer's keys), and the generic bit packer keeps the built-in
 formats' bytes."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -13,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import taco_jax as tj
 from taco_jax import calibration, codec, hlo
 from taco_jax.kernels import elementwise, formats, group_codec, wire
-from taco_jax.train import compression
+from taco_jax.train import compression, trainer
 from taco_jax.train.config import TrainConfig
 from tests import reference as ref
 from tests.test_calibration import _collector_of
@@ -166,21 +168,32 @@ def test_collectives_send_it_and_the_ledger_counts_its_bytes(int5):
     mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
     x = _data((RANKS * 16, 256), seed=4)
 
+    shift = [(rank, (rank + 1) % RANKS) for rank in range(RANKS)]
+
     def body(v):
-        return tj.all_reduce(v, "tensor", config, site="sum"), tj.all_gather(v, "tensor", config, site="gather")
+        return (
+            tj.all_reduce(v, "tensor", config, site="sum"),
+            tj.all_gather(v, "tensor", config, site="gather"),
+            # -v: the same message as the all-reduce's would be one all-to-all to XLA
+            tj.reduce_scatter(-v, "tensor", config, site="scatter"),
+            tj.ppermute(v, "tensor", config, perm=shift, site="shift"),
+        )
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
     with tj.record_wire() as ledger:
         compiled = fn.lower(x).compile()
-    summed, gathered = (np.asarray(out, np.float64) for out in compiled(x))
+    summed, gathered, scattered, shifted = (np.asarray(out, np.float64) for out in compiled(x))
     blocks = x.astype(np.float64).reshape(RANKS, 16, 256)
     one_pass = _rel(jax.jit(lambda v: tj.decompress(tj.compress(v, spec)))(x), x)
     gather_error = _rel(gathered.reshape(RANKS, RANKS * 16, 256), np.broadcast_to(x, (RANKS, RANKS * 16, 256)))
     assert 0.5 * one_pass < gather_error < 1.5 * one_pass
     sum_error = _rel(summed.reshape(RANKS, 16, 256), np.broadcast_to(blocks.sum(0), (RANKS, 16, 256)))
     assert 0.5 * one_pass < sum_error < 3 * one_pass
+    assert 0.5 * one_pass < _rel(scattered, -blocks.sum(0)) < 3 * one_pass
+    assert 0.5 * one_pass < _rel(shifted, np.roll(blocks, 1, axis=0).reshape(x.shape)) < 1.5 * one_pass
 
-    assert {(record.compressed, record.site) for record in ledger.records} == {(True, "sum"), (True, "gather")}
+    sites = {"sum", "gather", "scatter", "shift"}
+    assert {(record.compressed, record.site) for record in ledger.records} == {(True, site) for site in sites}
     sent = hlo.bytes_by_axis(compiled.as_text(), mesh)
     assert set(sent) == {"tensor"} and set(sent["tensor"]) == {"u8"}
     assert sent["tensor"]["u8"] == ledger.by_axis(("tensor",))["tensor"] > 0
@@ -200,9 +213,19 @@ def test_calibration_chooses_it_within_the_budget(int5, tolerance, chosen):
     assert (plan.quant == candidate) is chosen
 
 
-def test_the_trainer_reads_it_as_a_quantizer_key(int5):
-    cfg = TrainConfig.from_keys(taco="taco+", taco_forward=INT5)
+def test_the_trainer_trains_with_it(int5, tmp_path):
+    """`taco_forward=int5:...` is a trainer key like any spec, and a step sends it: the
+    forward messages at 5 bits and bf16 scales per 32 values, the backward ones at taco+'s
+    8, and the reported bytes are the compiled step's (checked in tests/test_train.py)."""
+    keys = dict(model="gpt2-tiny", steps=1, batch_size=8, seq_len=32, mesh=(2, 1, 4), calibration_steps=0)
+    cfg = TrainConfig.from_keys(taco="taco+", taco_forward=INT5, out=str(tmp_path / "int5"), **keys)
     assert compression.taco_config(cfg).forward == tj.QuantSpec.parse(INT5)
+    trainer.train(cfg, progress=False)
+    (row,) = [json.loads(line) for line in (tmp_path / "int5" / "metrics.jsonl").read_text().splitlines()]
+    assert np.isfinite(row["loss"])
+    share = row["wire_bytes_by_axis"]["tensor"] / row["wire_bytes_bf16_by_axis"]["tensor"]
+    # (5.5 + 8.125) / 2 / 16 of bf16 where every message is compressed; plain loss statistics add a little
+    assert 0.40 < share < 0.50
 
 
 def test_an_unknown_format_names_the_key():
