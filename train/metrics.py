@@ -42,8 +42,8 @@ class WireBytes:
 def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: jax.Array) -> WireBytes:
     """The `WireBytes` of one optimizer step of `train_step` as it is compiled: the
     collectives of one trace of its function, each counted as often as the loops around
-    it run (the layers' scan, the accumulation steps). (Scalars, e.g. the loss's mean
-    over data, and forward messages recomputed under `remat` are not counted.)
+    it run (the layers' scan, the accumulation steps). A layer recomputed under `remat`
+    sends nothing again (`taco_jax.message.remat_policy`).
 
     The function is traced anew under a wrapper of its own: jit reuses an earlier trace
     of `train_step`, during which the ledger may not have been recording. The trace is
