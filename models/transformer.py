@@ -51,7 +51,8 @@ class Parallelism:
         all-reduce and the column matmul's backward all-reduce.
       remat: activation checkpointing of each layer: "none" (keep what autodiff
         needs), "dots" (keep the matmul outputs, recompute the rest) or "block"
-        (keep only each layer's input, recompute the layer in the backward pass).
+        (keep only each layer's input, recompute the layer in the backward pass); both
+        keep what the layer's collectives received (`message.remat_policy`).
       scan_layers: run the stacked layers as one `lax.scan` loop instead of unrolled.
         Unrolled (the default) compiles each layer separately, so compile time grows
         with depth, but the step is faster: a scan stacks what each layer keeps for the

@@ -207,7 +207,8 @@ class TrainConfig:
       compute_dtype: "float32" or "bfloat16" (parameters and optimizer stay float32).
       remat: activation checkpointing per layer: "none", "dots" (keep matmul outputs,
         recompute the rest) or "block" (keep each layer's input only); trades
-        recomputation for activation memory (benchmarks/step.py measures both).
+        recomputation for activation memory (benchmarks/step.py measures both). Both
+        keep what the layer's collectives received, so recomputing sends nothing again.
       scan_layers: run the layers as one `lax.scan` loop (compile time independent of
         depth) instead of unrolled (faster step: `models.Parallelism.scan_layers`).
       data: "shakespeare" (byte-level, shipped), a .npy/.bin token file, or a text file
