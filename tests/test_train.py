@@ -411,6 +411,15 @@ def test_pipe_and_data_compression_with_error_feedback_resumes_bit_exactly(tmp_p
     trainer.train(off, progress=False)
     straight = _cfg(tmp_path, "straight", **base, **ALL_AXES_COMPRESSED)
     trainer.train(straight, progress=False)
+    # Every non-scalar collective of the compiled step (the same program: a cache hit),
+    # attributed to its mesh axis by its replica groups, against what the run reported
+    # (several layers per stage: tests/test_models.py, test_wire_ledger_counts_every_layer_both_ways).
+    loop = trainer.setup_train_loop(dataclasses.replace(straight, out=str(tmp_path / "hlo")))
+    try:
+        reported, compiled, counted = _loop_bytes(loop)
+    finally:
+        loop.run.close()
+    assert reported == compiled == counted == _rows(straight.out)[0]["wire_bytes_by_axis"] and all(compiled.values())
     off_losses, losses = np.array(_losses(off.out)), np.array(_losses(straight.out))
     assert np.all(np.abs(losses / off_losses - 1) < 0.01) and np.all(losses != off_losses)
     off_row, row = _rows(off.out)[0], _rows(straight.out)[0]
@@ -443,25 +452,6 @@ def test_pipe_and_data_compression_with_error_feedback_resumes_bit_exactly(tmp_p
     assert trainer.train(plain, resume=True, progress=False)["steps"] == 5
 
 
-def test_bytes_per_axis_in_metrics_equal_the_compiled_collectives(tmp_path):
-    """Every non-scalar collective of the compiled step, attributed to its mesh axis by
-    its replica groups, against wire_bytes_by_axis (several layers per stage:
-    `tests/test_models.py`, `test_wire_ledger_counts_every_layer_both_ways`)."""
-    cfg = _cfg(tmp_path, "hlo", mesh=(2, 2, 2), microbatches=2, **ALL_AXES_COMPRESSED)
-    config, mesh = models.preset(cfg.model), run_state.device_mesh(cfg)
-    tx, _ = optimizer.make_optimizer(cfg, config)
-    params, opt_state = optimizer.init_state(config, 0, mesh, tx)
-    feedback = compression.init_error_feedback(cfg, config, params, mesh)
-    state = (params, opt_state, feedback)
-    train_step, _ = trainer.make_step_functions(cfg, config, mesh, tx, jax.tree.map(lambda x: x.sharding, state))
-    tokens = data_lib.batch_maker(cfg, mesh)(load("shakespeare", val_fraction=0.05).train, 0, cfg.batch_size)
-    wire = metrics.wire_bytes_per_step(train_step, state, tokens).sent
-    compiled = _compiled_bytes_by_axis(train_step, state, tokens, mesh)
-    assert wire == compiled and all(compiled.values())
-    trainer.train(dataclasses.replace(cfg, steps=1), progress=False)
-    assert _rows(cfg.out)[0]["wire_bytes_by_axis"] == wire
-
-
 def _compiled_bytes_by_axis(train_step, state, tokens, mesh) -> dict[str, int]:
     """What each rank sends per step on each mesh axis, read from the compiled step's
     non-scalar collectives (loops counted by their trip counts), each attributed to its axis
@@ -492,7 +482,7 @@ def test_reported_wire_bytes_are_those_of_the_compiled_step_after_calibration(tm
     count, with scanned layers rematerialized (recomputing a layer sends nothing again)
     and sequence parallelism (its parameter-gradient sums counted); taco+mixed calibrated
     in the run reports, from the calibrated step on, what the calibrated step sends
-    (taco+: `test_bytes_per_axis_in_metrics_equal_the_compiled_collectives`; taco+mixed
+    (taco+ on every axis: `test_pipe_and_data_compression_with_error_feedback_resumes_bit_exactly`; taco+mixed
     from a file: `test_standalone_calibration_feeds_other_runs`)."""
     layouts = dict(sequence_parallel=True, scan_layers=True, calibration_steps=0)
     for preset, remat in (("off", "block"), ("taco4", "dots")):
@@ -723,7 +713,6 @@ def test_generate_command_continues_prompts_with_a_runs_checkpoint(tmp_path, cap
     prints each prompt with its greedy continuation (the shipped byte-level tokens); the
     trainer's own sample at the last evaluation (`sample_tokens`) is the same
     continuation of the validation split's first 32 tokens."""
-    from taco_jax.train import data as data_lib
     from taco_jax.train import sample
 
     cfg = _cfg(tmp_path, "sampled", steps=3, checkpoint_every=1, sample_tokens=4)
