@@ -94,29 +94,21 @@ _EIGHT_BIT = ("e4m3", "e5m2", "int8")
 # The scale encodings the kernels write (`gluon_codec.SCALE_FORMAT_IDS`, `group_codec`).
 _KERNEL_SCALES = ("dual", "single", "bf16", "e8m0")
 
-# The Gluon kernels (`row_kernels`, `split_kernels`): the split kernels spread a group over
-# at most a warp's 32 lanes, so groups up to 512 keep 16 values per thread.
-GLUON = CodecBackend(
-    "gluon",
-    _EIGHT_BIT,
-    _KERNEL_SCALES,
-    max_group=512,
-    dtypes=KERNEL_DTYPES,
-    any_shards=False,
-    stochastic=False,
-    runs=lambda interpret: not interpret and triton_launch.available(),
-)
+
+def _kernels(name: str, runs: Callable[[bool], bool]) -> CodecBackend:
+    """A kernel backend: the 8-bit formats, the kernels' scale encodings, groups up to
+    512 (the Gluon split kernels spread a group over at most a warp's 32 lanes, 16 values
+    per thread; the Pallas kernels keep the same limit), the three float dtypes, a
+    power-of-two number of shards, rounding to nearest."""
+    return CodecBackend(
+        name, _EIGHT_BIT, _KERNEL_SCALES, 512, KERNEL_DTYPES, any_shards=False, stochastic=False, runs=runs
+    )
+
+
+# The Gluon kernels (`row_kernels`, `split_kernels`): on a CUDA GPU with Triton's Gluon.
+GLUON = _kernels("gluon", lambda interpret: not interpret and triton_launch.available())
 # The Pallas compress and decompress kernels: on a GPU, or in the Pallas interpreter.
-PALLAS = CodecBackend(
-    "pallas",
-    _EIGHT_BIT,
-    _KERNEL_SCALES,
-    max_group=512,
-    dtypes=KERNEL_DTYPES,
-    any_shards=False,
-    stochastic=False,
-    runs=lambda _: True,
-)
+PALLAS = _kernels("pallas", lambda _: True)
 # The plain jnp path (`group_codec`, `wire.pack`): every format, size and rounding.
 JNP = CodecBackend(
     "jnp", None, None, max_group=1 << 30, dtypes=None, any_shards=True, stochastic=True, runs=lambda _: True
