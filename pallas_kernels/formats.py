@@ -526,13 +526,3 @@ def cast_to_wire(
     clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
     rounded = fmt.round_to_nearest(clipped) if draws is None else fmt.round_stochastically(clipped, draws)
     return rounded.astype(fmt.dtype)
-
-
-def payload_codes(payload: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
-    """The wire codes of a payload (`WireFormat.codes`)."""
-    return fmt.codes(payload)
-
-
-def payload_from_codes(codes: jnp.ndarray, fmt: WireFormat) -> jnp.ndarray:
-    """Invert `payload_codes`: the payload in the format's dtype."""
-    return fmt.from_codes(codes)

@@ -371,9 +371,9 @@ def test_dataclass_replace_keeps_validation():
 def test_int4_packs_two_codes_per_byte_on_the_wire():
     wire = formats.WIRE_FORMATS["int4"]
     every = jnp.asarray(np.arange(-8, 8), jnp.int8)
-    packed = elementwise.pack_codes(formats.payload_codes(every, wire), 4)
+    packed = elementwise.pack_codes(wire.codes(every), 4)
     assert packed.dtype == jnp.uint8 and packed.shape == (8,)
-    unpacked = formats.payload_from_codes(elementwise.unpack_codes(packed, 4), wire)
+    unpacked = wire.from_codes(elementwise.unpack_codes(packed, 4))
     assert unpacked.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(unpacked), np.arange(-8, 8))
     spec = tj.QuantSpec(fmt="int4", scales="bf16", group_size=128)

@@ -108,7 +108,7 @@ def test_round_trip_matches_the_float64_reference_between_int4_and_int8(int5, mo
 
 def test_codes_pack_and_unpack_into_ceil_five_eighths_bytes(int5):
     payload = jnp.asarray(np.random.default_rng(1).integers(-15, 16, (3, 64)), jnp.int8)
-    codes = formats.payload_codes(payload, int5)
+    codes = int5.codes(payload)
     np.testing.assert_array_equal(np.asarray(codes), np.asarray(payload).view(np.uint8) & 0x1F)
     packed = int5.pack(payload)
     assert packed.dtype == jnp.uint8 and packed.shape == (3, 40) and int5.payload_bytes(64) == 40
