@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
 from taco_jax import codec, strict_json
-from taco_jax.collective_op import Op
+from taco_jax.accounting import Op
 from taco_jax.message import chunk_bounds
 from taco_jax.probe import median_ms
 

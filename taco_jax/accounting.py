@@ -1,13 +1,147 @@
-"""Wire-byte accounting per call site, recorded from shapes while a function is traced."""
+"""What collectives put on the wire, and the ledger of it.
+
+A `Collective` describes one traced call: the `Op`, the mesh axis and its size, the
+per-rank message (shape and dtype) and the direction. It counts the bytes each rank sends
+in the plain collective (`plain_bytes`, in the message's dtype; `bf16_bytes`), with one
+formula per op:
+
+| op | bytes each rank sends (n bytes per rank, k ranks) |
+|---|---|
+| all_gather | (k-1) n |
+| reduce_scatter, all_to_all | (k-1) n / k |
+| all_reduce, all_reduce_one_shot, all_reduce_two_shot | 2 (k-1) n / k (ring) |
+| ppermute | n |
+
+A compressed collective is a sequence of such steps on wire buffers, and counts what
+they send: the executor (`taco_jax.message.Transfer`) enters every step's `plain_bytes`
+as it moves a buffer, so the ledger holds the bytes of the collectives the program runs.
+`record` is the one place a `WireRecord` enters the active ledgers (`record_wire`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import math
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from taco_jax.tracing import TraceScope
+
+
+class Op(enum.StrEnum):
+    """A collective's name, as the route policy, the link probe and the wire ledger
+    (`WireRecord.op`) spell it. A `str`: each member equals its value.
+
+    A compressed all-reduce is entered in the ledger under its algorithm
+    (`ALL_REDUCE_ONE_SHOT`, `ALL_REDUCE_TWO_SHOT`); `ALL_REDUCE` is the plain one, and
+    the op the policy routes. `ALL_TO_ALL` is a step of the compressed reductions (each
+    rank's blocks exchanged), never a call of its own.
+    """
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_REDUCE_ONE_SHOT = "all_reduce_one_shot"
+    ALL_REDUCE_TWO_SHOT = "all_reduce_two_shot"
+    PPERMUTE = "ppermute"
+    ALL_TO_ALL = "all_to_all"
+
+    @property
+    def routed(self) -> Op:
+        """The op the route policy decides for: an all-reduce under any algorithm is
+        `ALL_REDUCE`; any other op itself."""
+        return Op.ALL_REDUCE if self in _ALL_REDUCE_BY_ALGORITHM.values() else self
+
+
+# The all-reduce under each algorithm's name (`WirePlan.algorithm`).
+_ALL_REDUCE_BY_ALGORITHM = {"one_shot": Op.ALL_REDUCE_ONE_SHOT, "two_shot": Op.ALL_REDUCE_TWO_SHOT}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective as traced, and the bytes each rank sends in it plain.
+
+    Attributes:
+      op: the `Op` (a plain string is read as one).
+      axis_name: the mesh axis it runs over.
+      ranks: the axis size.
+      shape: the per-rank message's shape.
+      dtype: the message's dtype.
+      direction: "forward" or "backward".
+      site: the call-site name; None names it after the op (`name`).
+
+    Raises:
+      ValueError: `op` names no `Op`.
+    """
+
+    op: Op
+    axis_name: str
+    ranks: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    direction: str
+    site: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", Op(self.op))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+    @classmethod
+    def traced(cls, x: jax.Array | jax.ShapeDtypeStruct, op: Op | str, axis_name: str, **fields: Any) -> Collective:
+        """The collective `op` of `x` over `axis_name`, inside the shard_map (or named
+        vmap) that gives the axis its size; `fields` are the other attributes."""
+        return cls(
+            op=Op(op), axis_name=axis_name, ranks=lax.axis_size(axis_name), shape=x.shape, dtype=x.dtype, **fields
+        )
+
+    @property
+    def abstract(self) -> jax.ShapeDtypeStruct:
+        """The per-rank message's shape and dtype."""
+        return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-rank message."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def under(self, algorithm: str) -> Collective:
+        """The collective as an all-reduce `algorithm` ("one_shot", "two_shot") sends it:
+        a plain all-reduce under that algorithm's name; any other op as it is."""
+        if self.op != Op.ALL_REDUCE:
+            return self
+        return dataclasses.replace(self, op=_ALL_REDUCE_BY_ALGORITHM[algorithm])
+
+    @property
+    def name(self) -> str:
+        """The name the ledger enters it under: the site, else the op."""
+        return self.site or self.op.value
+
+    @property
+    def plain_bytes(self) -> int:
+        """Bytes each rank sends in the plain collective, in the message's dtype (ring or
+        direct algorithms, as `hlo.HloCollective.sent_bytes` counts a compiled one)."""
+        k, n = self.ranks, self.nbytes
+        if self.op == Op.ALL_GATHER:
+            return (k - 1) * n
+        if self.op in (Op.REDUCE_SCATTER, Op.ALL_TO_ALL):
+            return (k - 1) * n // k
+        if self.op == Op.PPERMUTE:
+            return n
+        return 2 * (k - 1) * n // k  # every all-reduce, as the ring all-reduce
+
+    @property
+    def bf16_bytes(self) -> int:
+        """`plain_bytes` with 2-byte (bfloat16) elements."""
+        return self.plain_bytes * 2 // self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +150,7 @@ class WireRecord:
 
     Attributes:
       site: call-site name given by the caller (e.g. "layer3.mlp.out"), or the op name.
-      op: the `taco_jax.collective_op.Op` value: "all_gather", "reduce_scatter",
+      op: the `Op` value: "all_gather", "reduce_scatter",
         "all_reduce_one_shot", "all_reduce_two_shot", "all_reduce" (uncompressed psum)
         or "ppermute".
       direction: "forward" or "backward".
@@ -169,3 +303,39 @@ def record(entry: WireRecord, *, repeats: int | None = None) -> None:
     entry = dataclasses.replace(entry, repeats=entry.repeats * (_REPEATS.get() if repeats is None else repeats))
     for ledger in ledgers:
         ledger.records.append(entry)
+
+
+def record_collective(
+    collective: Collective,
+    *,
+    reason: str,
+    compressed: bool = False,
+    sent_bytes: int | None = None,
+    repeats: int | None = None,
+) -> None:
+    """Enter `collective` in the active wire ledgers (`record`): sent compressed or plain,
+    for `reason`, its steps having sent `sent_bytes` (None: the plain collective's),
+    counted `repeats` times (None: as the enclosing loops run).
+
+    Raises:
+      ValueError: an empty reason.
+    """
+    if not reason:
+        raise ValueError(f"{collective.name}: a collective is recorded with the reason it went as it did")
+    record(
+        WireRecord(
+            site=collective.name,
+            op=collective.op.value,
+            direction=collective.direction,
+            shape=collective.shape,
+            dtype=collective.dtype.name,
+            ranks=collective.ranks,
+            compressed=compressed,
+            sent_bytes=collective.plain_bytes if sent_bytes is None else sent_bytes,
+            uncompressed_sent_bytes=collective.plain_bytes,
+            axis=str(collective.axis_name),
+            bf16_sent_bytes=collective.bf16_bytes,
+            reason=reason,
+        ),
+        repeats=repeats,
+    )

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import calibration as calibration_lib
-from taco_jax.collective_op import Op
+from taco_jax.accounting import Op
 from taco_jax.collectives import (
     forward_recording,
     gather_invariant,
@@ -45,11 +45,10 @@ from taco_jax.collectives import (
 from taco_jax.message import (
     Call,
     Gathered,
+    Transfer,
     WirePlan,
     check_axis,
     in_rank_order,
-    plan_message,
-    received,
 )
 
 
@@ -59,9 +58,11 @@ def shift_pairs(ranks: int, shift: int) -> tuple[tuple[int, int], ...]:
     return tuple((rank, (rank + shift) % ranks) for rank in range(ranks))
 
 
-def _shifted(message: jax.Array, axis_name: str, shift: int) -> jax.Array:
-    ranks = lax.axis_size(axis_name)
-    return received(lax.ppermute(per_rank(message, axis_name), axis_name, shift_pairs(ranks, shift)))
+def _shift(transfer: Transfer, shift: int) -> Callable[[jax.Array], jax.Array]:
+    """The collective-permute by `shift` ranks, as a step of `transfer`."""
+    axis_name = transfer.collective.axis_name
+    pairs = shift_pairs(lax.axis_size(axis_name), shift)
+    return transfer.move(Op.PPERMUTE, lambda message: lax.ppermute(per_rank(message, axis_name), axis_name, pairs))
 
 
 # ----------------------------------------------------------------------------- all-gather
@@ -71,38 +72,42 @@ def gather_by_shifts(x: jax.Array, call: Call, *, direction: str, axis: int) -> 
     """Every rank's `x`, moved by the k-1 shift permutes (compressed where the plan of
     the all-gather it replaces says so), recorded as that all-gather; gathered along
     `axis` where `Gathered.value` joins them."""
-    collective = call.collective(x, Op.ALL_GATHER, direction)
-    plan = plan_message(x, call, op=collective.op, direction=direction)
-    call.record(collective, plan)
-    shifts = [functools.partial(_shifted, axis_name=call.axis_name, shift=s) for s in range(1, collective.ranks)]
-    parts: tuple[Any, ...]
-    if plan is None:
-        parts = (x, *(shift(x) for shift in shifts))
-    else:
-        own = plan.encode(plan.rows(x), x.dtype)
-        parts = (own, *(own.moved(shift) for shift in shifts))
+    with call.transfer(x, Op.ALL_GATHER, direction) as transfer:
+        plan, ranks = transfer.plan, transfer.collective.ranks
+        shifts = [_shift(transfer, s) for s in range(1, ranks)]
+        parts: tuple[Any, ...]
+        if plan is None:
+            parts = (x, *(shift(x) for shift in shifts))
+        else:
+            own = plan.encode(plan.rows(x), x.dtype)
+            parts = (own, *(own.moved(shift) for shift in shifts))
     return Gathered(parts, plan, tuple(x.shape), axis, True, call.axis_name, by_shifts=True)
 
 
 # ----------------------------------------------------------------------------- reduce-scatter
 
 
-def _sent_by_shifts(
-    partial_for: Callable[[jax.Array], jax.Array], call: Call, plan: WirePlan | None, *, op: Op, direction: str
-) -> list[jax.Array]:
+def _sent_by_shifts(partial_for: Callable[[jax.Array], jax.Array], transfer: Transfer, site: str) -> list[jax.Array]:
     """This rank's block of a sum, as received: element s is rank r - s's contribution
     `partial_for(r)` (s = 0 this rank's own), sent s ranks on by its shift permute, a
-    wire buffer where `plan` compresses it. Each contribution is computed just before
-    its send, so its matmul can run beside the previous one's transfer."""
-    ranks, me = lax.axis_size(call.axis_name), lax.axis_index(call.axis_name)
+    wire buffer where the transfer's plan compresses it (each reported to an active
+    calibration collector under `site`). Each contribution is computed just before its
+    send, so its matmul can run beside the previous one's transfer."""
+    plan, direction = transfer.plan, transfer.collective.direction
+    ranks, me = transfer.collective.ranks, lax.axis_index(transfer.collective.axis_name)
     received = []
     for shift in range(ranks):
         partial = partial_for((me + shift) % ranks)
         if plan is not None:
-            calibration_lib.observe(partial, call.site_of(op), direction)
+            calibration_lib.observe(partial, site, direction)
             partial = plan.encode(plan.rows(partial), partial.dtype).buffer
-        received.append(_shifted(partial, call.axis_name, shift) if shift else partial)
+        received.append(_shift(transfer, shift)(partial) if shift else partial)
     return received
+
+
+def _block_groups(block: tuple[int, ...], plan: WirePlan) -> int:
+    """Groups of G of one rank's block of the message, laid out in rows of its last axis."""
+    return math.prod(block[:-1]) * -(-block[-1] // plan.spec.group_size)
 
 
 def reduce_scatter_by_shifts(
@@ -126,15 +131,13 @@ def reduce_scatter_by_shifts(
       axis: the axis `message` is scattered along, one block per rank (not its last,
         which the wire layout groups).
     """
-    collective = call.collective(message, Op.REDUCE_SCATTER, direction, scatter_dimension=axis)
-    plan = plan_message(message, call, op=collective.op, direction=direction, report=False)
-    received = _sent_by_shifts(partial_for, call, plan, op=collective.op, direction=direction)
-    call.record(collective, plan)
+    with call.transfer(message, Op.REDUCE_SCATTER, direction, report=False) as transfer:
+        received = _sent_by_shifts(partial_for, transfer, call.site_of(Op.REDUCE_SCATTER))
+    plan, ranks = transfer.plan, transfer.collective.ranks
     if plan is None:
         return functools.reduce(jnp.add, received)
-    block = (*message.shape[:axis], message.shape[axis] // collective.ranks, *message.shape[axis + 1 :])
-    groups = collective.block_groups(plan.spec.group_size)
-    return plan.array(plan.stacked(received, groups, message.dtype).sum(), block)
+    block = (*message.shape[:axis], message.shape[axis] // ranks, *message.shape[axis + 1 :])
+    return plan.array(plan.stacked(received, _block_groups(block, plan), message.dtype).sum(), block)
 
 
 def all_reduce_by_shifts(
@@ -156,16 +159,17 @@ def all_reduce_by_shifts(
       call: the call.
       direction: "forward" or "backward".
     """
-    collective = call.collective(message, Op.ALL_REDUCE_TWO_SHOT, direction)  # so named even where plain
-    block_shape = (message.shape[0] // collective.ranks, *message.shape[1:])
-    plan = plan_message(message, call, op=Op.ALL_REDUCE, direction=direction, algorithm="two_shot", report=False)
-    received = _sent_by_shifts(partial_for, call, plan, op=Op.ALL_REDUCE, direction=direction)
-    if plan is None:
-        blocks = gather_invariant(functools.reduce(jnp.add, received), call.axis_name)
-    else:
-        groups = collective.block_groups(plan.spec.group_size)
-        blocks = plan.array(second_shot(plan.stacked(received, groups, message.dtype), call.axis_name), block_shape, 1)
-    call.record(collective, plan)
+    # So named even where plain: the plain one runs as two shots too.
+    with call.transfer(message, Op.ALL_REDUCE_TWO_SHOT, direction, algorithm="two_shot", report=False) as transfer:
+        plan = transfer.plan
+        block = (message.shape[0] // transfer.collective.ranks, *message.shape[1:])
+        received = _sent_by_shifts(partial_for, transfer, call.site_of(Op.ALL_REDUCE))
+        if plan is None:
+            gather = functools.partial(gather_invariant, axis_name=call.axis_name)
+            blocks = transfer.move(Op.ALL_GATHER, gather)(functools.reduce(jnp.add, received))
+        else:
+            summed = plan.stacked(received, _block_groups(block, plan), message.dtype)
+            blocks = plan.array(second_shot(summed, transfer), block, 1)
     return blocks.reshape(message.shape)
 
 

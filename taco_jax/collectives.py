@@ -28,20 +28,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax import accounting
+from taco_jax.accounting import Op
 from taco_jax.calibration import Calibration
-from taco_jax.collective_op import Op
 from taco_jax.kernels.jax_compat import checks_vma, transposing_whole_shard_map
 from taco_jax.message import (
     Call,
     Gathered,
     Message,
+    Transfer,
     WirePlan,
     check_algorithm,
     check_axis,
     concatenated,
-    plan_message,
     rank_blocks,
-    received,
     to_rows,
 )
 from taco_jax.spec import TacoConfig
@@ -110,12 +109,6 @@ def per_rank(x: jax.Array, axis_name: str) -> jax.Array:
     return x + (lax.axis_index(axis_name) * 0).astype(x.dtype)
 
 
-def _empty_result(x: jax.Array, shape: tuple[int, ...], axis_name: str) -> jax.Array:
-    """What a collective over `axis_name` returns for an empty `x` (XLA refuses to lower
-    one of zero-size operands): an empty array of `shape`, varying as lax's result."""
-    return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
-
-
 # ----------------------------------------------------------------------------- all-gather
 
 
@@ -129,30 +122,37 @@ def run_all_gather(
       ValueError: `axis` out of range.
     """
     axis = check_axis(axis, x.ndim if tiled else x.ndim + 1, "axis")
-    collective = call.collective(x, Op.ALL_GATHER, direction)
-    plan = plan_message(x, call, op=collective.op, direction=direction)
-    call.record(collective, plan)
-    if plan is None:
-        parts: tuple[Any, ...] = (_plain_all_gather(x, call.axis_name, axis, tiled),)
-    else:
-        rows = plan.rows(x)
-        parts = tuple(
-            plan.encode(rows[a:b], x.dtype).moved(lambda buffer: gather_stacked(buffer, call.axis_name))
-            for a, b in plan.chunk_bounds(rows.shape[0])
-        )
+    with call.transfer(x, Op.ALL_GATHER, direction) as transfer:
+        plan = transfer.plan
+        if plan is None:
+            gather = functools.partial(lax.all_gather, axis_name=call.axis_name, axis=axis, tiled=tiled)
+            parts: tuple[Any, ...] = (_plain(transfer, x, gather, _gathered_shape(x, call.axis_name, axis, tiled)),)
+        else:
+            rows, gather = plan.rows(x), functools.partial(gather_stacked, axis_name=call.axis_name)
+            parts = tuple(
+                transfer.send(rows[a:b], x.dtype, Op.ALL_GATHER, gather) for a, b in plan.chunk_bounds(rows.shape[0])
+            )
     residual = Gathered(parts, plan, tuple(x.shape), axis, tiled, call.axis_name, by_shifts=False)
     return residual.value(), residual
 
 
-def _plain_all_gather(x: jax.Array, axis_name: str, axis: int, tiled: bool) -> jax.Array:
-    if x.size:
-        return received(lax.all_gather(x, axis_name, axis=axis, tiled=tiled))
+def _gathered_shape(x: jax.Array, axis_name: str, axis: int, tiled: bool) -> tuple[int, ...]:
     shape = list(x.shape)
     if tiled:
         shape[axis] *= lax.axis_size(axis_name)
     else:
         shape.insert(axis, lax.axis_size(axis_name))
-    return _empty_result(x, tuple(shape), axis_name)
+    return tuple(shape)
+
+
+def _plain(transfer: Transfer, x: jax.Array, run: Callable[[jax.Array], jax.Array], shape: tuple[int, ...]):
+    """The plain collective `run` of `x` as a step of `transfer`; for an empty `x`, which
+    XLA refuses to lower a collective of, an empty array of the result's `shape`, varying
+    as lax's result."""
+    if x.size:
+        return transfer.move(transfer.collective.op, run)(x)
+    axis_name = transfer.collective.axis_name
+    return vary(jnp.zeros(shape, x.dtype), (axis_name, *varying_axes(x)))
 
 
 # ----------------------------------------------------------------------------- reduce-scatter
@@ -173,19 +173,20 @@ def run_reduce_scatter(
     if (tiled and size % ranks) or (not tiled and size != ranks):
         need = f"divisible by {ranks}" if tiled else f"equal to {ranks}"
         raise ValueError(f"scatter_dimension {dim} of shape {x.shape} has size {size}, must be {need} (axis size)")
-    collective = call.collective(x, Op.REDUCE_SCATTER, direction, scatter_dimension=dim, tiled=tiled)
-    plan = plan_message(x, call, op=collective.op, direction=direction, moves_channels=dim == x.ndim - 1)
-    call.record(collective, plan)
     block_shape = (*x.shape[:dim], *((size // ranks,) if tiled else ()), *x.shape[dim + 1 :])
-    if plan is None:
-        if not x.size:
-            return _empty_result(x, block_shape, call.axis_name)
-        return received(lax.psum_scatter(x, call.axis_name, scatter_dimension=dim, tiled=tiled))
-    moved = jnp.moveaxis(plan.to_wire_order(x), dim, 0)
-    chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
-    rows = to_rows(moved.reshape(ranks, *chunk_shape), plan.spec.group_size, 1)
-    exchange = functools.partial(exchange_blocks, axis_name=call.axis_name)
-    pieces = [plan.encode(rows[:, a:b], x.dtype).moved(exchange).sum() for a, b in plan.chunk_bounds(rows.shape[1])]
+    with call.transfer(x, Op.REDUCE_SCATTER, direction, moves_channels=dim == x.ndim - 1) as transfer:
+        plan = transfer.plan
+        if plan is None:
+            scatter = functools.partial(lax.psum_scatter, axis_name=call.axis_name, scatter_dimension=dim, tiled=tiled)
+            return _plain(transfer, x, scatter, block_shape)
+        moved = jnp.moveaxis(plan.to_wire_order(x), dim, 0)
+        chunk_shape = (size // ranks, *moved.shape[1:]) if tiled else moved.shape[1:]
+        rows = to_rows(moved.reshape(ranks, *chunk_shape), plan.spec.group_size, 1)
+        exchange = functools.partial(exchange_blocks, axis_name=call.axis_name)
+        pieces = [
+            transfer.send(rows[:, a:b], x.dtype, Op.ALL_TO_ALL, exchange).sum()
+            for a, b in plan.chunk_bounds(rows.shape[1])
+        ]
     out = plan.array(concatenated(pieces, axis=0), chunk_shape)
     return jnp.moveaxis(out, 0, dim) if tiled else out
 
@@ -195,40 +196,40 @@ def run_reduce_scatter(
 
 def run_all_reduce(x: jax.Array, call: Call, *, direction: str, algorithm: str = "auto") -> jax.Array:
     """One direction of `all_reduce` (no gradient rule)."""
-    collective = call.collective(x, Op.ALL_REDUCE, direction)
-    plan = plan_message(x, call, op=collective.op, direction=direction, algorithm=algorithm)
-    call.record(collective, plan)  # a compressed one under its algorithm's name
-    if plan is None:
-        return received(lax.psum(x, call.axis_name))
-    exchange = _one_shot if plan.algorithm == "one_shot" else _two_shot
-    return plan.array(exchange(plan.rows(x), call, plan, x.dtype), x.shape)
+    with call.transfer(x, Op.ALL_REDUCE, direction, algorithm=algorithm) as transfer:
+        plan = transfer.plan
+        if plan is None:
+            return transfer.move(Op.ALL_REDUCE, functools.partial(lax.psum, axis_name=call.axis_name))(x)
+        exchange = _one_shot if plan.algorithm == "one_shot" else _two_shot
+        return plan.array(exchange(plan.rows(x), transfer, plan, x.dtype), x.shape)
 
 
-def _one_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> jax.Array:
+def _one_shot(rows: jax.Array, transfer: Transfer, plan: WirePlan, dtype: Any) -> jax.Array:
     """All-gather every rank's messages, decode their sum: (n, G)."""
-    gather = functools.partial(gather_invariant, axis_name=call.axis_name)
-    pieces = [plan.encode(rows[a:b], dtype).moved(gather).sum() for a, b in plan.chunk_bounds(rows.shape[0])]
+    gather = functools.partial(gather_invariant, axis_name=transfer.collective.axis_name)
+    pieces = [transfer.send(rows[a:b], dtype, Op.ALL_GATHER, gather).sum() for a, b in plan.chunk_bounds(rows.shape[0])]
     return concatenated(pieces, axis=0)
 
 
-def _two_shot(rows: jax.Array, call: Call, plan: WirePlan, dtype: Any) -> jax.Array:
+def _two_shot(rows: jax.Array, transfer: Transfer, plan: WirePlan, dtype: Any) -> jax.Array:
     """Reduce-scatter, requantize the reduced block, all-gather it: the (n, G) sum."""
-    blocks = rank_blocks(rows, lax.axis_size(call.axis_name))
-    per_rank = blocks.shape[1]
-    exchange = functools.partial(exchange_blocks, axis_name=call.axis_name)
+    axis_name = transfer.collective.axis_name
+    blocks = rank_blocks(rows, lax.axis_size(axis_name))
+    exchange = functools.partial(exchange_blocks, axis_name=axis_name)
     pieces = [
-        second_shot(plan.encode(blocks[:, a:b], dtype).moved(exchange), call.axis_name)
-        for a, b in plan.chunk_bounds(per_rank)
+        second_shot(transfer.send(blocks[:, a:b], dtype, Op.ALL_TO_ALL, exchange), transfer)
+        for a, b in plan.chunk_bounds(blocks.shape[1])
     ]
     out = concatenated(pieces, axis=1)
     return out.reshape(-1, plan.spec.group_size)[: rows.shape[0]]
 
 
-def second_shot(received: Message, axis_name: str) -> jax.Array:
+def second_shot(received: Message, transfer: Transfer) -> jax.Array:
     """The second half of a two-shot all-reduce: the messages of this rank's block that
     every rank sent it (k, R, W), summed and requantized once, all-gathered invariant over
-    the axis and decoded: every rank's reduced block, (k, n, G)."""
-    return received.requantize().moved(functools.partial(gather_invariant, axis_name=axis_name)).decode()
+    the axis (a step of `transfer`) and decoded: every rank's reduced block, (k, n, G)."""
+    gather = functools.partial(gather_invariant, axis_name=transfer.collective.axis_name)
+    return received.requantize().moved(transfer.move(Op.ALL_GATHER, gather)).decode()
 
 
 # ----------------------------------------------------------------------------- ppermute
@@ -237,14 +238,12 @@ def second_shot(received: Message, axis_name: str) -> jax.Array:
 def run_ppermute(x: jax.Array, call: Call, *, direction: str, pairs: tuple[tuple[int, int], ...]) -> jax.Array:
     """One direction of `ppermute` (no gradient rule), compressed where the plan says so
     (one message: point-to-point sends are not pipelined, and not calibrated)."""
-    collective = call.collective(x, Op.PPERMUTE, direction)
-    plan = plan_message(x, call, op=collective.op, direction=direction, report=False, pipelined=False)
-    call.record(collective, plan)
-    if plan is None:
-        return received(lax.ppermute(per_rank(x, call.axis_name), call.axis_name, pairs))
-    message = plan.encode(plan.rows(x), x.dtype)
-    arrived = message.moved(lambda buffer: lax.ppermute(per_rank(buffer, call.axis_name), call.axis_name, pairs))
-    return plan.array(arrived.decode(), x.shape)
+    permute = lambda v: lax.ppermute(per_rank(v, call.axis_name), call.axis_name, pairs)
+    with call.transfer(x, Op.PPERMUTE, direction, report=False, pipelined=False) as transfer:
+        if transfer.plan is None:
+            return transfer.move(Op.PPERMUTE, permute)(x)
+        arrived = transfer.send(transfer.plan.rows(x), x.dtype, Op.PPERMUTE, permute)
+    return transfer.plan.array(arrived.decode(), x.shape)
 
 
 # ----------------------------------------------------------------------------- differentiable API

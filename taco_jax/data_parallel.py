@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax.collective_op import Op
+from taco_jax.accounting import Op
 from taco_jax.collectives import exchange_blocks, second_shot
-from taco_jax.message import Call, WirePlan, plan_message, rank_blocks, record_plain_all_reduce
+from taco_jax.message import Call, Transfer, WirePlan, rank_blocks, record_plain_all_reduce
 from taco_jax.spec import TacoConfig
 
 
@@ -44,20 +44,22 @@ def _unbucket(rows: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
     return leaves
 
 
-def _two_shot_with_feedback(rows: jax.Array, axis_name: str, plan: WirePlan) -> tuple[jax.Array, jax.Array]:
-    """Sum (n, G) rows over the axis through the compressed two-shot all-reduce.
+def _two_shot_with_feedback(rows: jax.Array, transfer: Transfer, plan: WirePlan) -> tuple[jax.Array, jax.Array]:
+    """Sum (n, G) rows over the axis through the compressed two-shot all-reduce of
+    `transfer`, which `plan` compresses.
 
     Returns:
       (the sum as every rank decodes it, this rank's residual (n, G): its message's
       quantization error plus, on the block it requantized, that block's error).
     """
+    axis_name = transfer.collective.axis_name
     ranks, count = lax.axis_size(axis_name), rows.shape[0]
     blocks = rank_blocks(rows, ranks)
     sent = plan.encode(blocks, jnp.float32)
     message_error = blocks - sent.decode()
-    received = sent.moved(functools.partial(exchange_blocks, axis_name=axis_name))
+    received = sent.moved(transfer.move(Op.ALL_TO_ALL, functools.partial(exchange_blocks, axis_name=axis_name)))
     block_sum = received.sum()
-    total = second_shot(received, axis_name)
+    total = second_shot(received, transfer)
     own = lax.axis_index(axis_name)
     block_error = block_sum - lax.dynamic_index_in_dim(total, own, keepdims=False)
     residual = message_error + jnp.where((jnp.arange(ranks) == own)[:, None, None], block_error, 0.0)
@@ -100,20 +102,22 @@ def mean_gradients(
             raise ValueError("mean_gradients: residual must have the structure and shapes of grads")
     ranks = lax.axis_size(axis_name)
     bucket = jax.ShapeDtypeStruct((sum(leaf.size for leaf in leaves),), jnp.result_type(*leaves))
-    plan = plan_message(
-        bucket, call, op=Op.ALL_REDUCE, direction="backward", algorithm="two_shot", report=False, pipelined=False
-    )
-    if ranks == 1 or plan is None:
+    if ranks == 1:
         for leaf in leaves:
             record_plain_all_reduce(leaf, axis_name, site=site, direction="backward")
         return jax.tree.map(lambda g: lax.pmean(g, axis_name), grads), residual
-    rows = _bucket(leaves, plan.spec.group_size)
-    if residual is not None:
-        rows = rows + _bucket(jax.tree.leaves(residual), plan.spec.group_size)
-    # Each rank sends its share of the mean; the residual is kept in gradient units.
-    total, dropped = _two_shot_with_feedback(rows / ranks, axis_name, plan)
-    sizes = tuple(leaf.size for leaf in leaves)  # each leaf padded to whole groups
-    call.record(call.collective(bucket, Op.ALL_REDUCE_TWO_SHOT, "backward", bucket=sizes), plan)
+    with call.transfer(
+        bucket, Op.ALL_REDUCE, "backward", algorithm="two_shot", report=False, pipelined=False
+    ) as transfer:
+        plan = transfer.plan
+        if plan is None:
+            pmean = transfer.move(Op.ALL_REDUCE, functools.partial(lax.pmean, axis_name=axis_name))
+            return jax.tree.map(pmean, grads), residual
+        rows = _bucket(leaves, plan.spec.group_size)
+        if residual is not None:
+            rows = rows + _bucket(jax.tree.leaves(residual), plan.spec.group_size)
+        # Each rank sends its share of the mean; the residual is kept in gradient units.
+        total, dropped = _two_shot_with_feedback(rows / ranks, transfer, plan)
     mean = treedef.unflatten(_unbucket(total, leaves))
     new_residual = treedef.unflatten(_unbucket(dropped * ranks, [leaf.astype(jnp.float32) for leaf in leaves]))
     return mean, new_residual

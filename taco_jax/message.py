@@ -1,20 +1,24 @@
-"""A compressed message, from its plan to its decode: the one data path every compressed
-collective follows.
+"""A compressed message, from its plan to its decode: the one data path every collective
+follows, and its executor.
 
-`plan_message` decides how a message travels (`taco_jax.policy`: compressed or not, the
-all-reduce algorithm, pipelined chunks), reports it to an active calibration collector
-and applies the site's calibration (transform decision, channel permutation), giving a
-`WirePlan`, or None for the plain collective. The plan lays the message out as rows of G
-elements of its last axis (`WirePlan.rows`, zero-padded to a multiple of G: any shape the
-lax collective accepts works, and the groups are the codec's) and encodes rows into a
-`Message`: one uint8 wire buffer (`pallas_kernels.wire`, written by the compress kernel)
-and the static layout that reads it. A collective only decides how the buffer moves
-(`Message.moved`); the message then decodes what arrived (`decode`: each received buffer
-alone; `sum`: the received buffers summed in float32 in the transformed domain, one
-inverse transform; `requantize`: their sum as one new message), and the plan turns rows
-back into the array (`WirePlan.array`). `Gathered` is what a gather keeps for its backward
-pass: the 8-bit buffers, decoded again when needed. `Call.record` enters the collective
-(a `taco_jax.collective_op.Collective`, which counts its bytes) in the wire ledger.
+`Call.transfer` runs one collective: `plan_message` decides how the message travels
+(`taco_jax.policy`: compressed or not, the all-reduce algorithm, pipelined chunks),
+reports it to an active calibration collector and applies the site's calibration
+(transform decision, channel permutation), giving a `WirePlan`, or None for the plain
+collective. The `Transfer` it yields is the executor: `Transfer.send` compresses rows of
+the message into a `Message` (one uint8 wire buffer, `pallas_kernels.wire`, written by
+the compress kernel, and the static layout that reads it) and moves the buffer;
+`Transfer.move` runs each collective step and counts the bytes it sends, so the wire
+ledger holds what the program moves (`taco_jax.accounting`). A collective only decides
+how the buffer moves: gathered, exchanged block by block, permuted. The message then
+decodes what arrived (`decode`: each received buffer alone; `sum`: the received buffers
+summed in float32 in the transformed domain, one inverse transform; `requantize`: their
+sum as one new message), and the plan turns rows back into the array (`WirePlan.array`).
+
+The plan lays a message out as rows of G elements of its last axis (`WirePlan.rows`,
+zero-padded to a multiple of G: any shape the lax collective accepts works, and the
+groups are the codec's). `Gathered` is what a gather keeps for its backward pass: the
+8-bit buffers, decoded again when needed.
 
 compress kernel -> wire buffer -> collective -> decode kernel: nothing is copied between
 the stages, and every backend moves one byte per element.
@@ -22,9 +26,10 @@ the stages, and every backend moves one byte per element.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -34,9 +39,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax import accounting, policy
 from taco_jax import calibration as calibration_lib
+from taco_jax.accounting import Collective, Op, record_collective
 from taco_jax.calibration import Calibration
 from taco_jax.codec import Codec, codec_choice, decode, encode, message_layout, requantize
-from taco_jax.collective_op import Collective, Op, record_collective
 from taco_jax.policy import ALGORITHMS
 from taco_jax.spec import QuantSpec, TacoConfig
 
@@ -86,18 +91,91 @@ class Call:
         """The quantizer of `direction`'s messages ("forward" or "backward")."""
         return self.config.spec(direction)
 
-    def collective(
-        self, x: jax.Array | jax.ShapeDtypeStruct, op: Op | str, direction: str, **fields: Any
-    ) -> Collective:
-        """The call's collective `op` of the per-rank message `x` (`fields`: the other
-        `Collective` attributes)."""
-        return Collective.traced(x, op, self.axis_name, direction=direction, site=self.site, **fields)
+    @contextlib.contextmanager
+    def transfer(
+        self,
+        x: jax.Array | jax.ShapeDtypeStruct,
+        op: Op,
+        direction: str,
+        *,
+        algorithm: str = "auto",
+        moves_channels: bool = False,
+        report: bool = True,
+        pipelined: bool = True,
+    ) -> Iterator[Transfer]:
+        """The call's collective `op` of the per-rank message `x`, planned
+        (`plan_message`, which takes the keywords) and run inside the block: the block
+        moves the message through `Transfer.move` and `Transfer.send`, and on leaving
+        it the collective is entered in the wire ledger with the bytes those moves sent
+        (not when the block raises).
 
-    def record(self, collective: Collective, plan: WirePlan | None) -> None:
-        """Enter the call's `collective` in the wire ledger (`record_collective`) as `plan`
-        sends it (None: uncompressed, for the reason `plain_reason` gives)."""
-        reason = None if plan is not None else plain_reason(collective.abstract, self.config)
-        record_collective(collective, plan, reason=reason, repeats=self.repeats)
+        `op` is the op entered in the ledger; an all-reduce is planned as `Op.ALL_REDUCE`
+        (`Op.routed`), and a planned one is entered under its algorithm's name.
+
+        Yields:
+          The `Transfer`.
+        """
+        plan = plan_message(
+            x,
+            self,
+            op=op.routed,
+            direction=direction,
+            algorithm=algorithm,
+            moves_channels=moves_channels,
+            report=report,
+            pipelined=pipelined,
+        )
+        collective = Collective.traced(x, op, self.axis_name, direction=direction, site=self.site)
+        transfer = Transfer(
+            collective if plan is None else collective.under(plan.algorithm),
+            plan,
+            plan.spec.text if plan is not None else plain_reason(x, self.config),
+        )
+        yield transfer
+        record_collective(
+            transfer.collective,
+            reason=transfer.reason,
+            compressed=plan is not None,
+            sent_bytes=transfer.sent_bytes,
+            repeats=self.repeats,
+        )
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One collective as it runs, the executor of its plan: it compresses (`send`), moves
+    (`move`) and counts what each move sends; decoding is the received `Message`'s.
+
+    Attributes:
+      collective: the collective entered in the ledger.
+      plan: its `WirePlan`; None sends it plain.
+      reason: why it goes as it does (the spec's text, else what keeps it plain).
+      sent_bytes: what its moves have sent so far, per rank.
+    """
+
+    collective: Collective
+    plan: WirePlan | None
+    reason: str
+    sent_bytes: int = 0
+
+    def move(self, op: Op, run: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+        """`run`, the collective `op` of a buffer (or plain array) over the call's axis, as
+        a step of this transfer: what it sends is counted (`Collective.plain_bytes` of
+        the step), and what it delivers is named `RECEIVED`."""
+
+        def counted(buffer: jax.Array) -> jax.Array:
+            step = Collective.traced(buffer, op, self.collective.axis_name, direction=self.collective.direction)
+            self.sent_bytes += step.plain_bytes
+            return received(run(buffer))
+
+        return counted
+
+    def send(self, rows: jax.Array, dtype: Any, op: Op, run: Callable[[jax.Array], jax.Array]) -> Message:
+        """Rows compressed by the plan into a `Message` of `dtype` and moved by `run`
+        (`move`): compress kernel -> wire buffer -> collective."""
+        if self.plan is None:
+            raise ValueError(f"{self.collective.name}: a plain transfer sends no compressed message")
+        return self.plan.encode(rows, dtype).moved(self.move(op, run))
 
 
 def check_config(config: TacoConfig, calibration: Calibration | None = None) -> None:
@@ -166,10 +244,6 @@ class WirePlan:
         """The group ranges of the pipelined chunks of a message of `groups` groups."""
         return chunk_bounds(groups, self.chunks)
 
-    def message_bytes(self, groups: int) -> int:
-        """Bytes of the chunk messages carrying `groups` groups."""
-        return sum(message_layout(b - a, self.spec).nbytes for a, b in self.chunk_bounds(groups))
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +272,8 @@ class Message:
         return message_layout(self.groups, self.spec).nbytes
 
     def moved(self, move: Callable[[jax.Array], jax.Array]) -> Message:
-        """The message with its buffer moved by `move` (a collective)."""
-        return dataclasses.replace(self, buffer=received(move(self.buffer)))
+        """The message with its buffer moved by `move` (a step of a `Transfer`)."""
+        return dataclasses.replace(self, buffer=move(self.buffer))
 
     def decode(self) -> jax.Array:
         """Each message decoded alone: buffer (R, W) -> rows (n, G), or (k, R, W) ->
@@ -216,7 +290,7 @@ class Message:
     def requantize(self) -> Message:
         """The messages of the leading axis summed and compressed again as one message:
         buffer (k, R, W) -> (R, W)."""
-        return self.moved(lambda buffer: requantize(buffer, self.groups, self.spec, self.codec))
+        return dataclasses.replace(self, buffer=requantize(self.buffer, self.groups, self.spec, self.codec))
 
 
 @jax.tree_util.register_dataclass
@@ -481,4 +555,4 @@ def record_plain_all_reduce(
     """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
     with `jax.lax` directly, with the `reason` it goes uncompressed."""
     collective = Collective.traced(x, Op.ALL_REDUCE, axis_name, direction=direction, site=site)
-    record_collective(collective, None, reason=reason)
+    record_collective(collective, reason=reason)

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from taco_jax.collective_op import Op
+from taco_jax.accounting import Op
 
 # The ops a route is chosen for (a link profile times them; `taco_jax.probe`).
 OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives
-from taco_jax.collective_op import Op
+from taco_jax.accounting import Op
 from taco_jax.policy import LinkProfile, Route, Timing, default_algorithm
 from taco_jax.spec import TacoConfig
 
