@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from . import backends, elementwise, formats, group_codec, split_kernels, wire
-from .hadamard import hadamard_matrix, hadamard_transform
+from .hadamard import hadamard_matrix
 from .launch import (
     KernelConfig,
     apply_hadamard,
@@ -362,35 +362,14 @@ def decompress_reference(
     stochastic: bool = False,
     headroom: int = 0,
 ):
-    """The same computation in plain jnp (what the kernel is tested against); with
-    `requantize_to`, `stochastic` rounds the requantized sum stochastically. A decode
-    multiplies by 2**headroom (`formats.scale_headroom`) last; a requantized sum stays
-    in the multipliers' units, which already carry it."""
-    if payload.shape[0] == 1 and transform and requantize_to is None:
-        # Transform the small payload values first, then scale: no overflow near f32 max.
-        decoded = hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]
-        return elementwise.saturating_cast(
-            elementwise.times_pow2(decoded, jnp.int32(headroom)) if headroom else decoded, out_dtype
-        )
-    shift = group_codec.sum_shift(tuple(multiplier))[..., None]  # (N, 1)
-    summed = jnp.sum(payload.astype(jnp.float32) * elementwise.times_pow2(multiplier[..., None], -shift), axis=0)
-    if requantize_to is not None:
-        fmt, scale_format = requantize_to
-        groups = summed[:, None, :]  # one group a row, as `group_codec.quantize_groups` lays them out
-        (normalized,), factor, prescale = group_codec.normalize_groups((groups,), formats.wire_format(fmt).max_value)
-        (codes,), entries = group_codec.quantize_scaled(
-            (normalized,),
-            factor,
-            elementwise.times_pow2(prescale, -shift[:, None]),
-            fmt,
-            scale_format,
-            stochastic=stochastic,
-            # The codes' sum is exact (small integers or short floats in float32), the
-            # same jitted and eager, where XLA may fuse the products into the sum.
-            dither_keys=(jnp.sum(payload.astype(jnp.float32), axis=0)[:, None, :],) if stochastic else None,
-        )
-        codes = jax.lax.optimization_barrier(codes).reshape(summed.shape)
-        return codes, group_codec.pack_scale_entries(entries, scale_format)
-    if transform:
-        summed = hadamard_transform(summed)
-    return elementwise.saturating_cast(elementwise.times_pow2(summed, shift + headroom), out_dtype)
+    """The same computation in plain jnp (what the kernel is tested against):
+    `group_codec.dequantize_groups`."""
+    return group_codec.dequantize_groups(
+        payload,
+        multiplier,
+        transform=transform,
+        out_dtype=out_dtype,
+        requantize_to=requantize_to,
+        stochastic=stochastic,
+        headroom=headroom,
+    )

@@ -245,3 +245,51 @@ def quantize_groups(
     # payload is decoded in the same program; the barrier keeps the rounding.
     payload = jax.lax.optimization_barrier(payload)
     return payload.reshape(values.shape), pack_scale_entries(entries, scale_format)
+
+
+def dequantize_groups(
+    payload: jax.Array,
+    multiplier: jax.Array,
+    *,
+    transform: bool,
+    out_dtype: jnp.dtype = jnp.float32,
+    requantize_to: tuple[str, str] | None = None,
+    stochastic: bool = False,
+    headroom: int = 0,
+):
+    """Decode k received messages' groups and sum them: payload (k, N, G) the wire
+    format's values (`wire.payload_of`), multiplier (k, N) their scales
+    (`dequantize_scale`); the sum runs in
+    float32 in the transformed domain, then one inverse transform. With
+    `requantize_to` (fmt, scale format) the sum is quantized again instead, as (codes,
+    packed scale entries), and `stochastic` rounds it stochastically. A decode
+    multiplies by 2**headroom (`formats.scale_headroom`) last; a requantized sum stays
+    in the multipliers' units, which already carry it."""
+    if payload.shape[0] == 1 and transform and requantize_to is None:
+        # Transform the small payload values first, then scale: no overflow near f32 max.
+        decoded = hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]
+        return elementwise.saturating_cast(
+            elementwise.times_pow2(decoded, jnp.int32(headroom)) if headroom else decoded, out_dtype
+        )
+    shift = sum_shift(tuple(multiplier))[..., None]  # (N, 1)
+    summed = jnp.sum(payload.astype(jnp.float32) * elementwise.times_pow2(multiplier[..., None], -shift), axis=0)
+    if requantize_to is not None:
+        fmt, scale_format = requantize_to
+        groups = summed[:, None, :]  # one group a row, as `quantize_groups` lays them out
+        (normalized,), factor, prescale = normalize_groups((groups,), formats.wire_format(fmt).max_value)
+        (codes,), entries = quantize_scaled(
+            (normalized,),
+            factor,
+            elementwise.times_pow2(prescale, -shift[:, None]),
+            fmt,
+            scale_format,
+            stochastic=stochastic,
+            # The codes' sum is exact (small integers or short floats in float32), the
+            # same jitted and eager, where XLA may fuse the products into the sum.
+            dither_keys=(jnp.sum(payload.astype(jnp.float32), axis=0)[:, None, :],) if stochastic else None,
+        )
+        codes = jax.lax.optimization_barrier(codes).reshape(summed.shape)
+        return codes, pack_scale_entries(entries, scale_format)
+    if transform:
+        summed = hadamard_transform(summed)
+    return elementwise.saturating_cast(elementwise.times_pow2(summed, shift + headroom), out_dtype)

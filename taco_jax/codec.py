@@ -171,7 +171,7 @@ def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, d
         )
 
     def reference(payload, multiplier):
-        return decompress_kernel.decompress_reference(
+        return group_codec.dequantize_groups(
             payload,
             multiplier,
             transform=spec.hadamard,
@@ -249,7 +249,7 @@ def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, 
         # The batches side by side as one (k, B * N, G) sum.
         payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
         multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
-        decoded = decompress_kernel.decompress_reference(
+        decoded = group_codec.dequantize_groups(
             payload, multiplier, transform=spec.hadamard, out_dtype=dtype, headroom=_headroom(spec)
         )
         return decoded.reshape(batch, groups, spec.group_size)
@@ -274,7 +274,7 @@ def requantize(messages: jax.Array, groups: int, spec: QuantSpec, codec: Codec =
         )
 
     def reference(messages):
-        payload, scales = decompress_kernel.decompress_reference(
+        payload, scales = group_codec.dequantize_groups(
             wire.payload_of(messages, layout),
             wire.multiplier(messages, layout),
             transform=spec.hadamard,

@@ -167,6 +167,7 @@ def test_collectives_send_it_and_the_ledger_counts_its_bytes(int5):
     x = _data((RANKS * 16, 256), seed=4)
 
     shift = [(rank, (rank + 1) % RANKS) for rank in range(RANKS)]
+    weight = _data((256, 64), seed=6)
 
     def body(v):
         return (
@@ -175,12 +176,16 @@ def test_collectives_send_it_and_the_ledger_counts_its_bytes(int5):
             # -v: the same message as the all-reduce's would be one all-to-all to XLA
             tj.reduce_scatter(-v, "tensor", config, site="scatter"),
             tj.ppermute(v, "tensor", config, perm=shift, site="shift"),
+            # the collective matmul's shifts and the data-parallel bucket's two shots
+            tj.tp.gather_matmul(2 * v, (weight,), "tensor", config, axis=0, site="matmul", overlap=True)[0],
+            tj.data_parallel.mean_gradients(3 * v, "tensor", config, site="grads")[0],
         )
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
+    out_specs = (P("tensor"),) * 4 + (P(), P("tensor"))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=out_specs, check_vma=False))
     with tj.record_wire() as ledger:
         compiled = fn.lower(x).compile()
-    summed, gathered, scattered, shifted = (np.asarray(out, np.float64) for out in compiled(x))
+    summed, gathered, scattered, shifted, multiplied, mean = (np.asarray(out, np.float64) for out in compiled(x))
     blocks = x.astype(np.float64).reshape(RANKS, 16, 256)
     one_pass = _rel(jax.jit(lambda v: tj.decompress(tj.compress(v, spec)))(x), x)
     gather_error = _rel(gathered.reshape(RANKS, RANKS * 16, 256), np.broadcast_to(x, (RANKS, RANKS * 16, 256)))
@@ -189,8 +194,12 @@ def test_collectives_send_it_and_the_ledger_counts_its_bytes(int5):
     assert 0.5 * one_pass < sum_error < 3 * one_pass
     assert 0.5 * one_pass < _rel(scattered, -blocks.sum(0)) < 3 * one_pass
     assert 0.5 * one_pass < _rel(shifted, np.roll(blocks, 1, axis=0).reshape(x.shape)) < 1.5 * one_pass
+    product = 2 * x.astype(np.float64) @ weight.astype(np.float64)
+    assert 0.3 * one_pass < _rel(multiplied, product) < 1.5 * one_pass
+    mean_error = _rel(mean.reshape(RANKS, 16, 256), np.broadcast_to(3 * blocks.mean(0), (RANKS, 16, 256)))
+    assert 0.5 * one_pass < mean_error < 3 * one_pass
 
-    sites = {"sum", "gather", "scatter", "shift"}
+    sites = {"sum", "gather", "scatter", "shift", "matmul", "grads"}
     assert {(record.compressed, record.site) for record in ledger.records} == {(True, site) for site in sites}
     sent = hlo.bytes_by_axis(compiled.as_text(), mesh)
     assert set(sent) == {"tensor"} and set(sent["tensor"]) == {"u8"}
