@@ -6,10 +6,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
+from taco_jax import hlo as hlo_lib
 from taco_jax.accounting import Collective, Op, record_collective
 
 RANKS = 4
@@ -124,6 +126,36 @@ def test_compressed_bytes_equal_the_compiled_messages(compiled, name):
     ledger_op = name.removesuffix("_last_axis")
     assert (record.op, record.site, record.compressed, record.reason) == (ledger_op, ledger_op, True, spec.text)
     assert (record.sent_bytes, record.uncompressed_sent_bytes) == (sent, collective.plain_bytes)
+
+
+@pytest.mark.parametrize("preset", sorted(tj.PRESETS))
+def test_every_preset_records_the_bytes_of_its_compiled_program(preset):
+    """Both directions of every collective (the gradient rules send the backward
+    messages), the collective matmul's shifts and the data-parallel bucket: the ledger
+    equals the compiled program's collectives, axis by axis."""
+    config = tj.TacoConfig.preset(preset, min_bytes=0)
+    mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
+    weight = jnp.asarray(np.random.default_rng(1).standard_normal((SHAPE[1], 32)), jnp.float32)
+
+    def loss(v):
+        # Each call on its own input: XLA merges equal collectives of equal inputs. The
+        # scatter along the channels leaves 80 of them, fewer than a group of 128.
+        calls = [call for name, (_, _, call) in CASES.items() if name != "reduce_scatter_last_axis"]
+        outputs = [call((index + 1) * v, config) for index, call in enumerate(calls)]
+        (product,) = tj.tp.gather_matmul(v, (weight,), "tensor", config, axis=0, site="matmul", overlap=True)
+        return sum(jnp.sum(out * out) for out in [*outputs, product])
+
+    def body(v):
+        grad = jax.grad(loss)(v)
+        return grad, tj.data_parallel.mean_gradients(grad, "tensor", config, site="grads")[0]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
+    with tj.record_wire() as ledger:
+        hlo = fn.lower(jax.ShapeDtypeStruct((RANKS * SHAPE[0], SHAPE[1]), jnp.float32)).compile().as_text()
+    compiled = {axis: sum(by_type.values()) for axis, by_type in hlo_lib.bytes_by_axis(hlo, mesh).items()}
+    assert compiled == ledger.by_axis(("tensor",)) and compiled["tensor"] > 0
+    assert {r.direction for r in ledger.records} == {"forward", "backward"}
+    assert {r.compressed for r in ledger.records} == {preset != "off"}
 
 
 def test_op_values_are_the_ledger_names_and_a_plain_record_needs_its_reason():
