@@ -432,6 +432,10 @@ def main() -> None:
             "corpora": described
         }
         settings["lr_sweep"] = earlier["settings"].get("lr_sweep", {})
+        # A panel run in pieces reports every piece's models and variants.
+        for key in ("models", "variants"):
+            pieces = [*earlier["settings"].get(key, "").split(","), *settings[key].split(",")]
+            settings[key] = ",".join(dict.fromkeys(name for name in pieces if name))
         run = lambda todo: _run_all(args, todo, results, path, settings)
         if args.lr_sweep:
             controls = ("off", "off-control")

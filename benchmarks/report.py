@@ -246,7 +246,9 @@ QUALITY_COMMANDS = {
     "without int4g16fwd-int4bwd",
     "quality_bits.json": "python -m benchmarks.quality --simulate --tag bits --corpora shakespeare "
     "--models gpt2-40m,qwen2-40m --variants off,taco+,taco+mixed,taco6-4,taco4 --seeds 3 --steps 1600 "
-    "--batch-size 8 --seq-len 128 --lr 1.5e-4 --jobs 16 (the panel's first corpus)",
+    "--batch-size 8 --seq-len 128 --lr 1.5e-4 --jobs 16 (Shakespeare); then --corpora python-code,python-docs,"
+    "shakespeare --variants off,taco6-4,e2m3fwd-int4g16bwd,taco+mixed, cut at 525 s (python-code: off, and "
+    "seeds 0-1 of the others)",
 }
 QUALITY_DATES = {
     "quality_stable.json": "2026-12-02 to 2026-12-03",

@@ -21,6 +21,7 @@ has deprecated) is then an opt-in, and what the Pallas interpreter runs off GPU.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -352,24 +353,7 @@ def decompress_message(
     return wire.place_scales(buffer, scales[0], layout)
 
 
-def decompress_reference(
-    payload: jax.Array,
-    multiplier: jax.Array,
-    *,
-    transform: bool,
-    out_dtype: jnp.dtype = jnp.float32,
-    requantize_to: tuple[str, str] | None = None,
-    stochastic: bool = False,
-    headroom: int = 0,
-):
+def decompress_reference(payload: jax.Array, multiplier: jax.Array, **options: Any):
     """The same computation in plain jnp (what the kernel is tested against):
-    `group_codec.dequantize_groups`."""
-    return group_codec.dequantize_groups(
-        payload,
-        multiplier,
-        transform=transform,
-        out_dtype=out_dtype,
-        requantize_to=requantize_to,
-        stochastic=stochastic,
-        headroom=headroom,
-    )
+    `group_codec.dequantize_groups`, whose keywords it takes."""
+    return group_codec.dequantize_groups(payload, multiplier, **options)

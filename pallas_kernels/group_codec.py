@@ -259,8 +259,8 @@ def dequantize_groups(
 ):
     """Decode k received messages' groups and sum them: payload (k, N, G) the wire
     format's values (`wire.payload_of`), multiplier (k, N) their scales
-    (`dequantize_scale`); the sum runs in
-    float32 in the transformed domain, then one inverse transform. With
+    (`dequantize_scale`); the sum runs in float32 in the transformed domain, then one
+    inverse transform. With
     `requantize_to` (fmt, scale format) the sum is quantized again instead, as (codes,
     packed scale entries), and `stochastic` rounds it stochastically. A decode
     multiplies by 2**headroom (`formats.scale_headroom`) last; a requantized sum stays

@@ -410,7 +410,8 @@ PRESETS: dict[str, TacoConfig] = {
     # (backward) in INT4 G=32, both with the transform and bfloat16 scales (33.2% of
     # bf16's bytes in a step that sends as much each way). On one H100 (40M GPT-2 and
     # Qwen2, 1600 steps, 4 seeds) its paired val-loss gap to bf16 is within one standard
-    # error of zero; INT4 forward costs 1.5-2% (`benchmarks/results/quality_bits_direction.md`).
+    # error of zero on Shakespeare; INT4 forward costs 1.5-2% (`benchmarks/results/
+    # quality_bits_direction.md`). On Python code it costs about 0.5% (`quality_bits.md`).
     "taco6-4": TacoConfig(_E2M3, _INT4_32, mode="taco"),
     # Every message in 4 bits: INT4, groups of 32, bfloat16 scales (28.1% of bf16's bytes).
     "taco4": TacoConfig(_INT4_32, _INT4_32, mode="taco"),
