@@ -104,11 +104,6 @@ class Collective:
         )
 
     @property
-    def abstract(self) -> jax.ShapeDtypeStruct:
-        """The per-rank message's shape and dtype."""
-        return jax.ShapeDtypeStruct(self.shape, self.dtype)
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the per-rank message."""
         return math.prod(self.shape) * self.dtype.itemsize
