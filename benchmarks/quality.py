@@ -54,6 +54,8 @@ Per direction (activations forward, activation gradients backward):
   e2m3fwd-int4bwd      the same written as specs
   e2m3fwd-int4g16bwd   E2M3 G128 forward, INT4 G16 backward (34.8%)
   int4g16fwd-int4bwd   INT4 G16 forward, INT4 G32 backward (29.7%)
+Five bits:
+  int5                 INT5 G32 both ways, bf16 scales (34.4%)
 
 Usage (GPU, one device):
   python -m benchmarks.quality --simulate --models gpt2-mini,qwen2-mini --seeds 3 --jobs 4
@@ -120,6 +122,8 @@ VARIANTS: dict[str, dict] = {
     "e2m3fwd-int4bwd": {"taco": "taco+", "taco_forward": "e2m3:128:H:bf16", "taco_backward": "int4:32:H:bf16"},
     "e2m3fwd-int4g16bwd": {"taco": "taco+", "taco_forward": "e2m3:128:H:bf16", "taco_backward": "int4:16:H:bf16"},
     "int4g16fwd-int4bwd": {"taco": "taco+", "taco_forward": "int4:16:H:bf16", "taco_backward": "int4:32:H:bf16"},
+    # 5 bits: INT5 G32 both ways (34.4% of bf16's bytes).
+    "int5": {"taco": "taco+", "taco_forward": "int5:32:H:bf16", "taco_backward": "int5:32:H:bf16"},
 }
 
 

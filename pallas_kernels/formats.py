@@ -4,9 +4,9 @@ Defining a class that names itself (`name = ...`) registers its one instance: an
 format in `WIRE_FORMATS`, a scale encoding in `SCALE_ENCODINGS`, where `QuantSpec`, the
 codec and the wire message find it by name. A new format is one class:
 
-    class Int5(SymmetricInteger):
-        name = "int5"
-        bits = 5
+    class Int6(SymmetricInteger):
+        name = "int6"
+        bits = 6
 
 The element format families:
   Float8            8-bit floats the dtype's cast rounds (E4M3, E5M2);
@@ -321,6 +321,13 @@ class Int8(SymmetricInteger):
 
     name = "int8"
     bits = 8
+
+
+class Int5(SymmetricInteger):
+    """INT5 in [-15, 15]: at groups of 32, an activation's error near E2M3's in fewer bits."""
+
+    name = "int5"
+    bits = 5
 
 
 class Int4(SymmetricInteger):

@@ -1,4 +1,4 @@
-"""Wire formats are classes: a 5-bit integer format defined here as one class runs
+"""Wire formats are classes: a 6-bit integer format defined here as one class runs
 everywhere a built-in one does (codec, wire message, collectives and their ledger,
 calibration, the trainer's keys), and the generic bit packer keeps the built-in
 formats' bytes."""
@@ -18,22 +18,22 @@ from taco_jax.train.config import TrainConfig
 from tests import reference as ref
 from tests.test_calibration import _collector_of
 
-INT5 = "int5:32:H:bf16"
+INT6 = "int6:32:H:bf16"
 RANKS = 4
 
 
 @pytest.fixture(scope="module")
-def int5():
-    """INT5 in [-15, 15], defined as a user would: the class alone registers it."""
+def int6():
+    """INT6 in [-31, 31], defined as a user would: the class alone registers it."""
 
-    class Int5(formats.SymmetricInteger):
-        """Symmetric 5-bit integers."""
+    class Int6(formats.SymmetricInteger):
+        """Symmetric 6-bit integers."""
 
-        name = "int5"
-        bits = 5
+        name = "int6"
+        bits = 6
 
-    yield formats.wire_format("int5")
-    del formats.WIRE_FORMATS["int5"]
+    yield formats.wire_format("int6")
+    del formats.WIRE_FORMATS["int6"]
 
 
 def _data(shape, seed=0):
@@ -55,22 +55,22 @@ def _pack_bits(codes, bits):
     return np.packbits(stream.reshape(*codes.shape[:-1], -1), axis=-1, bitorder="little")
 
 
-def test_defining_the_class_registers_it(int5):
-    assert (int5.bits, int5.max_value, int5.dtype, int5.is_integer) == (5, 15.0, jnp.int8, True)
-    spec = tj.QuantSpec("int5", 32, True, "bf16")
-    assert spec == tj.QuantSpec.parse(INT5) and spec.element_bits == 5 and spec.bits_per_element == 5.5
-    with pytest.raises(ValueError, match="'int5' is already defined"):
+def test_defining_the_class_registers_it(int6):
+    assert (int6.bits, int6.max_value, int6.dtype, int6.is_integer) == (6, 31.0, jnp.int8, True)
+    spec = tj.QuantSpec("int6", 32, True, "bf16")
+    assert spec == tj.QuantSpec.parse(INT6) and spec.element_bits == 6 and spec.bits_per_element == 6.5
+    with pytest.raises(ValueError, match="'int6' is already defined"):
 
         class Again(formats.SymmetricInteger):
-            name = "int5"
-            bits = 5
+            name = "int6"
+            bits = 6
 
-    with pytest.raises(TypeError, match="'int6' .* must set bits"):
+    with pytest.raises(TypeError, match="'int7' .* must set bits"):
 
         class Unfinished(formats.SymmetricInteger):
-            name = "int6"
+            name = "int7"
 
-    assert "int6" not in formats.WIRE_FORMATS
+    assert "int7" not in formats.WIRE_FORMATS
     # A minifloat is held in float8_e4m3fn: an 8-bit E4M3 without Inf or NaN reaches 480.
     with pytest.raises(ValueError, match="do not all fit float8_e4m3fn"):
 
@@ -84,14 +84,14 @@ def test_defining_the_class_registers_it(int5):
         formats.cast_to_wire(jnp.zeros(4), formats.wire_format("e4m3"), draws=jnp.zeros(4))
 
 
-def test_round_trip_matches_the_float64_reference_between_int4_and_int8(int5, monkeypatch):
-    monkeypatch.setitem(ref.FORMATS, "int5", (15.0, 0, 0, True))
+def test_round_trip_matches_the_float64_reference_between_int4_and_int8(int6, monkeypatch):
+    monkeypatch.setitem(ref.FORMATS, "int6", (31.0, 0, 0, True))
     x = _data((8, 256))
-    spec = tj.QuantSpec.parse(INT5)
+    spec = tj.QuantSpec.parse(INT6)
     compressed = jax.jit(tj.compress, static_argnums=1)(x, spec)
-    codes, _, _, multiplier = ref.compress(x, "int5", 32, True, "bf16")
+    codes, _, _, multiplier = ref.compress(x, "int6", 32, True, "bf16")
     got = ref.as_float64(compressed.payload).reshape(codes.shape)
-    assert compressed.payload.dtype == jnp.int8 and np.abs(got).max() == 15
+    assert compressed.payload.dtype == jnp.int8 and np.abs(got).max() == 31
     # float32 against float64 arithmetic flips only values within rounding of a tie, by one step.
     assert np.mean(got != codes) < 2e-3 and np.abs(got - codes).max() <= 1
     out = jax.jit(tj.decompress)(compressed)
@@ -106,28 +106,28 @@ def test_round_trip_matches_the_float64_reference_between_int4_and_int8(int5, mo
     assert 1.5 * reference_error("int8") < error < reference_error("int4") / 1.5
 
 
-def test_codes_pack_and_unpack_into_ceil_five_eighths_bytes(int5):
-    payload = jnp.asarray(np.random.default_rng(1).integers(-15, 16, (3, 64)), jnp.int8)
-    codes = int5.codes(payload)
-    np.testing.assert_array_equal(np.asarray(codes), np.asarray(payload).view(np.uint8) & 0x1F)
-    packed = int5.pack(payload)
-    assert packed.dtype == jnp.uint8 and packed.shape == (3, 40) and int5.payload_bytes(64) == 40
-    np.testing.assert_array_equal(np.asarray(packed), _pack_bits(codes, 5))
-    np.testing.assert_array_equal(np.asarray(int5.unpack(packed)), np.asarray(payload))
+def test_codes_pack_and_unpack_into_ceil_six_eighths_bytes(int6):
+    payload = jnp.asarray(np.random.default_rng(1).integers(-31, 32, (3, 64)), jnp.int8)
+    codes = int6.codes(payload)
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(payload).view(np.uint8) & 0x3F)
+    packed = int6.pack(payload)
+    assert packed.dtype == jnp.uint8 and packed.shape == (3, 48) and int6.payload_bytes(64) == 48
+    np.testing.assert_array_equal(np.asarray(packed), _pack_bits(codes, 6))
+    np.testing.assert_array_equal(np.asarray(int6.unpack(packed)), np.asarray(payload))
 
-    spec = tj.QuantSpec.parse(INT5)
-    assert tj.wire_bytes((64, 256), jnp.float32, spec) == 64 * 256 * 5 // 8 + 64 * 256 // 32 * 2
-    layout = codec.message_layout(100, spec)  # 100 groups: 20-byte rows, 200 scale bytes in 10 rows
-    assert (layout.row_bytes, layout.scale_bytes, layout.shape) == (20, 2, (110, 20))
+    spec = tj.QuantSpec.parse(INT6)
+    assert tj.wire_bytes((64, 256), jnp.float32, spec) == 64 * 256 * 6 // 8 + 64 * 256 // 32 * 2
+    layout = codec.message_layout(100, spec)  # 100 groups: 24-byte rows, 200 scale bytes in 9 rows
+    assert (layout.row_bytes, layout.scale_bytes, layout.shape) == (24, 2, (109, 24))
 
     @jax.jit
     def encoded(x):
-        typed = group_codec.quantize_groups(x, fmt="int5", group_size=32, scale_format="bf16", transform=True)
+        typed = group_codec.quantize_groups(x, fmt="int6", group_size=32, scale_format="bf16", transform=True)
         return codec.encode(x, spec, "jnp"), typed[0]
 
     message, payload = encoded(_data((100, 32), seed=2))
     assert message.shape == layout.shape
-    np.testing.assert_array_equal(np.asarray(message[:100]), _pack_bits(np.asarray(payload).view(np.uint8) & 0x1F, 5))
+    np.testing.assert_array_equal(np.asarray(message[:100]), _pack_bits(np.asarray(payload).view(np.uint8) & 0x3F, 6))
     np.testing.assert_array_equal(np.asarray(wire.payload_of(message, layout)), np.asarray(payload))
 
 
@@ -160,8 +160,8 @@ def test_built_in_sub_byte_formats_keep_their_bytes(fmt):
     np.testing.assert_array_equal(message[:, :6], _pack_bits(codes.view(np.uint8), bits))
 
 
-def test_collectives_send_it_and_the_ledger_counts_its_bytes(int5):
-    spec = tj.QuantSpec.parse(INT5)
+def test_collectives_send_it_and_the_ledger_counts_its_bytes(int6):
+    spec = tj.QuantSpec.parse(INT6)
     config = tj.TacoConfig(spec, spec, min_bytes=0)
     mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
     x = _data((RANKS * 16, 256), seed=4)
@@ -207,31 +207,31 @@ def test_collectives_send_it_and_the_ledger_counts_its_bytes(int5):
 
 
 @pytest.mark.parametrize(("tolerance", "chosen"), [(100.0, True), (1.0, False)])
-def test_calibration_chooses_it_within_the_budget(int5, tolerance, chosen):
-    """INT5 replaces INT8 (both G=32: the same shapes to compile) where its error is within
+def test_calibration_chooses_it_within_the_budget(int6, tolerance, chosen):
+    """INT6 replaces INT8 (both G=32: the same shapes to compile) where its error is within
     `tolerance` times INT8's."""
-    candidate, int8 = tj.QuantSpec.parse(INT5), tj.QuantSpec.parse("int8:32:H:bf16")
+    candidate, int8 = tj.QuantSpec.parse(INT6), tj.QuantSpec.parse("int8:32:H:bf16")
     fewer = tj.FewerBits((candidate,), reference=int8, tolerance=tolerance)
     config = tj.TacoConfig(int8, int8, min_bytes=0, fewer_bits=fewer)
     samples = _data((16, 256), seed=5)
     state, report = calibration.calibrate(_collector_of(samples, ("forward",)), config, strategies=("identity",))
     ((_, _, plan),) = state.plans
-    assert INT5 in {row["spec"] for row in report}
+    assert INT6 in {row["spec"] for row in report}
     assert (plan.quant == candidate) is chosen
 
 
-def test_the_trainer_sends_it(int5, tmp_path):
-    """`taco_forward=int5:...` is a trainer key like any spec, and the trainer's step sends
-    it: the forward messages at 5 bits and bf16 scales per 32 values, the backward ones at
+def test_the_trainer_sends_it(int6, tmp_path):
+    """`taco_forward=int6:...` is a trainer key like any spec, and the trainer's step sends
+    it: the forward messages at 6 bits and bf16 scales per 32 values, the backward ones at
     taco+'s 8 (the step as the trainer sets it up and counts it; that count equals the
     compiled step's: tests/test_train.py)."""
     keys = dict(model="gpt2-tiny", steps=1, batch_size=8, seq_len=32, calibration_steps=0)
-    cfg = TrainConfig.from_keys(taco="taco+", taco_forward=INT5, out=str(tmp_path / "int5"), **keys)
-    assert compression.taco_config(cfg).forward == tj.QuantSpec.parse(INT5)
+    cfg = TrainConfig.from_keys(taco="taco+", taco_forward=INT6, out=str(tmp_path / "int6"), **keys)
+    assert compression.taco_config(cfg).forward == tj.QuantSpec.parse(INT6)
     loop = trainer.setup_train_loop(cfg)
     loop.run.close()
     share = loop.wire.sent["tensor"] / loop.wire.bf16["tensor"]
-    # (5.5 + 8.125) / 2 / 16 of bf16 where every message is compressed; plain loss statistics add a little
+    # (6.5 + 8.125) / 2 / 16 of bf16 where every message is compressed; plain loss statistics add a little
     assert 0.40 < share < 0.50
 
 
