@@ -36,6 +36,9 @@ SPECS = (
     "e2m3:128:H:bf16",
     "e2m3:32:H:e8m0",
     "e3m2:128:H:bf16",
+    # 5 bits: an activation's error near E2M3's at groups of 32.
+    "int5:32:H:bf16",
+    "int5:128:H:bf16",
     "int4:128:H:bf16",
     "int4:32:H:bf16",
     "e2m1:32:H:e8m0",

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from taco_jax.codec import compress, decompress
+from taco_jax.codec import check_permutation, compress, decompress
 from taco_jax.spec import FewerBits, QuantSpec, TacoConfig
 from taco_jax.tracing import TraceScope
 
@@ -339,10 +339,18 @@ def permutation(rms: np.ndarray, group_size: int, strategy: str) -> np.ndarray:
     return order.reshape(group_size, channels // group_size).T.reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames="spec")
+def _round_trip(x: jax.Array, spec: QuantSpec, perm: jax.Array) -> jax.Array:
+    # One program per spec and shape (the permutation is an argument): calibration tries
+    # every candidate on every site, which op by op costs a dispatch per codec step.
+    return decompress(compress(x, spec, perm=perm), perm=perm)
+
+
 def codec_error(x: ArrayLike, spec: QuantSpec, perm: np.ndarray) -> dict[str, float]:
     """Relative RMSE and median per-channel relative error of one round trip."""
     x64 = np.asarray(x, np.float64)
-    y = np.asarray(decompress(compress(jnp.asarray(x), spec, perm=perm), perm=perm), np.float64)
+    perm = check_permutation(perm, x64.shape[-1])  # checked here: the program sees only its shape
+    y = np.asarray(_round_trip(jnp.asarray(x), spec, perm), np.float64)
     err = (y - x64).reshape(-1, x64.shape[-1])
     norms = np.linalg.norm(x64.reshape(-1, x64.shape[-1]), axis=0)
     live = norms > 0
