@@ -331,7 +331,7 @@ def fewer_bits() -> tuple[str, list[Source]]:
         cells = [f"{_pct(mine[t]['rel_rmse'], 2)} / {_pct(mine[t]['two_shot_rel_rmse'], 2)}" for t in TENSORS]
         body.append([spec, f"{mine[TENSORS[0]]['wire_ratio']:.3f}", *cells, f"{worst:.2f}"])
     head = ["spec", "wire / bf16", *TENSORS, "worst x E4M3"]
-    return _table(head, body), [Source(file, load(file)["meta"]["command"], card="CPU", date="2026-12-05")]
+    return _table(head, body), [Source(file, load(file)["meta"]["command"], card="CPU", date="2026-12-06")]
 
 
 def captured_error() -> tuple[str, list[Source]]:
