@@ -349,8 +349,8 @@ def _round_trip(x: jax.Array, spec: QuantSpec, perm: jax.Array) -> jax.Array:
 def codec_error(x: ArrayLike, spec: QuantSpec, perm: np.ndarray) -> dict[str, float]:
     """Relative RMSE and median per-channel relative error of one round trip."""
     x64 = np.asarray(x, np.float64)
-    perm = check_permutation(perm, x64.shape[-1])  # checked here: the program sees only its shape
-    y = np.asarray(_round_trip(jnp.asarray(x), spec, perm), np.float64)
+    checked = check_permutation(perm, x64.shape[-1])  # checked here: the program sees only its shape
+    y = np.asarray(_round_trip(jnp.asarray(x), spec, checked), np.float64)
     err = (y - x64).reshape(-1, x64.shape[-1])
     norms = np.linalg.norm(x64.reshape(-1, x64.shape[-1]), axis=0)
     live = norms > 0
