@@ -260,11 +260,10 @@ def dequantize_groups(
     """Decode k received messages' groups and sum them: payload (k, N, G) the wire
     format's values (`wire.payload_of`), multiplier (k, N) their scales
     (`dequantize_scale`); the sum runs in float32 in the transformed domain, then one
-    inverse transform. With
-    `requantize_to` (fmt, scale format) the sum is quantized again instead, as (codes,
-    packed scale entries), and `stochastic` rounds it stochastically. A decode
-    multiplies by 2**headroom (`formats.scale_headroom`) last; a requantized sum stays
-    in the multipliers' units, which already carry it."""
+    inverse transform. With `requantize_to` (fmt, scale format) the sum is quantized again
+    instead, as (codes, packed scale entries), and `stochastic` rounds it stochastically.
+    A decode multiplies by 2**headroom (`formats.scale_headroom`) last; a requantized sum
+    stays in the multipliers' units, which already carry it."""
     if payload.shape[0] == 1 and transform and requantize_to is None:
         # Transform the small payload values first, then scale: no overflow near f32 max.
         decoded = hadamard_transform(payload[0].astype(jnp.float32)) * multiplier[0][:, None]
