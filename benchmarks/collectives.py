@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import codec, strict_json
+from taco_jax import message, strict_json
 from taco_jax.accounting import Op
 from taco_jax.message import chunk_bounds
 from taco_jax.probe import median_ms
@@ -100,15 +100,15 @@ def _codec_alone(op: str, algorithm: str | None, spec: tj.QuantSpec, groups: int
 
     def compress(rows):
         shaped = rows.reshape(messages, per_message, spec.group_size) if messages > 1 else rows
-        return codec.encode(shaped, spec)
+        return message.encode(shaped, spec)
 
     def receive(received):  # (ranks, rows, W): what the first exchange delivers
         if op == Op.ALL_GATHER:
-            return codec.decode(received[:, None], per_message, spec, dtype)
+            return message.decode(received[:, None], per_message, spec, dtype)
         if algorithm != "two_shot":
-            return codec.decode(received[None], per_message, spec, dtype)
-        reduced = codec.requantize(received, per_message, spec)
-        return codec.decode(jnp.broadcast_to(reduced, received.shape)[:, None], per_message, spec, dtype)
+            return message.decode(received[None], per_message, spec, dtype)
+        reduced = message.requantize(received, per_message, spec)
+        return message.decode(jnp.broadcast_to(reduced, received.shape)[:, None], per_message, spec, dtype)
 
     return compress, receive
 
@@ -153,7 +153,7 @@ def run(sizes_mib: list[float], presets: list[str], chunk_counts: list[int], tri
                 spec = config.forward
                 for algorithm in algorithms:
                     per_message, messages = _message_groups(op, algorithm, groups, ranks)
-                    layout = codec.message_layout(per_message, spec)
+                    layout = message.message_layout(per_message, spec)
                     buffers = jax.device_put(
                         jnp.zeros((ranks * messages, *layout.shape), jnp.uint8), NamedSharding(mesh, P(AXIS))
                     )

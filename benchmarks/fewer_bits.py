@@ -28,7 +28,7 @@ import taco_jax as tj
 from benchmarks import tp_tensors
 from benchmarks.codec_error import _metrics, measure, run_meta, tensor_arguments
 from taco_jax import strict_json
-from taco_jax.kernels.hadamard import hadamard_matrix
+from taco_jax.kernels.wire import hadamard_matrix
 
 SPECS = (
     "e4m3:128:H:dual",  # taco

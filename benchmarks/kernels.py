@@ -48,7 +48,7 @@ import numpy as np
 
 from benchmarks import profiling
 from taco_jax import strict_json
-from taco_jax.kernels import backends, group_codec, row_kernels, split_kernels
+from taco_jax.kernels import backends, row_kernels, split_kernels, wire
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels.formats import SCALE_FORMATS
@@ -112,7 +112,7 @@ def check_correctness(key) -> list[dict]:
                     kw = dict(fmt=fmt, scale_format=scale_format, transform=transform)
                     payload, scales = kc.compress_groups(x, **kw)
                     ref_payload, ref_scales = jax.jit(lambda v, kw=kw: kc.compress_reference(v, **kw))(x)
-                    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+                    multiplier = wire.dequantize_scale(scales, scale_format).reshape(1, -1)
                     out = kd.decompress_groups(payload[None], multiplier, transform=transform, out_dtype=jnp.float32)
                     ref_out = kd.decompress_reference(payload[None], multiplier, transform=transform)
                     decode_diff = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out))
@@ -224,7 +224,7 @@ def _as_shards(compressed: list, scale_format: str, shards: int) -> tuple[list, 
     what a reduce-scatter receives (k = 1: one all-gathered shard)."""
     return (
         [p.reshape(shards, -1, p.shape[-1]) for p, _ in compressed],
-        [group_codec.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed],
+        [wire.dequantize_scale(s, scale_format).reshape(shards, -1) for _, s in compressed],
     )
 
 

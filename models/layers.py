@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from taco_jax.kernels import launch
+from taco_jax.kernels import jax_compat
 from taco_jax.mesh import simulating
 
 from .config import ModelConfig
@@ -119,7 +119,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
     if not flash_eligible(q):
         return attention("xla")(q, k, v)
-    return launch.on_cuda(attention("cudnn"), attention("xla"), q, k, v)
+    return jax_compat.on_cuda(attention("cudnn"), attention("xla"), q, k, v)
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, valid: jax.Array) -> jax.Array:

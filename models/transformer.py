@@ -21,8 +21,9 @@ from jax import lax
 
 import taco_jax as tj
 from taco_jax import accounting
+from taco_jax.collectives import record_plain_all_reduce
 from taco_jax.mesh import TENSOR_AXIS
-from taco_jax.message import record_plain_all_reduce, remat_policy
+from taco_jax.message import remat_policy
 
 from . import layers
 from .config import ModelConfig, Qwen2Config, padded_vocab

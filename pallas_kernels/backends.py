@@ -5,7 +5,7 @@ dtypes, shard counts, rounding) and where it runs. `choose` walks `BACKENDS` in 
 and takes the first that takes the work and can run: the Gluon kernels on a CUDA GPU
 with Triton, else the Pallas kernels (on a GPU, or in the Pallas interpreter), else the
 jnp path, which takes everything. Every choice of a codec path reads this table: the
-codec once per wire plan (`taco_jax.codec`, `taco_jax.message.WirePlan.codec`) and the
+codec once per wire plan (`taco_jax.message.codec_choice`, `WirePlan.codec`) and the
 kernels' own default when called without a launch config (`compress`, `decompress`).
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from . import launch, triton_launch
+from . import jax_compat, triton_launch
 
 # The float dtypes a kernel reads (a compress's input) or writes (a decode's output).
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -91,7 +91,7 @@ class CodecBackend:
 
 
 _EIGHT_BIT = ("e4m3", "e5m2", "int8")
-# The scale encodings the kernels write (`gluon_codec.SCALE_FORMAT_IDS`, `group_codec`).
+# The scale encodings the kernels write (`gluon_codec.SCALE_FORMAT_IDS`, `wire`).
 _KERNEL_SCALES = ("dual", "single", "bf16", "e8m0")
 
 
@@ -109,7 +109,7 @@ def _kernels(name: str, runs: Callable[[bool], bool]) -> CodecBackend:
 GLUON = _kernels("gluon", lambda interpret: not interpret and triton_launch.available())
 # The Pallas compress and decompress kernels: on a GPU, or in the Pallas interpreter.
 PALLAS = _kernels("pallas", lambda _: True)
-# The plain jnp path (`group_codec`, `wire.pack`): every format, size and rounding.
+# The plain jnp path (`wire.quantize_groups`, `wire.pack`): every format, size and rounding.
 JNP = CodecBackend(
     "jnp", None, None, max_group=1 << 30, dtypes=None, any_shards=True, stochastic=True, runs=lambda _: True
 )
@@ -127,7 +127,7 @@ class CodecChoice:
         (with `lowered_anywhere` False: wherever it is lowered).
       interpret: the Pallas kernel runs in the Pallas interpreter.
       platform_dependent: the program stages `backend` and the jnp path and the
-        platform it is lowered for picks (`launch.on_cuda`): kernel mode "auto".
+        platform it is lowered for picks (`jax_compat.on_cuda`): kernel mode "auto".
     """
 
     backend: CodecBackend
@@ -145,7 +145,7 @@ class CodecChoice:
         if not self.backend.is_kernel:
             return reference_fn(*args)
         if self.platform_dependent:
-            return launch.on_cuda(lambda *a: kernel_fn(*a, interpret=False), reference_fn, *args)
+            return jax_compat.on_cuda(lambda *a: kernel_fn(*a, interpret=False), reference_fn, *args)
         return kernel_fn(*args, interpret=self.interpret)
 
 
@@ -176,7 +176,7 @@ def choose(work: CodecWork, kernel_mode: str) -> CodecChoice:
     lowered for decides between it and the jnp path; "gpu" prefers the Gluon kernels
     where they run; "interpret" runs the Pallas kernels in the interpreter.
     """
-    if kernel_mode == "jnp" or (kernel_mode == "auto" and not launch.has_cuda()):
+    if kernel_mode == "jnp" or (kernel_mode == "auto" and not jax_compat.has_cuda()):
         return JNP_PATH
     interpret = kernel_mode == "interpret"
     backend = kernel_backend(work, interpret)

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import backends, formats, group_codec, row_kernels, split_kernels, wire
-from .hadamard import hadamard_matrix
+from . import backends, formats, row_kernels, split_kernels, wire
 from .launch import (
     BF16_SPLITS,
     KernelConfig,
@@ -40,11 +39,12 @@ from .launch import (
     store_pieces,
     triton_params,
 )
+from .wire import hadamard_matrix
 
 
 def default_config(group_size: int, transform: bool = True) -> KernelConfig:
     """About 8K elements per block, one block per program; with the transform, each group
-    loaded in two pieces and transformed as "lanes" (`hadamard.hadamard_lanes`, no tile):
+    loaded in two pieces and transformed as "lanes" (`wire.hadamard_lanes`, no tile):
     the fastest in the H200 sweep of benchmarks/kernels.py, ahead of one piece and of the
     matmul (figures in benchmarks/RESULTS.md)."""
     if transform:
@@ -60,11 +60,11 @@ def _compress_kernel(
 
     def compress_block(rows):
         groups = tuple(piece.astype(jnp.float32) for piece in load_pieces(x_ref, rows))
-        normalized, factor, prescale = group_codec.normalize_groups(groups, formats.wire_format(fmt).max_value)
+        normalized, factor, prescale = wire.normalize_groups(groups, formats.wire_format(fmt).max_value)
         values = normalized
         if transform:  # the unnormalized transform: 1/sqrt(G) goes into the factor
             values, factor = apply_hadamard(normalized, hadamard, splits, config.transform_method), factor * inv_sqrt
-        payload, entries = group_codec.quantize_scaled(values, factor, prescale, fmt, scale_format, in_kernel=True)
+        payload, entries = wire.quantize_scaled(values, factor, prescale, fmt, scale_format, in_kernel=True)
         store_pieces(payload_ref, rows, payload)
         for ref, entry in zip(scale_refs, entries):
             ref[rows] = entry.reshape(entry.shape[0])
@@ -80,7 +80,7 @@ def _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
     Returns:
       (payload (B, >= payload_rows, G), scale entries as (B, N, 1, 1) arrays).
     """
-    group_codec.check_scale_format(scale_format)
+    wire.check_scale_format(scale_format)
     batch, rows, group_size = x.shape
     config = config or default_config(group_size, transform)
     per_program, block = program_rows(rows, config, batch)
@@ -134,7 +134,7 @@ def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
         )
         return payload, scales[:, :, None]
     payload, entries = _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows)
-    return payload, group_codec.pack_scale_entries(tuple(entries), scale_format)
+    return payload, wire.pack_scale_entries(tuple(entries), scale_format)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))
@@ -162,7 +162,7 @@ def compress_groups(
       interpret: run the Pallas kernel in the Pallas interpreter (CPU tests).
 
     Returns:
-      (payload (N, G), scales) in the layout of `group_codec.quantize_groups` for (N, G).
+      (payload (N, G), scales) in the layout of `wire.quantize_groups` for (N, G).
     """
     rows = x.shape[0]
     payload, scales = _encode(
@@ -200,6 +200,4 @@ def compress_message(
 
 def compress_reference(x: jax.Array, *, fmt: str, scale_format: str, transform: bool) -> tuple[jax.Array, jax.Array]:
     """The same computation in plain jnp (what the kernel is tested against)."""
-    return group_codec.quantize_groups(
-        x, fmt=fmt, group_size=x.shape[-1], scale_format=scale_format, transform=transform
-    )
+    return wire.quantize_groups(x, fmt=fmt, group_size=x.shape[-1], scale_format=scale_format, transform=transform)

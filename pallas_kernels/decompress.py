@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from . import backends, elementwise, formats, group_codec, split_kernels, wire
-from .hadamard import hadamard_matrix
+from . import backends, formats, split_kernels, wire
 from .launch import (
     KernelConfig,
     apply_hadamard,
@@ -42,12 +41,13 @@ from .launch import (
     store_pieces,
     triton_params,
 )
+from .wire import hadamard_matrix
 
 
 def default_config(group_size: int, transform: bool, shards: int = 1, requantize: bool = False) -> KernelConfig:
     """Decoding through the transform: about 4K codes read per block over all `shards`
     (at least 16 rows), each group loaded in two pieces, the transform as "pairs"
-    (`hadamard.hadamard_pairs`, no tile); otherwise about 8K elements per block. Set from
+    (`wire.hadamard_pairs`, no tile); otherwise about 8K elements per block. Set from
     the H200 sweep of benchmarks/kernels.py, where they beat one piece and the matmul
     (figures in benchmarks/RESULTS.md).
 
@@ -73,7 +73,7 @@ def default_config(group_size: int, transform: bool, shards: int = 1, requantize
     return KernelConfig(block_rows=max(16, 8192 // group_size), num_warps=4)
 
 
-def _codes(payload_ref, shard: int, rows, fmt: str | None) -> group_codec.Pieces:
+def _codes(payload_ref, shard: int, rows, fmt: str | None) -> wire.Pieces:
     """One shard's codes as float32 pieces; a uint8 message buffer holds their bytes."""
     pieces = load_pieces(payload_ref, shard, rows)
     if fmt is not None:
@@ -81,7 +81,7 @@ def _codes(payload_ref, shard: int, rows, fmt: str | None) -> group_codec.Pieces
     return tuple(piece.astype(jnp.float32) for piece in pieces)
 
 
-def _scaled(pieces: group_codec.Pieces, multiplier: jax.Array) -> group_codec.Pieces:
+def _scaled(pieces: wire.Pieces, multiplier: jax.Array) -> wire.Pieces:
     """Each piece times its rows' multipliers (R,)."""
     return tuple(piece * multiplier[:, None] for piece in pieces)
 
@@ -95,11 +95,11 @@ def _decompress_kernel(
     hadamard = load_hadamard(hadamard_ref, config) if transform and requantize_to is None else None
 
     def scaled_sum(rows):
-        """The shards' sum scaled down by 2**shift (`group_codec.sum_shift`), and shift."""
+        """The shards' sum scaled down by 2**shift (`wire.sum_shift`), and shift."""
         multipliers = tuple(multiplier_ref[shard, rows] for shard in range(shards))
-        shift = group_codec.sum_shift(multipliers)
+        shift = wire.sum_shift(multipliers)
         scaled = [
-            _scaled(_codes(payload_ref, shard, rows, message_fmt), elementwise.times_pow2(multiplier, -shift))
+            _scaled(_codes(payload_ref, shard, rows, message_fmt), formats.times_pow2(multiplier, -shift))
             for shard, multiplier in enumerate(multipliers)
         ]
         return functools.reduce(lambda a, b: tuple(map(jnp.add, a, b)), scaled), shift[:, None]
@@ -110,15 +110,15 @@ def _decompress_kernel(
             values = apply_hadamard(_codes(payload_ref, 0, rows, message_fmt), hadamard, 1, config.transform_method)
             decoded = _scaled(values, multiplier_ref[0, rows] * inv_sqrt)
             store_pieces(
-                out_refs[0], rows, tuple(elementwise.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
+                out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
             )
             return
         summed, shift = scaled_sum(rows)
         if requantize_to is not None:
             fmt, scale_format = requantize_to
-            normalized, factor, prescale = group_codec.normalize_groups(summed, formats.wire_format(fmt).max_value)
-            payload, entries = group_codec.quantize_scaled(  # the pre-scale of the unscaled sum
-                normalized, factor, elementwise.times_pow2(prescale, -shift), fmt, scale_format, in_kernel=True
+            normalized, factor, prescale = wire.normalize_groups(summed, formats.wire_format(fmt).max_value)
+            payload, entries = wire.quantize_scaled(  # the pre-scale of the unscaled sum
+                normalized, factor, formats.times_pow2(prescale, -shift), fmt, scale_format, in_kernel=True
             )
             store_pieces(out_refs[0], rows, payload)
             for ref, entry in zip(out_refs[1:], entries):
@@ -130,10 +130,8 @@ def _decompress_kernel(
             summed = tuple(
                 piece * inv_sqrt for piece in apply_hadamard(summed, hadamard, splits, config.transform_method)
             )
-        decoded = tuple(elementwise.times_pow2(piece, shift) for piece in summed)
-        store_pieces(
-            out_refs[0], rows, tuple(elementwise.saturating_cast(piece, out_refs[0].dtype) for piece in decoded)
-        )
+        decoded = tuple(formats.times_pow2(piece, shift) for piece in summed)
+        store_pieces(out_refs[0], rows, tuple(formats.saturating_cast(piece, out_refs[0].dtype) for piece in decoded))
 
     row_loop(payload_ref.shape[1], block, decode_block)
 
@@ -152,7 +150,7 @@ def _decode(
 
     Returns:
       decoded (B, N, G), or with `requantize_to` (payload (B, rows, G), scales packed as
-      `group_codec.pack_scale_entries` lays them out per batch); the Gluon kernels
+      `wire.pack_scale_entries` lays them out per batch); the Gluon kernels
       requantize any number of batches.
     """
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
@@ -188,7 +186,7 @@ def _decode(
     if requantize_to is None:
         return out
     codes, entries = out
-    return codes[None], group_codec.pack_scale_entries(tuple(entries), requantize_to[1])[None, :, 0]
+    return codes[None], wire.pack_scale_entries(tuple(entries), requantize_to[1])[None, :, 0]
 
 
 def _launch(
@@ -220,7 +218,7 @@ def _launch(
         out_specs, out_shape = [tile], [output_struct((out_rows, config.pieces, width), out_dtype, payload)]
     else:
         fmt, scale_format = requantize_to
-        group_codec.check_scale_format(scale_format)
+        wire.check_scale_format(scale_format)
         entry_dtypes = formats.SCALE_ENTRY_DTYPES[scale_format]
         payload_dtype = jnp.uint8 if message_fmt is not None else formats.wire_format(fmt).dtype
         out_specs = [tile] + [pl.BlockSpec((per_program,), lambda b, i: (b * blocks + i,))] * len(entry_dtypes)
@@ -271,7 +269,7 @@ def decompress_groups(
     Args:
       payload: (k, N, G) 8-bit payloads; k a power of two.
       multiplier: (k, N) float32 per-group dequantization multipliers
-        (`group_codec.dequantize_scale`).
+        (`wire.dequantize_scale`).
       transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
       out_dtype: dtype of the decoded output.
       requantize_to: (fmt, scale_format) to quantize the sum into instead of decoding it.
@@ -284,7 +282,7 @@ def decompress_groups(
 
     Returns:
       The decoded (N, G) array in `out_dtype`, or with `requantize_to` a (payload, scales)
-      pair in the layout of `group_codec.quantize_groups`.
+      pair in the layout of `wire.quantize_groups`.
     """
     groups = payload.shape[1]
     out = _decode(
@@ -355,5 +353,5 @@ def decompress_message(
 
 def decompress_reference(payload: jax.Array, multiplier: jax.Array, **options: Any):
     """The same computation in plain jnp (what the kernel is tested against):
-    `group_codec.dequantize_groups`, whose keywords it takes."""
-    return group_codec.dequantize_groups(payload, multiplier, **options)
+    `wire.dequantize_groups`, whose keywords it takes."""
+    return wire.dequantize_groups(payload, multiplier, **options)

@@ -14,14 +14,20 @@ The element format families:
                     (INT8, INT4);
   Minifloat         sub-byte floats as the OCP MX element formats (no Inf or NaN codes,
                     subnormals), held as float8_e4m3fn (E2M3, E3M2 in 6 bits, E2M1 in 4).
-Codes below 8 bits travel packed (`elementwise.pack_codes`). Each class's arithmetic is
-written with the element-wise functions of `elementwise`, which run in the jnp reference
-and inside the Pallas (Triton) kernels alike.
+Codes below 8 bits travel packed (`pack_codes`).
+
+Each class's arithmetic is written with the element-wise float and bit functions at the
+top of this module: rounding onto a grid (to nearest, or stochastically from draws), sub-byte float codes, powers of two, the E8M0 and bfloat16 scale encodings,
+saturating casts and the packing of sub-byte codes. They use element-wise jnp and bit
+operations only, so the same functions run in the jnp reference and inside the Pallas
+(Triton) kernels.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -29,20 +35,200 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .elementwise import (
-    decode_e8m0,
-    encode_e8m0,
-    minifloat_codes,
-    minifloat_exponent,
-    minifloat_values,
-    pack_codes,
-    pow2,
-    round_half_even,
-    round_to_int,
-    round_to_minifloat,
-    round_up_to_bf16,
-    unpack_codes,
-)
+# ----------------------------------------------------------------------------- element-wise arithmetic
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+# Codes 1..254: 2**-126 .. 2**127. Code 0 (2**-127) is a float32 subnormal, which
+# flush-to-zero backends would turn into a zero scale, so it is never produced.
+E8M0_MIN_CODE = 1
+E8M0_MAX_CODE = 254
+
+# Adding 1.5 * 2**23 to a float32 |v| < 2**22 leaves round(v) (ties to even, the FPU's
+# rounding) in the low mantissa bits: the sum's bits minus the bias's bits are round(v).
+ROUNDING_BIAS = np.float32(1.5 * 2**23)
+ROUNDING_BIAS_BITS = 0x4B400000
+
+
+def round_to_int(values: jnp.ndarray) -> jnp.ndarray:
+    """int32 round(v), ties to even, for float32 |v| < 2**22: one add and one integer
+    subtract. For the Pallas kernels only (Triton has no round primitive, and they are
+    limited by arithmetic): XLA on GPU does not keep the sum's bits (jitted int8 payloads
+    came out wrong on an H200), so the jnp path uses `round_half_even`."""
+    return jax.lax.bitcast_convert_type(values + ROUNDING_BIAS, jnp.int32) - ROUNDING_BIAS_BITS
+
+
+def round_half_even(values: jnp.ndarray) -> jnp.ndarray:
+    """Round float32 values with |v| < 2**23 to the nearest integer, ties to even.
+
+    Built from floor and exact subtractions, which XLA keeps as written (it folds the
+    usual add-and-subtract 1.5 * 2**23 trick away).
+    """
+    floor = jnp.floor(values)
+    fraction = values - floor
+    odd = (floor - 2.0 * jnp.floor(floor * 0.5)) == 1.0
+    return jnp.where((fraction > 0.5) | ((fraction == 0.5) & odd), floor + 1.0, floor)
+
+
+def minifloat_exponent(magnitude: jnp.ndarray, fmt: Minifloat) -> jnp.ndarray:
+    """int32 floor(log2 |v|), raised to the format's smallest normal exponent."""
+    return jnp.maximum(binade_exponent(magnitude) - 1, fmt.min_exponent)
+
+
+def round_to_minifloat(values: jnp.ndarray, fmt: Minifloat) -> jnp.ndarray:
+    """float32 values with |v| <= fmt.max_value rounded onto the sub-byte float grid,
+    to nearest, ties to even (the grid spacing in v's binade is a power of two, so the
+    scaling is exact). NaN stays NaN; the result is float32."""
+    step_exponent = minifloat_exponent(jnp.abs(values), fmt) - fmt.mantissa_bits
+    return round_half_even(values * pow2(-step_exponent)) * pow2(step_exponent)
+
+
+def minifloat_codes(values: jnp.ndarray, fmt: Minifloat) -> jnp.ndarray:
+    """uint8 codes (sign, exponent field, mantissa field; `bits` wide) of float32 values
+    on the sub-byte float grid. A subnormal and the normal above it share one formula:
+    code = (exponent - min_exponent) * 2**m + v / 2**(exponent - m)."""
+    magnitude = jnp.abs(values)
+    exponent = minifloat_exponent(magnitude, fmt)
+    steps = (magnitude * pow2(fmt.mantissa_bits - exponent)).astype(jnp.int32)
+    field_bits = fmt.exponent_bits + fmt.mantissa_bits
+    code = ((exponent - fmt.min_exponent) << fmt.mantissa_bits) + steps
+    sign = (jax.lax.bitcast_convert_type(values, jnp.uint32) >> 31).astype(jnp.int32)
+    return ((sign << field_bits) | (code & ((1 << field_bits) - 1))).astype(jnp.uint8)
+
+
+def minifloat_values(codes: jnp.ndarray, fmt: Minifloat) -> jnp.ndarray:
+    """float32 values of sub-byte float codes (`minifloat_codes`'s inverse)."""
+    codes = codes.astype(jnp.int32)
+    field_bits, m = fmt.exponent_bits + fmt.mantissa_bits, fmt.mantissa_bits
+    field = (codes >> m) & ((1 << fmt.exponent_bits) - 1)
+    mantissa = (codes & ((1 << m) - 1)) + jnp.where(field > 0, 1 << m, 0)
+    exponent = jnp.maximum(field, 1) - 1 + fmt.min_exponent - m
+    magnitude = mantissa.astype(jnp.float32) * pow2(exponent)
+    return jnp.where((codes >> field_bits) & 1 == 1, -magnitude, magnitude)
+
+
+def saturating_cast(values: jnp.ndarray, dtype) -> jnp.ndarray:
+    """float32 `values` cast to a float `dtype`, values beyond its largest finite value
+    clamped to it (a decode's codec error may carry a value near float16's 65504 past it:
+    the plain cast would make it Inf; for float32 output, the decode's own arithmetic
+    overflowed to Inf near float32's largest). NaN stays NaN; usable inside kernels.
+    A decode never sees Inf from its input (a group holding Inf decodes to NaN), so
+    every Inf here is an overflow."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return values.astype(dtype)
+    limit = np.float32(jnp.finfo(dtype).max)
+    return jnp.where(jnp.abs(values) > limit, jnp.where(values > 0, limit, -limit), values).astype(dtype)
+
+
+def pow2(exponent: jnp.ndarray) -> jnp.ndarray:
+    """2.0**exponent as float32 for int32 exponents in [-126, 127], built from bits."""
+    return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
+
+
+def times_pow2(values: jnp.ndarray, exponent: jnp.ndarray) -> jnp.ndarray:
+    """values * 2**exponent for exponents in [-252, 254], in two normal-range steps (a
+    single subnormal factor such as 2**-128 would flush to zero on many backends)."""
+    half = exponent >> 1
+    return values * pow2(half) * pow2(exponent - half)
+
+
+def binade_exponent(values: jnp.ndarray) -> jnp.ndarray:
+    """int32 e with |v| in [2**(e-1), 2**e) for normal float32 v; -126 for zero and
+    subnormals; 129 for Inf and NaN."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
+    return ((bits >> 23) & 0xFF) - 126
+
+
+def encode_e8m0(scale: jnp.ndarray) -> jnp.ndarray:
+    """Encode positive float32 scales as uint8 power-of-two exponents, rounding up.
+
+    Rounding the scale up (never down) keeps every value of the group inside the
+    element format's range. NaN or Inf scales encode as the NaN code.
+    """
+    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
+    exponent = binade_exponent(scale)
+    ceil_log2 = jnp.where((bits & 0x7FFFFF) == 0, exponent - 1, exponent)
+    code = jnp.clip(ceil_log2 + E8M0_BIAS, E8M0_MIN_CODE, E8M0_MAX_CODE)
+    return jnp.where(jnp.isfinite(scale), code, E8M0_NAN).astype(jnp.uint8)
+
+
+def decode_e8m0(code: jnp.ndarray) -> jnp.ndarray:
+    """Decode uint8 exponent codes to float32 scales (the NaN code gives NaN)."""
+    exponent = code.astype(jnp.int32) - E8M0_BIAS
+    return jnp.where(code == E8M0_NAN, np.float32(np.nan), pow2(jnp.clip(exponent, -126, 127)))
+
+
+def round_up_to_bf16(scale: jnp.ndarray) -> jnp.ndarray:
+    """Round positive float32 scales up (toward +inf) to bfloat16; NaN and Inf stay.
+
+    Rounding up keeps every value of the group inside the element format's range. Scales
+    under the smallest normal number (all-zero groups) become it, so no divisor is 0.
+    """
+    # A comparison, not max(): inside a Triton kernel max() would turn NaN into the floor.
+    scale = jnp.where(scale < np.float32(2.0**-126), np.float32(2.0**-126), scale)
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    # Adding 0xFFFF carries into the kept bits unless the dropped ones are all zero.
+    ceil_bits = (bits + np.uint32(0xFFFF)) & np.uint32(0xFFFF0000)
+    ceil_bits = jnp.where(jnp.isfinite(scale), ceil_bits, bits)
+    return jax.lax.bitcast_convert_type(ceil_bits, jnp.float32).astype(jnp.bfloat16)
+
+
+def _word(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the packing word: lcm(bits, 8) bits."""
+    word_bits = math.lcm(bits, 8)
+    return word_bits // bits, word_bits // 8
+
+
+def _shift(values: jnp.ndarray, left: int) -> jnp.ndarray:
+    """values << left, or >> -left for a negative `left`."""
+    return values << left if left >= 0 else values >> -left
+
+
+def _overlapping(size: int, index: int, other_size: int, count: int) -> list[int]:
+    """The fields of `other_size` bits (of `count` in a word) that share a bit with
+    field `index` of `size` bits."""
+    start = size * index
+    return [j for j in range(count) if other_size * j < start + size and start < other_size * (j + 1)]
+
+
+def pack_codes(codes: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Codes of `bits` bits, 1 to 8 (their low bits, any integer dtype) -> uint8 bytes
+    along the last axis: each word of lcm(bits, 8) bits holds consecutive codes, the
+    earlier one in the lower bits, and is sent lowest byte first (4-bit codes two to a
+    byte, 6-bit codes four to three bytes, 5-bit codes eight to five). The last axis
+    must be a whole number of words; 8-bit codes are their bytes."""
+    if bits == 8:
+        return codes.astype(jnp.uint8)
+    per_word, word_bytes = _word(bits)
+    words = codes.reshape(*codes.shape[:-1], -1, per_word).astype(jnp.uint32) & ((1 << bits) - 1)
+    packed = [
+        functools.reduce(
+            jnp.bitwise_or, [_shift(words[..., i], bits * i - 8 * j) for i in _overlapping(8, j, bits, per_word)]
+        )
+        & 0xFF
+        for j in range(word_bytes)
+    ]
+    return jnp.stack(packed, axis=-1).astype(jnp.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def unpack_codes(packed: jnp.ndarray, bits: int) -> jnp.ndarray:
+    """Invert `pack_codes`: uint8 (..., n) -> uint8 codes (..., n * 8 / bits)."""
+    if bits == 8:
+        return packed.astype(jnp.uint8)
+    per_word, word_bytes = _word(bits)
+    words = packed.reshape(*packed.shape[:-1], -1, word_bytes).astype(jnp.uint32)
+    codes = [
+        functools.reduce(
+            jnp.bitwise_or, [_shift(words[..., j], 8 * j - bits * i) for j in _overlapping(bits, i, 8, word_bytes)]
+        )
+        & ((1 << bits) - 1)
+        for i in range(per_word)
+    ]
+    return jnp.stack(codes, axis=-1).astype(jnp.uint8).reshape(*packed.shape[:-1], -1)
+
+
+# ----------------------------------------------------------------------------- the formats
 
 WIRE_FORMATS: dict[str, WireFormat] = {}
 SCALE_ENCODINGS: dict[str, ScaleFormat] = {}
@@ -156,11 +342,11 @@ class WireFormat(Registered, abc.ABC):
         """float32 values with |v| <= max_value rounded to one of the two grid points
         around them, up with probability equal to the distance from the lower one in
         steps (unbiased: the expected result is v), from `draws` uniform in [0, 1)
-        (`dither`); the result is float32."""
+        (`wire.dither`); the result is float32."""
         raise ValueError(f"stochastic rounding does not take {self.name!r} (its cast rounds to nearest)")
 
     def kernel_cast(self, values: jax.Array) -> jax.Array:
-        """`cast_to_wire` inside a Pallas kernel, whose values the divisor already bounds
+        """`wire.cast_to_wire` inside a Pallas kernel, whose values the divisor already bounds
         by max_value to within a few float32 ulps: no clip."""
         return self.round_to_nearest(values).astype(self.dtype)
 
@@ -369,7 +555,7 @@ class ScaleFormat(Registered, abc.ABC):
 
     A group's payload is cast from y / divisor, and the receiver multiplies the decoded
     group by the multiplier s / a (the quantization scale over the pre-scale,
-    `group_codec`) that the entries carry.
+    `wire`) that the entries carry.
 
     Attributes:
       name: its key in `SCALE_ENCODINGS` (what `QuantSpec.scales` names).
@@ -498,38 +684,3 @@ def scale_format(name: str) -> ScaleFormat:
       ValueError: unknown name.
     """
     return _lookup(SCALE_ENCODINGS, ScaleFormat.kind, name)
-
-
-def scale_headroom(fmt: WireFormat, group_size: int, transform: bool) -> int:
-    """K >= 0 such that a group's decode multiplier s / a, sent as (s / a) * 2**-K, stays
-    at most `MAX_SCALE` for every finite float32 group, so that it fits every scale
-    encoding; the decode multiplies by 2**K after the (linear) transform.
-
-    s / a = max|y| / max_value, and the normalized transform can raise a group's absmax
-    by up to sqrt(G) (all of a constant group lands on one coefficient): at float32's
-    largest value the multiplier passes float32's range for the small grids (E2M3,
-    E3M2, E2M1, INT4) with the transform. K is 0 for every 8-bit format at G <= 1024
-    (the ceiling `QuantSpec` allows), so what the kernels send is unchanged.
-    """
-    growth = np.sqrt(group_size) if transform else 1.0
-    largest_multiplier = growth * float(np.finfo(np.float32).max) / fmt.max_value
-    return max(0, int(np.ceil(np.log2(largest_multiplier))) - int(np.log2(MAX_SCALE)))
-
-
-def cast_to_wire(
-    values: jnp.ndarray, fmt: WireFormat, in_kernel: bool = False, draws: jnp.ndarray | None = None
-) -> jnp.ndarray:
-    """Round float32 values (already divided by their scale) onto the format's grid, in
-    its payload dtype.
-
-    Round to nearest, ties to even, after clipping to +-max_value; with `draws` (float32
-    in [0, 1), one per value: `dither`), stochastically (`WireFormat.round_stochastically`).
-    NaN stays NaN in the float formats; the integers have no NaN, so callers carry NaN
-    through the group's scale. `in_kernel`: what suits a Pallas kernel
-    (`WireFormat.kernel_cast`).
-    """
-    if in_kernel:
-        return fmt.kernel_cast(values)
-    clipped = jnp.clip(values, -fmt.max_value, fmt.max_value)
-    rounded = fmt.round_to_nearest(clipped) if draws is None else fmt.round_stochastically(clipped, draws)
-    return rounded.astype(fmt.dtype)

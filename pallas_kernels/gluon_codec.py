@@ -1,6 +1,6 @@
 """What the Gluon codec kernels share (Gluon: Triton with explicit layouts): their launch
 helpers, and the per-group math in registers, step for
-step `group_codec`'s (IEEE division and square root for the per-group scalars): the
+step `wire`'s (IEEE division and square root for the per-group scalars): the
 binade normalization, the Walsh-Hadamard stages within a thread, the scales and the
 codes. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) build on it.
 """
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import elementwise, formats, group_codec
+from . import formats, wire
 from .launch import output_struct
 
 try:
@@ -43,8 +43,8 @@ def inverse_sqrt(group_size: int) -> float:
 def quantization(fmt: str, scale_format: str) -> dict:
     """The quantizing kernels' constexprs: the format's largest value, whether it is an
     integer format, and the scale encoding's id."""
-    wire = formats.wire_format(fmt)
-    return dict(FMT_MAX=float(wire.max_value), INTEGER=wire.is_integer, SCALES=SCALE_FORMAT_IDS[scale_format])
+    element = formats.wire_format(fmt)
+    return dict(FMT_MAX=float(element.max_value), INTEGER=element.is_integer, SCALES=SCALE_FORMAT_IDS[scale_format])
 
 
 def scale_dtype(scale_format: str) -> jnp.dtype:
@@ -53,7 +53,7 @@ def scale_dtype(scale_format: str) -> jnp.dtype:
 
 
 def scales_struct(batch: int, groups: int, scale_format: str, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """The packed scales (`group_codec.pack_scale_entries`) of `batch` x `groups` groups."""
+    """The packed scales (`wire.pack_scale_entries`) of `batch` x `groups` groups."""
     shape = (batch, groups, 2) if scale_format == "dual" else (batch, groups)
     return output_struct(shape, scale_dtype(scale_format), like)
 
@@ -64,19 +64,19 @@ def grid(groups: int, batch: int, rows_per_program: int) -> tuple[int, int]:
 
 
 if gluon is not None:
-    PRESCALE_MIN = gl.constexpr(float(group_codec.PRESCALE_MIN))
+    PRESCALE_MIN = gl.constexpr(float(wire.PRESCALE_MIN))
 
     FLOAT32_MAX = gl.constexpr(float(np.finfo(np.float32).max))
 
-    PRESCALE_MAX = gl.constexpr(float(group_codec.PRESCALE_MAX))
+    PRESCALE_MAX = gl.constexpr(float(wire.PRESCALE_MAX))
 
-    SCALE_MIN = gl.constexpr(float(group_codec.SCALE_MIN))
+    SCALE_MIN = gl.constexpr(float(wire.SCALE_MIN))
 
     MAX_SCALE = gl.constexpr(float(formats.MAX_SCALE))
 
-    ROUNDING_BIAS = gl.constexpr(float(elementwise.ROUNDING_BIAS))
+    ROUNDING_BIAS = gl.constexpr(float(formats.ROUNDING_BIAS))
 
-    ROUNDING_BIAS_BITS = gl.constexpr(elementwise.ROUNDING_BIAS_BITS)
+    ROUNDING_BIAS_BITS = gl.constexpr(formats.ROUNDING_BIAS_BITS)
 
     @gluon.constexpr_function
     def row_layout(G, NUM_WARPS):
@@ -85,19 +85,19 @@ if gluon is not None:
 
     @gluon.jit
     def pow2(exponent):
-        """2.0**exponent for int32 exponents in [-126, 127] (`elementwise.pow2`)."""
+        """2.0**exponent for int32 exponents in [-126, 127] (`formats.pow2`)."""
         return ((exponent + 127) << 23).to(gl.float32, bitcast=True)
 
     @gluon.jit
     def times_pow2(values, exponent):
-        """values * 2**exponent in two normal-range steps (`elementwise.times_pow2`)."""
+        """values * 2**exponent in two normal-range steps (`formats.times_pow2`)."""
         half = exponent >> 1
         return values * pow2(half) * pow2(exponent - half)
 
     @gluon.jit
     def hadamard_in_registers(values, G: gl.constexpr, LOG_G: gl.constexpr, NUM_WARPS: gl.constexpr):
         """values @ H (unnormalized, Sylvester order) along each thread's group: the stages
-        of `hadamard.hadamard_butterfly`, all in registers."""
+        of `wire.hadamard_butterfly`, all in registers."""
         for _ in gl.static_range(LOG_G):
             low, high = gl.split(gl.permute(values.reshape([32 * NUM_WARPS, 2, G // 2]), [0, 2, 1]))
             values = gl.join(low + high, low - high).reshape([32 * NUM_WARPS, G])
@@ -105,21 +105,21 @@ if gluon is not None:
 
     @gluon.jit
     def normalize(groups, FMT_MAX: gl.constexpr, G: gl.constexpr):
-        """`group_codec.normalize_groups`: (normalized, factor, prescale)."""
+        """`wire.normalize_groups`: (normalized, factor, prescale)."""
         absmax = gl.max(gl.abs(groups), axis=1)
         shift = gl.minimum(((absmax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 126)
         normalized = groups * pow2(-shift)[:, None]
         mean_square = gl.sum(normalized * normalized, axis=1) * (1.0 / G)
         prescale = times_pow2(gl.div_rn(gl.full_like(mean_square, FMT_MAX), gl.sqrt_rn(mean_square)), -shift)
         prescale = gl.minimum(gl.maximum(prescale, PRESCALE_MIN), PRESCALE_MAX)
-        # max() skips NaN in a kernel; the mean square does not (`group_codec.prescale_of`).
+        # max() skips NaN in a kernel; the mean square does not (`wire.prescale_of`).
         finite = (absmax < float("inf")) & (gl.abs(mean_square) < float("inf"))
         prescale = gl.where(finite, prescale, float("nan"))
         return normalized, times_pow2(prescale, shift), prescale
 
     @gluon.jit
     def round_up_to_bf16(ratio):
-        """`elementwise.round_up_to_bf16`, as the float32 value of the bfloat16 result."""
+        """`formats.round_up_to_bf16`, as the float32 value of the bfloat16 result."""
         ratio = gl.where(ratio < SCALE_MIN, SCALE_MIN, ratio)
         bits = ratio.to(gl.uint32, bitcast=True)
         rounded = gl.where(gl.abs(ratio) < float("inf"), (bits + 0xFFFF) & 0xFFFF0000, bits)
@@ -127,7 +127,7 @@ if gluon is not None:
 
     @gluon.jit
     def encode_e8m0(ratio):
-        """`elementwise.encode_e8m0`, as int32 codes."""
+        """`formats.encode_e8m0`, as int32 codes."""
         bits = ratio.to(gl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) - 126
         code = gl.where((bits & 0x7FFFFF) == 0, exponent - 1, exponent) + 127
@@ -147,13 +147,13 @@ if gluon is not None:
         INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
     ):
-        """`group_codec.quantize_scaled` of a tile of groups y = values * factor: stores
+        """`wire.quantize_scaled` of a tile of groups y = values * factor: stores
         the packed scales of its `rows` (along the tile's rows; `in_range` masks them) at
         `scales_ptr` and returns the codes in `codes_dtype`, in the layout of `values`."""
         scale = gl.div_rn(gl.max(gl.abs(values), axis=1) * factor, gl.full_like(factor, FMT_MAX))
         scale = gl.where(scale < SCALE_MIN, SCALE_MIN, scale)  # NaN stays NaN
         # A requantized sum beyond float32's range: its multiplier held at MAX_SCALE
-        # (`group_codec.scale_entries`), so the group decodes finite.
+        # (`wire.scale_entries`), so the group decodes finite.
         scale = gl.where(gl.div_rn(scale, prescale) > MAX_SCALE, prescale * MAX_SCALE, scale)
         divisor = scale
         if SCALES == 0:

@@ -1,6 +1,8 @@
-"""What taco_jax needs from JAX (and Triton) that has no public form, in one place.
+"""What taco_jax asks of JAX (and Triton) about where it runs, in one place: the platform
+(`cuda_devices`, `on_cuda`), the shard_map it is traced in (`checks_vma`,
+`transposing_whole_shard_map`) and what has no public form.
 
-Everything else uses public API. Each helper here names the private object it reads and
+Everything else uses public API. Each helper that reads a private object names it and
 the JAX versions it was checked on (`TESTED_JAX`, the range `pyproject.toml` declares);
 where the object is missing it raises `UnsupportedJaxError` instead of guessing, so a
 check that cannot run never quietly passes.
@@ -28,6 +30,30 @@ def _unsupported(what: str) -> UnsupportedJaxError:
         f"taco_jax cannot {what} on jax {jax.__version__}: the internal it reads is gone. taco_jax is tested on "
         f"jax {TESTED_JAX[0]} to {TESTED_JAX[1]}.x; install a jax in that range."
     )
+
+
+@functools.cache
+def cuda_devices() -> tuple:
+    """This process's CUDA devices (none without a CUDA backend)."""
+    try:
+        return tuple(jax.local_devices(backend="cuda"))
+    except RuntimeError:
+        return ()
+
+
+def has_cuda() -> bool:
+    """Whether this process has a CUDA backend, so a program may be lowered for one."""
+    return bool(cuda_devices())
+
+
+def on_cuda(cuda_fn, default_fn, *args):
+    """`cuda_fn(*args)` where the program is lowered for a CUDA GPU, `default_fn(*args)`
+    elsewhere: the lowering platform chooses (`lax.platform_dependent`), not the default
+    backend, so a jit onto CPU devices or a multi-platform export never meets GPU code.
+    Both are traced only where a CUDA backend exists (`has_cuda`)."""
+    if not has_cuda():
+        return default_fn(*args)
+    return lax.platform_dependent(*args, cuda=cuda_fn, default=default_fn)
 
 
 def checks_vma(axis_name: str) -> bool:

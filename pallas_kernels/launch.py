@@ -1,11 +1,11 @@
 """What the codec kernels share: their launch parameters, the rows a program takes and the
-loop over them, the tile helpers of the Pallas kernels, how a kernel output is typed, and
-where a program is lowered (what each kernel takes is `backends.BACKENDS`)."""
+loop over them, the tile helpers of the Pallas kernels and how a kernel output is typed
+(what each kernel takes is `backends.BACKENDS`; where a program is lowered,
+`jax_compat.on_cuda`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import jax
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from . import group_codec
-from .hadamard import hadamard_across, hadamard_lanes, hadamard_pairs
+from . import wire
+from .wire import hadamard_across, hadamard_lanes, hadamard_pairs
 
 TRANSFORM_METHODS = ("matmul", "lanes", "pairs")
 
@@ -36,16 +36,16 @@ class KernelConfig:
         multiprocessor (132 on an H200) several times.
       transform_method: how a kernel applies the Walsh-Hadamard transform: "matmul" (tensor-core
         matmuls against the +-1 tile, loaded into shared memory), or log2 G add/subtract
-        stages without the tile: "lanes" (`hadamard.hadamard_lanes`: a butterfly within
+        stages without the tile: "lanes" (`wire.hadamard_lanes`: a butterfly within
         each 16-byte vector, then one exact pair exchange per further column bit, a warp
-        shuffle where the pair spans lanes) or "pairs" (`hadamard.hadamard_pairs`: the
+        shuffle where the pair spans lanes) or "pairs" (`wire.hadamard_pairs`: the
         pair exchange for every column bit). `compress.default_config` and
         `decompress.default_config` choose the fastest measured.
       pieces: p, how many slices of G / p contiguous columns a kernel loads each group
         in, one load each. A GPU thread holds the same columns of every slice, so p > 1
         puts more of a group in each thread: the per-group math is repeated by fewer
         lanes, and log2 p stages of the transform and of each reduction are register
-        adds instead of warp shuffles (`group_codec.Pieces`).
+        adds instead of warp shuffles (`wire.Pieces`).
     """
 
     block_rows: int = 64
@@ -64,30 +64,6 @@ class KernelConfig:
             )
         if self.pieces < 1 or self.pieces & (self.pieces - 1):
             raise ValueError(f"KernelConfig.pieces must be a power of two, got {self.pieces}")
-
-
-@functools.cache
-def cuda_devices() -> tuple:
-    """This process's CUDA devices (none without a CUDA backend)."""
-    try:
-        return tuple(jax.local_devices(backend="cuda"))
-    except RuntimeError:
-        return ()
-
-
-def has_cuda() -> bool:
-    """Whether this process has a CUDA backend, so a program may be lowered for one."""
-    return bool(cuda_devices())
-
-
-def on_cuda(cuda_fn, default_fn, *args):
-    """`cuda_fn(*args)` where the program is lowered for a CUDA GPU, `default_fn(*args)`
-    elsewhere: the lowering platform chooses (`lax.platform_dependent`), not the default
-    backend, so a jit onto CPU devices or a multi-platform export never meets GPU code.
-    Both are traced only where a CUDA backend exists (`has_cuda`)."""
-    if not has_cuda():
-        return default_fn(*args)
-    return lax.platform_dependent(*args, cuda=cuda_fn, default=default_fn)
 
 
 def block_rows_for(rows: int, preferred: int) -> int:
@@ -175,12 +151,10 @@ def load_hadamard(hadamard_ref, config: KernelConfig) -> jax.Array | None:
     return hadamard_ref[...] if config.transform_method == "matmul" else None
 
 
-def apply_hadamard(
-    pieces: group_codec.Pieces, hadamard: jax.Array | None, splits: int, method: str
-) -> group_codec.Pieces:
+def apply_hadamard(pieces: wire.Pieces, hadamard: jax.Array | None, splits: int, method: str) -> wire.Pieces:
     """The groups' pieces times H in float32: each piece by `method` (`KernelConfig.transform_method`),
     against the loaded tile (`hadamard_dot`) or with one of the `TILE_FREE_TRANSFORMS`,
-    then across the pieces (`hadamard.hadamard_across`)."""
+    then across the pieces (`wire.hadamard_across`)."""
     if method == "matmul":
         if hadamard is None:
             raise ValueError("the matmul transform needs the loaded Hadamard tile (`load_hadamard`)")
@@ -190,13 +164,13 @@ def apply_hadamard(
     return tuple(hadamard_across(within))
 
 
-def load_pieces(ref, *index) -> group_codec.Pieces:
+def load_pieces(ref, *index) -> wire.Pieces:
     """A block of groups from a (..., rows, p, G / p) ref at `index` (leading indices, then
     the rows): one load per piece (`KernelConfig.pieces`)."""
     return tuple(ref[(*index, piece, slice(None))] for piece in range(ref.shape[-2]))
 
 
-def store_pieces(ref, rows, pieces: group_codec.Pieces) -> None:
+def store_pieces(ref, rows, pieces: wire.Pieces) -> None:
     """Store a block of groups' pieces into a (rows, p, G / p) ref, as its dtype holds them."""
     for index, piece in enumerate(pieces):
         ref[rows, index, :] = as_stored(piece, ref.dtype)

@@ -105,7 +105,7 @@ def gluon_compress(
     payload_rows: int,
     config: RowConfig | SplitConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Quantize B batches of N groups, x (B, N, G), as `group_codec.quantize_groups`.
+    """Quantize B batches of N groups, x (B, N, G), as `wire.quantize_groups`.
 
     Under `jax.vmap` the mapped axes fold into the batch dimension B (the kernel's
     second grid axis), so a vmapped call is one launch.

@@ -241,7 +241,7 @@ if gluon is not None:
 
     @gluon.jit
     def _saturating_cast(values, dtype: gl.constexpr):
-        """`elementwise.saturating_cast`: float32 to `dtype`, values past its largest finite
+        """`formats.saturating_cast`: float32 to `dtype`, values past its largest finite
         clamped to it, NaN kept: one conversion instruction per pair of values (a compare
         and two selects per value otherwise). For float32, a decode that overflowed (a
         value near its largest plus codec error) is clamped back."""
@@ -288,7 +288,7 @@ if gluon is not None:
         payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS: gl.constexpr, G: gl.constexpr
     ):
         """The float32 sum over the shards of codes times their groups' multipliers scaled
-        by 2**-shift, and shift per row (`group_codec.sum_shift`), on the tile
+        by 2**-shift, and shift per row (`wire.sum_shift`), on the tile
         `_split_tile` gives (rows out of range are not read; their values are undefined
         and never stored); the pointers are at the batch's first shard."""
         largest = gl.load(multiplier_ptr + rows, mask=in_range)
@@ -344,7 +344,7 @@ if gluon is not None:
         INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
     ):
-        """`group_codec.quantize_groups` of a split tile of float32 groups: the codes
+        """`wire.quantize_groups` of a split tile of float32 groups: the codes
         stored at `payload_ptr` + `offsets`, the packed scales of `rows` at `scales_ptr`
         (the pointers at the batch's first row; rows out of range are not stored)."""
         values, factor, prescale = normalize(groups, FMT_MAX, G)

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import jax_compat, launch
+from . import jax_compat
 
 gpu_triton = jax_compat.gpu_triton()
 
@@ -37,7 +37,7 @@ def local_capability() -> int:
     Raises:
       NotImplementedError: the GPUs differ (one PTX build would not fit them all).
     """
-    capabilities = {int(device.compute_capability.replace(".", "")) for device in launch.cuda_devices()}
+    capabilities = {int(device.compute_capability.replace(".", "")) for device in jax_compat.cuda_devices()}
     if len(capabilities) != 1:
         raise NotImplementedError(
             f"the Gluon kernels are built for one compute capability, but this process's "
@@ -55,9 +55,9 @@ def available() -> bool:
     """Whether Gluon kernels can run here: CUDA GPUs of compute capability
     `MIN_CAPABILITY` or newer, jaxlib's Triton custom call, and a Triton with Gluon (3.6
     or newer)."""
-    if gpu_triton is None or not launch.has_cuda():
+    if gpu_triton is None or not jax_compat.has_cuda():
         return False  # no CUDA GPU, or a jaxlib without the Triton custom call
-    if min(int(device.compute_capability.replace(".", "")) for device in launch.cuda_devices()) < MIN_CAPABILITY:
+    if min(int(device.compute_capability.replace(".", "")) for device in jax_compat.cuda_devices()) < MIN_CAPABILITY:
         return False  # an older GPU: the Pallas kernels run
     try:
         from triton.experimental import gluon  # noqa: F401  (the import is the check)

@@ -15,7 +15,7 @@ from taco_jax.codec import Compressed, compress, decompress, decompress_sum, req
 from taco_jax.collectives import all_gather, all_reduce, ppermute, reduce_scatter
 from taco_jax.hlo import HloCollective, collectives_in_hlo
 from taco_jax.mesh import MESH_AXES, make_mesh, simulated_shard_map
-from taco_jax.spec import KERNEL_MODES, PRESETS, FewerBits, QuantSpec, TacoConfig
+from taco_jax.policy import KERNEL_MODES, PRESETS, FewerBits, QuantSpec, TacoConfig
 
 __all__ = [
     "KERNEL_MODES",

@@ -1,4 +1,4 @@
-"""What collectives put on the wire, and the ledger of it.
+"""What collectives put on the wire, the ledger of it, and what else tracing records.
 
 A `Collective` describes one traced call: the `Op`, the mesh axis and its size, the
 per-rank message (shape and dtype) and the direction. It counts the bytes each rank sends
@@ -16,24 +16,55 @@ A compressed collective is a sequence of such steps on wire buffers, and counts 
 they send: the executor (`taco_jax.message.Transfer`) enters every step's `plain_bytes`
 as it moves a buffer, so the ledger holds the bytes of the collectives the program runs.
 `record` is the one place a `WireRecord` enters the active ledgers (`record_wire`).
+
+The ledger, the calibration observer (`observe`), the collectives' own bookkeeping and
+the simulated mesh (`mesh.simulated_shard_map`) all work while a function is traced, not
+while it runs: a `with` block makes a value visible to everything traced inside it. They
+share one mechanism, `TraceScope`, a context variable set for the block (per thread, as
+tracing is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import math
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from taco_jax.tracing import TraceScope
+T = TypeVar("T")
+
+
+class TraceScope(Generic[T]):
+    """A value set for the code traced inside `with scope.set(value):`, `default` elsewhere."""
+
+    def __init__(self, name: str, default: T):
+        self._var: contextvars.ContextVar[T] = contextvars.ContextVar(name, default=default)
+
+    def get(self) -> T:
+        """The value of the innermost enclosing `set` block (or the default)."""
+        return self._var.get()
+
+    @contextlib.contextmanager
+    def set(self, value: T) -> Iterator[T]:
+        """Make `value` the scope's value inside the block (restored after it).
+
+        Yields:
+          `value`.
+        """
+        token = self._var.set(value)
+        try:
+            yield value
+        finally:
+            self._var.reset(token)
 
 
 class Op(enum.StrEnum):
@@ -238,6 +269,27 @@ _PAUSED = TraceScope("wire recording paused", False)
 _REPEATS = TraceScope("wire record repeats", 1)
 
 
+# Who sees each message about to be compressed: (x, site, direction).
+Observer = Callable[[jax.Array, str, str], None]
+_OBSERVER: TraceScope[Observer | None] = TraceScope("message observer", None)
+
+
+@contextlib.contextmanager
+def observed_by(observer: Observer) -> Iterator[None]:
+    """Show `observer` every message about to be compressed in code traced inside the
+    block (`calibration.observing` collects per-channel statistics so)."""
+    with _OBSERVER.set(observer):
+        yield
+
+
+def observe(x: jax.Array, site: str, direction: str) -> None:
+    """Show `x` (..., C), about to be compressed at `site`, to the observer of the
+    innermost enclosing `observed_by` block (nothing outside one)."""
+    observer = _OBSERVER.get()
+    if observer is not None:
+        observer(x, site, direction)
+
+
 @contextlib.contextmanager
 def record_wire() -> Iterator[WireLedger]:
     """Record the wire bytes of every collective traced inside the block.
@@ -291,7 +343,7 @@ def record(entry: WireRecord, *, repeats: int | None = None) -> None:
     """Add a record to every active ledger (none while `paused`), counted `repeats` times
     (None: the enclosing `repeated` blocks' trip counts). A backward message is traced
     when JAX transposes the loop around its forward call, outside that loop's `repeated`
-    block: it carries the forward call's count (`message.Call.repeats`)."""
+    block: it carries the forward call's count (`collectives.Call.repeats`)."""
     ledgers = _LEDGERS.get()
     if not ledgers or _PAUSED.get():
         return

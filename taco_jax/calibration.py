@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from taco_jax import accounting
 from taco_jax.codec import check_permutation, compress, decompress
-from taco_jax.spec import FewerBits, QuantSpec, TacoConfig
-from taco_jax.tracing import TraceScope
+from taco_jax.policy import FewerBits, QuantSpec, TacoConfig
 
 STRATEGIES = ("identity", "cluster", "interleave")
 METRICS = ("channel_median", "rel_rmse")
@@ -276,9 +276,6 @@ class Collector:
             return np.concatenate(self.samples[key])[-MAX_SAMPLE_ROWS:]
 
 
-_COLLECTOR: TraceScope[Collector | None] = TraceScope("calibration collector", None)
-
-
 @contextlib.contextmanager
 def observing(collector: Collector) -> Iterator[Collector]:
     """Compressed collectives traced inside the block report to `collector`.
@@ -286,15 +283,13 @@ def observing(collector: Collector) -> Iterator[Collector]:
     Like `record_wire`, this acts at trace time: trace (or jit) the step inside the block,
     then run it; every execution adds its statistics.
     """
-    with _COLLECTOR.set(collector):
+    with accounting.observed_by(functools.partial(_report, collector)):
         yield collector
 
 
-def observe(x: jax.Array, site: str, direction: str) -> None:
-    """Report `x` (..., C), about to be compressed at `site`, to the active collector."""
-    collector = _COLLECTOR.get()
-    if collector is None:
-        return
+def _report(collector: Collector, x: jax.Array, site: str, direction: str) -> None:
+    """Send `collector` the statistics of `x` (..., C), about to be compressed at `site`,
+    each time the traced program runs."""
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     stride = max(1, rows.shape[0] // SAMPLE_ROWS)
     sample = rows[::stride][:SAMPLE_ROWS]

@@ -1,10 +1,11 @@
-"""The TACO codec: permute -> adaptive pre-scale -> Hadamard -> scale -> 8-bit cast.
+"""The TACO codec of one tensor: permute -> adaptive pre-scale -> Hadamard -> scale ->
+8-bit cast (`compress`), and back (`decompress`).
 
-The math lives in `pallas_kernels` (group codec reference and fused kernels); this module
-validates, handles permutations and shapes, and runs each call on the codec path that
-`pallas_kernels.backends`' one table chooses (`codec_choice`: from the `kernel_mode`
-argument, `TacoConfig.kernel_mode` in the collectives, once per wire plan there; "auto"
-lets the platform a program is lowered for choose).
+The math lives in `pallas_kernels` (the jnp reference in `wire`, and the fused kernels);
+this module validates, handles permutations and shapes, and runs each call on the codec
+path that `pallas_kernels.backends`' one table chooses (`message.codec_choice`, from the
+`kernel_mode` argument; "auto" lets the platform a program is lowered for choose). A
+collective's messages take the same path through `taco_jax.message`.
 """
 
 from __future__ import annotations
@@ -18,38 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from taco_jax.kernels import backends, formats, group_codec, wire
 from taco_jax.kernels import compress as compress_kernel
 from taco_jax.kernels import decompress as decompress_kernel
-from taco_jax.spec import QuantSpec, check_kernel_mode
-
-# How a codec call runs: a kernel mode (`KERNEL_MODES`), chosen per call, or a choice
-# already made for the call's plan (`message.WirePlan.codec`).
-Codec = str | backends.CodecChoice
-
-
-def codec_choice(
-    spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, *, shards: int = 1, size: int = 1
-) -> backends.CodecChoice:
-    """The codec path of work with `spec` on `dtype` (a compress's input, a decode's
-    output) summing `shards` messages, under `kernel_mode` (`KERNEL_MODES`): the one
-    table, `backends.choose`. Empty arrays (`size` 0) run the jnp path.
-
-    Raises:
-      ValueError: unknown kernel mode.
-    """
-    check_kernel_mode(kernel_mode)
-    if size == 0:
-        return backends.JNP_PATH
-    work = backends.CodecWork(spec.fmt, spec.group_size, jnp.dtype(dtype), shards, spec.stochastic, spec.scales)
-    return backends.choose(work, kernel_mode)
-
-
-def _resolved(codec: Codec, spec: QuantSpec, dtype: jnp.dtype, shards: int, size: int) -> backends.CodecChoice:
-    """`codec` itself when already chosen (a `WirePlan`'s), else its kernel mode's choice."""
-    if isinstance(codec, backends.CodecChoice):
-        return codec
-    return codec_choice(spec, dtype, codec, shards=shards, size=size)
+from taco_jax.kernels import wire
+from taco_jax.message import codec_choice, quantize_rows, scale_headroom_of
+from taco_jax.policy import QuantSpec
 
 
 @jax.tree_util.register_dataclass
@@ -131,25 +105,7 @@ def _quantize(values: jax.Array, spec: QuantSpec, kernel_mode: str) -> tuple[jax
         return payload.reshape(values.shape), scales.reshape(*groups, *scales.shape[2:])
 
     choice = codec_choice(spec, values.dtype, kernel_mode, size=values.size)
-    return choice.run(kernel, lambda v: _quantize_jnp(v, spec), values)
-
-
-def _quantize_jnp(values: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
-    """`group_codec.quantize_groups` of `values` with the spec's settings (the jnp path)."""
-    return group_codec.quantize_groups(
-        values,
-        fmt=spec.fmt,
-        group_size=spec.group_size,
-        scale_format=spec.scales,
-        transform=spec.hadamard,
-        stochastic=spec.stochastic,
-    )
-
-
-def _headroom(spec: QuantSpec) -> int:
-    """The power of two the spec's wire scales are sent below the decode multiplier
-    (`formats.scale_headroom`), which a decode multiplies back."""
-    return formats.scale_headroom(formats.wire_format(spec.fmt), spec.group_size, spec.hadamard)
+    return choice.run(kernel, lambda v: quantize_rows(v, spec), values)
 
 
 def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, dtype: jnp.dtype = jnp.float32):
@@ -157,7 +113,7 @@ def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, d
     spec = shards.spec
     count, group = shards.payload.shape[0], spec.group_size
     payload = shards.payload.reshape(count, -1, group)
-    multiplier = group_codec.dequantize_scale(shards.scales, spec.scales).reshape(count, -1)
+    multiplier = wire.dequantize_scale(shards.scales, spec.scales).reshape(count, -1)
     requantize_to = (spec.fmt, spec.scales) if requantize else None
 
     def kernel(payload, multiplier, interpret):
@@ -171,14 +127,14 @@ def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, d
         )
 
     def reference(payload, multiplier):
-        return group_codec.dequantize_groups(
+        return wire.dequantize_groups(
             payload,
             multiplier,
             transform=spec.hadamard,
             out_dtype=dtype,
             requantize_to=requantize_to,
             stochastic=spec.stochastic,
-            headroom=_headroom(spec),
+            headroom=scale_headroom_of(spec),
         )
 
     choice = codec_choice(spec, dtype, kernel_mode, shards=count, size=payload.size)
@@ -186,104 +142,6 @@ def _dequantize_sum(shards: Compressed, kernel_mode: str, *, requantize: bool, d
 
 
 # ----------------------------------------------------------------------------- wire messages
-
-
-def message_layout(groups: int, spec: QuantSpec) -> wire.MessageLayout:
-    """The wire layout of a message of `groups` groups compressed with `spec`."""
-    return wire.MessageLayout(groups, spec.group_size, spec.fmt, spec.scales)
-
-
-def encode(rows: jax.Array, spec: QuantSpec, codec: Codec = "auto") -> jax.Array:
-    """Compress rows straight into wire messages (`pallas_kernels.wire`), one per
-    leading index.
-
-    Args:
-      rows: float (..., N, G), G = spec.group_size, in wire channel order.
-      spec: the `QuantSpec` (its `hadamard` decides the transform).
-      codec: a kernel mode (`KERNEL_MODES`) or the plan's `CodecChoice`.
-
-    Returns:
-      uint8 (..., *message_layout(N, spec).shape).
-    """
-    lead, (groups, group_size) = rows.shape[:-2], rows.shape[-2:]
-
-    def kernel(rows, interpret):
-        messages = compress_kernel.compress_message(
-            rows.reshape(-1, groups, group_size),
-            fmt=spec.fmt,
-            scale_format=spec.scales,
-            transform=spec.hadamard,
-            interpret=interpret,
-        )
-        return messages.reshape(*lead, *messages.shape[1:])
-
-    def reference(rows):
-        return wire.pack(*_quantize_jnp(rows, spec), message_layout(groups, spec))
-
-    return _resolved(codec, spec, rows.dtype, 1, rows.size).run(kernel, reference, rows)
-
-
-def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, codec: Codec = "auto") -> jax.Array:
-    """Decode messages: for each of B batches the sum of its k messages, in float32 in
-    the transformed domain, transformed back once.
-
-    Args:
-      messages: uint8 (B, k, rows, W) messages of `groups` groups each.
-      groups: N.
-      spec: the `QuantSpec` they were compressed with.
-      dtype: output dtype.
-      codec: a kernel mode (`KERNEL_MODES`) or the plan's `CodecChoice`.
-
-    Returns:
-      (B, N, G) in `dtype`.
-    """
-    layout = message_layout(groups, spec)
-
-    def kernel(messages, interpret):
-        return decompress_kernel.decompress_message(
-            messages, layout, transform=spec.hadamard, out_dtype=dtype, interpret=interpret
-        )
-
-    def reference(messages):
-        batch, shards = messages.shape[:2]
-        # The batches side by side as one (k, B * N, G) sum.
-        payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
-        multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
-        decoded = group_codec.dequantize_groups(
-            payload, multiplier, transform=spec.hadamard, out_dtype=dtype, headroom=_headroom(spec)
-        )
-        return decoded.reshape(batch, groups, spec.group_size)
-
-    choice = _resolved(codec, spec, dtype, messages.shape[1], groups * messages.shape[0])
-    return choice.run(kernel, reference, messages)
-
-
-def requantize(messages: jax.Array, groups: int, spec: QuantSpec, codec: Codec = "auto") -> jax.Array:
-    """Sum k messages (k, rows, W) in float32 and quantize the sum into one message with
-    the same spec, staying in the transformed domain (the two-shot all-reduce's middle);
-    `codec` as `decode`'s.
-
-    Returns:
-      uint8 message of `message_layout(groups, spec).shape`.
-    """
-    layout = message_layout(groups, spec)
-
-    def kernel(messages, interpret):
-        return decompress_kernel.decompress_message(
-            messages[None], layout, transform=spec.hadamard, requantize=True, interpret=interpret
-        )
-
-    def reference(messages):
-        payload, scales = group_codec.dequantize_groups(
-            wire.payload_of(messages, layout),
-            wire.multiplier(messages, layout),
-            transform=spec.hadamard,
-            requantize_to=(spec.fmt, spec.scales),
-            stochastic=spec.stochastic,
-        )
-        return wire.pack(payload, scales, layout)
-
-    return _resolved(codec, spec, jnp.float32, messages.shape[0], groups).run(kernel, reference, messages)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import calibration as calibration_lib
+from taco_jax import accounting
 from taco_jax.accounting import Op
 from taco_jax.collectives import (
+    Call,
+    check_axis,
     forward_recording,
     gather_invariant,
     per_rank,
@@ -42,14 +44,7 @@ from taco_jax.collectives import (
     second_shot,
     vary,
 )
-from taco_jax.message import (
-    Call,
-    Gathered,
-    Transfer,
-    WirePlan,
-    check_axis,
-    in_rank_order,
-)
+from taco_jax.message import Gathered, Transfer, WirePlan, in_rank_order
 
 
 def shift_pairs(ranks: int, shift: int) -> tuple[tuple[int, int], ...]:
@@ -99,7 +94,7 @@ def _sent_by_shifts(partial_for: Callable[[jax.Array], jax.Array], transfer: Tra
     for shift in range(ranks):
         partial = partial_for((me + shift) % ranks)
         if plan is not None:
-            calibration_lib.observe(partial, site, direction)
+            accounting.observe(partial, site, direction)
             partial = plan.encode(plan.rows(partial), partial.dtype).buffer
         received.append(_shift(transfer, shift)(partial) if shift else partial)
     return received

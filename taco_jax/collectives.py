@@ -1,4 +1,5 @@
-"""Compressed tensor-parallel collectives for use inside `jax.shard_map`.
+"""Compressed tensor-parallel collectives for use inside `jax.shard_map`: each call's
+plan, and the collectives built on it.
 
 Each collective has the result of its `jax.lax` counterpart within codec error, and the
 same gradient under both shard_map conventions: with `check_vma=True` (JAX's default)
@@ -6,10 +7,14 @@ the result types follow lax's (all_reduce's result is invariant over the axis, i
 transpose a `pcast` to varying, no communication); with `check_vma=False` all_reduce
 transposes to an all-reduce, as `lax.psum` does there.
 
-Every message is planned and encoded by `taco_jax.message` (plan -> compress kernel ->
-wire buffer -> collective -> decode kernel); a collective here only decides how the
-buffer moves: gathered, exchanged block by block, permuted. Reductions dequantize to
-float32 and sum in the transformed domain; the inverse transform runs once.
+Every collective, compressed or plain, is one `Call`: `plan_message` decides how its
+message travels (`taco_jax.policy`: compressed or not, the all-reduce algorithm,
+pipelined chunks), reports it to an active calibration observer and applies the site's
+calibration (transform decision, channel permutation), giving a `message.WirePlan`, or
+None for the plain collective. The `message.Transfer` it yields compresses, moves and
+counts (`taco_jax.message`: compress kernel -> wire buffer -> collective -> decode
+kernel); a collective here only decides how the buffer moves: gathered, exchanged
+block by block, permuted.
 
 The `run_*` functions are one direction of a collective as traced, without a gradient
 rule (the tensor-parallel mappings in `taco_jax.tp` compose them); the public
@@ -19,6 +24,7 @@ rule (the tensor-parallel mappings in `taco_jax.tp` compose them); the public
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,24 +33,235 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from taco_jax import accounting
-from taco_jax.accounting import Op
+from taco_jax import accounting, policy
+from taco_jax import calibration as calibration_lib
+from taco_jax.accounting import Collective, Op, TraceScope, record_collective
 from taco_jax.calibration import Calibration
 from taco_jax.kernels.jax_compat import checks_vma, transposing_whole_shard_map
 from taco_jax.message import (
-    Call,
     Gathered,
     Message,
     Transfer,
     WirePlan,
-    check_algorithm,
-    check_axis,
+    codec_choice,
     concatenated,
     rank_blocks,
     to_rows,
 )
-from taco_jax.spec import TacoConfig
-from taco_jax.tracing import TraceScope
+from taco_jax.policy import QuantSpec, TacoConfig
+
+# ----------------------------------------------------------------------------- one call, one plan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Call:
+    """One collective call's fixed arguments (hashable: a static argument of the
+    collectives' gradient rules).
+
+    Attributes:
+      axis_name: the mesh axis the collective runs over.
+      config: the `TacoConfig` (forward messages use `config.forward`, backward ones
+        `config.backward`).
+      site: call-site name for wire-byte accounting and calibration; None names the
+        site after the op ("all_gather", ...).
+      calibration: per-site channel permutations and transform decisions; None = the
+        identity and the config's transform.
+      repeats: times the call runs per call of the traced function: the trip counts of
+        the loops around it where it is made (`accounting.repeated`), which its
+        backward messages keep when JAX traces them later, outside those loops.
+
+    Raises:
+      ValueError: `config` is not a `TacoConfig`, or `calibration` not a `Calibration`.
+    """
+
+    axis_name: str
+    config: TacoConfig
+    site: str | None = None
+    calibration: Calibration | None = None
+    repeats: int = dataclasses.field(default_factory=accounting.current_repeats)
+
+    def __post_init__(self) -> None:
+        check_config(self.config, self.calibration)
+
+    def site_of(self, op: Op | str) -> str:
+        """The name `op`'s messages are calibrated under (the ledger's: `Collective.name`)."""
+        return self.site or Op(op).value
+
+    def spec(self, direction: str) -> QuantSpec:
+        """The quantizer of `direction`'s messages ("forward" or "backward")."""
+        return self.config.spec(direction)
+
+    @contextlib.contextmanager
+    def transfer(
+        self,
+        x: jax.Array | jax.ShapeDtypeStruct,
+        op: Op,
+        direction: str,
+        *,
+        algorithm: str = "auto",
+        moves_channels: bool = False,
+        report: bool = True,
+        pipelined: bool = True,
+    ) -> Iterator[Transfer]:
+        """The call's collective `op` of the per-rank message `x`, planned
+        (`plan_message`, which takes the keywords) and run inside the block: the block
+        moves the message through `Transfer.move` and `Transfer.send`, and on leaving
+        it the collective is entered in the wire ledger with the bytes those moves sent
+        (not when the block raises).
+
+        `op` is the op entered in the ledger; an all-reduce is planned as `Op.ALL_REDUCE`
+        (`Op.routed`), and a planned one is entered under its algorithm's name.
+
+        Yields:
+          The `Transfer`.
+        """
+        plan = plan_message(
+            x,
+            self,
+            op=op.routed,
+            direction=direction,
+            algorithm=algorithm,
+            moves_channels=moves_channels,
+            report=report,
+            pipelined=pipelined,
+        )
+        collective = Collective.traced(x, op, self.axis_name, direction=direction, site=self.site)
+        transfer = Transfer(
+            collective if plan is None else collective.under(plan.algorithm),
+            plan,
+            plan.spec.text if plan is not None else policy.plain_reason(x, self.config),
+        )
+        yield transfer
+        record_collective(
+            transfer.collective,
+            reason=transfer.reason,
+            compressed=plan is not None,
+            sent_bytes=transfer.sent_bytes,
+            repeats=self.repeats,
+        )
+
+
+def check_config(config: TacoConfig, calibration: Calibration | None = None) -> None:
+    """Raise ValueError unless `config` is a `TacoConfig` and `calibration` None or a
+    `Calibration`."""
+    if not isinstance(config, TacoConfig):
+        raise ValueError(f"config must be a TacoConfig, got {type(config).__name__}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration must be a taco_jax.calibration.Calibration, got {type(calibration).__name__}")
+
+
+def planned_spec(
+    config: TacoConfig, direction: str, calibration: Calibration | None, site: str, channels: int
+) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
+    """The quantizer of `direction`'s messages at `site` and the site's permutation plan
+    (None when it has none or it is the identity).
+
+    The mode and the config decide what a message may be sent as; a calibration only
+    refines within that: in mode "taco" it sets the site's permutation and transform,
+    and its format only where `config.fewer_bits` lists it. Other modes take no
+    calibration ("fp8" is the no-transform, no-reshaping baseline).
+
+    Raises:
+      ValueError: the plan permutes another number of channels than `channels`, or
+        gives the site a format the config does not allow.
+    """
+    spec = config.spec(direction)
+    plan = calibration.plan(site, direction) if calibration is not None and config.mode == "taco" else None
+    if plan is None:
+        return spec, None
+    if len(plan.perm) != channels:
+        raise ValueError(
+            f"calibration of site {site!r} permutes {len(plan.perm)} channels, but the message has {channels}"
+        )
+    conflict = calibration_lib.format_conflict(plan, config)
+    if conflict is not None:
+        raise ValueError(f"calibration of site {site!r} ({direction}) gives {conflict}")
+    return plan.spec(spec), None if plan.is_identity else plan
+
+
+def plan_message(
+    x: jax.Array | jax.ShapeDtypeStruct,
+    call: Call,
+    *,
+    op: Op | str,
+    direction: str,
+    algorithm: str = "auto",
+    moves_channels: bool = False,
+    report: bool = True,
+    pipelined: bool = True,
+) -> WirePlan | None:
+    """How `x` travels in `op` (`taco_jax.policy`): None for the plain collective, else
+    its `WirePlan`. A compressed message is reported to an active calibration collector.
+
+    Args:
+      x: the message, channels on its last axis.
+      call: the call it belongs to.
+      op: the `Op` the policy routes: all-gather, reduce-scatter, all-reduce or ppermute.
+      direction: "forward" or "backward".
+      algorithm: the caller's all-reduce algorithm ("auto": the policy's choice).
+      moves_channels: the op gathers or scatters along the channel axis.
+      report: report `x` to an active calibration collector (False: the caller reports
+        the pieces it compresses, or none are calibrated; `x` may then be a
+        ShapeDtypeStruct).
+      pipelined: the message may go in chunks (False: one message, as point-to-point
+        sends and the gradient bucket go).
+
+    Raises:
+      ValueError: a channel permutation on a site whose op moves the channel axis, or
+        one of the wrong length.
+    """
+    route = policy.route_for(
+        op,
+        lax.axis_size(call.axis_name),
+        x.size * x.dtype.itemsize,
+        link=call.config.link,
+        chunks=call.config.chunks,
+        algorithm=algorithm,
+        compresses=policy.compressible(x, call.config),
+    )
+    if not route.compressed:
+        return None
+    site = call.site_of(op)
+    if report:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise ValueError("plan_message reports the message's values: pass the array, or report=False")
+        accounting.observe(x, site, direction)
+    spec, permutation = planned_spec(call.config, direction, call.calibration, site, x.shape[-1])
+    spec.check_channels(x.shape[-1], site)
+    if permutation is not None and moves_channels:
+        raise ValueError(
+            f"site {site!r} has a channel permutation, so it cannot gather or scatter along "
+            f"the last (channel) axis of shape {x.shape}"
+        )
+    codec = codec_choice(spec, x.dtype, call.config.kernel_mode, shards=lax.axis_size(call.axis_name))
+    return WirePlan(spec, route.chunks if pipelined else 1, route.algorithm, permutation, codec)
+
+
+# ----------------------------------------------------------------------------- rematerialization
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def check_axis(axis: int, ndim: int, what: str) -> int:
+    """`axis` normalized for an array of rank `ndim`; ValueError naming `what` if out of
+    range (always for a scalar, which has no axis)."""
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")
+    return axis % ndim
+
+
+# ----------------------------------------------------------------------------- ledger
+
+
+def record_plain_all_reduce(
+    x: jax.Array, axis_name: str, *, site: str, direction: str = "forward", reason: str = "a plain lax reduction"
+) -> None:
+    """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
+    with `jax.lax` directly, with the `reason` it goes uncompressed."""
+    collective = Collective.traced(x, Op.ALL_REDUCE, axis_name, direction=direction, site=site)
+    record_collective(collective, reason=reason)
+
 
 # ----------------------------------------------------------------------------- varying manual axes
 # `checks_vma` (public API) lives in `taco_jax.kernels.jax_compat`, beside the detection
@@ -439,7 +656,7 @@ def all_reduce(
       True
     """
     call = Call(axis_name=axis_name, config=config, site=site, calibration=calibration)
-    check_algorithm(algorithm)
+    policy.check_algorithm(algorithm)
     return _all_reduce(vary(x, (axis_name,)), call, algorithm=algorithm)
 
 

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from taco_jax.accounting import Op
-from taco_jax.collectives import exchange_blocks, second_shot
-from taco_jax.message import Call, Transfer, WirePlan, rank_blocks, record_plain_all_reduce
-from taco_jax.spec import TacoConfig
+from taco_jax.collectives import Call, exchange_blocks, record_plain_all_reduce, second_shot
+from taco_jax.message import Transfer, WirePlan, rank_blocks
+from taco_jax.policy import TacoConfig
 
 
 def _bucket(leaves: list[jax.Array], group_size: int) -> jax.Array:

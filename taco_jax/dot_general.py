@@ -27,7 +27,7 @@ from taco_jax import collectives, tp
 from taco_jax.accounting import WireRecord, record_wire
 from taco_jax.calibration import Calibration
 from taco_jax.mesh import data_axis
-from taco_jax.spec import TacoConfig
+from taco_jax.policy import TacoConfig
 
 KINDS = ("column", "row")
 LAYOUTS = ("replicated", "feature", "sequence")

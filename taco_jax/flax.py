@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from taco_jax.calibration import Calibration
 from taco_jax.dot_general import KINDS, LAYOUTS, GatheredInput, ParallelDotGeneral, message_row_length
-from taco_jax.spec import TacoConfig
+from taco_jax.policy import TacoConfig
 
 try:
     from flax import nnx

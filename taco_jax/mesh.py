@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.tracing import TraceScope
+from taco_jax.accounting import TraceScope
 
 MESH_AXES = ("data", "pipe", "tensor")
 DATA_AXIS, PIPE_AXIS, TENSOR_AXIS = MESH_AXES

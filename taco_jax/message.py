@@ -1,196 +1,241 @@
-"""A compressed message, from its plan to its decode: the one data path every collective
-follows, and its executor.
+"""A compressed message, from its encode to its decode: the one data path every
+collective follows (`taco_jax.collectives` plans each call and moves its buffers).
 
-`Call.transfer` runs one collective: `plan_message` decides how the message travels
-(`taco_jax.policy`: compressed or not, the all-reduce algorithm, pipelined chunks),
-reports it to an active calibration collector and applies the site's calibration
-(transform decision, channel permutation), giving a `WirePlan`, or None for the plain
-collective. The `Transfer` it yields is the executor: `Transfer.send` compresses rows of
-the message into a `Message` (one uint8 wire buffer, `pallas_kernels.wire`, written by
-the compress kernel, and the static layout that reads it) and moves the buffer;
-`Transfer.move` runs each collective step and counts the bytes it sends, so the wire
-ledger holds what the program moves (`taco_jax.accounting`). A collective only decides
-how the buffer moves: gathered, exchanged block by block, permuted. The message then
-decodes what arrived (`decode`: each received buffer alone; `sum`: the received buffers
-summed in float32 in the transformed domain, one inverse transform; `requantize`: their
-sum as one new message), and the plan turns rows back into the array (`WirePlan.array`).
+compress kernel -> wire buffer -> collective -> decode kernel: `WirePlan.encode`
+compresses rows of a message into a `Message` (one uint8 wire buffer,
+`pallas_kernels.wire`, written by the compress kernel, and the static layout that reads
+it); the `Transfer`, the executor of a collective's plan, moves the buffer
+(`Transfer.move` runs each collective step and counts the bytes it sends, so the wire
+ledger holds what the program moves: `taco_jax.accounting`). The message then decodes
+what arrived (`decode`: each received buffer alone; `sum`: the received buffers summed
+in float32 in the transformed domain, one inverse transform; `requantize`: their sum as
+one new message), and the plan turns rows back into the array (`WirePlan.array`).
+Nothing is copied between the stages, and every backend moves one byte per element.
+
+Every encode and decode runs on the codec path `pallas_kernels.backends`' one table
+chooses (`codec_choice`: once per plan, from `TacoConfig.kernel_mode`; "auto" lets the
+platform a program is lowered for choose).
 
 The plan lays a message out as rows of G elements of its last axis (`WirePlan.rows`,
 zero-padded to a multiple of G: any shape the lax collective accepts works, and the
 groups are the codec's). `Gathered` is what a gather keeps for its backward pass: the
 8-bit buffers, decoded again when needed.
-
-compress kernel -> wire buffer -> collective -> decode kernel: nothing is copied between
-the stages, and every backend moves one byte per element.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from taco_jax import accounting, policy
-from taco_jax import calibration as calibration_lib
-from taco_jax.accounting import Collective, Op, record_collective
-from taco_jax.calibration import Calibration
-from taco_jax.codec import Codec, codec_choice, decode, encode, message_layout, requantize
-from taco_jax.policy import ALGORITHMS
-from taco_jax.spec import QuantSpec, TacoConfig
+from taco_jax.accounting import Collective, Op
+from taco_jax.kernels import backends, formats, wire
+from taco_jax.kernels import compress as compress_kernel
+from taco_jax.kernels import decompress as decompress_kernel
+from taco_jax.policy import QuantSpec, check_kernel_mode
+
+if TYPE_CHECKING:
+    from taco_jax.calibration import ChannelPlan
+
+# How a codec call runs: a kernel mode (`KERNEL_MODES`), chosen per call, or a choice
+# already made for the call's plan (`WirePlan.codec`).
+Codec = str | backends.CodecChoice
+
+
+def codec_choice(
+    spec: QuantSpec, dtype: jnp.dtype, kernel_mode: str, *, shards: int = 1, size: int = 1
+) -> backends.CodecChoice:
+    """The codec path of work with `spec` on `dtype` (a compress's input, a decode's
+    output) summing `shards` messages, under `kernel_mode` (`KERNEL_MODES`): the one
+    table, `backends.choose`. Empty arrays (`size` 0) run the jnp path.
+
+    Raises:
+      ValueError: unknown kernel mode.
+    """
+    check_kernel_mode(kernel_mode)
+    if size == 0:
+        return backends.JNP_PATH
+    work = backends.CodecWork(spec.fmt, spec.group_size, jnp.dtype(dtype), shards, spec.stochastic, spec.scales)
+    return backends.choose(work, kernel_mode)
+
+
+def _resolved(codec: Codec, spec: QuantSpec, dtype: jnp.dtype, shards: int, size: int) -> backends.CodecChoice:
+    """`codec` itself when already chosen (a `WirePlan`'s), else its kernel mode's choice."""
+    if isinstance(codec, backends.CodecChoice):
+        return codec
+    return codec_choice(spec, dtype, codec, shards=shards, size=size)
+
+
+def quantize_rows(values: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array]:
+    """`wire.quantize_groups` of `values` with the spec's settings (the jnp path)."""
+    return wire.quantize_groups(
+        values,
+        fmt=spec.fmt,
+        group_size=spec.group_size,
+        scale_format=spec.scales,
+        transform=spec.hadamard,
+        stochastic=spec.stochastic,
+    )
+
+
+def scale_headroom_of(spec: QuantSpec) -> int:
+    """The power of two the spec's wire scales are sent below the decode multiplier
+    (`wire.scale_headroom`), which a decode multiplies back."""
+    return wire.scale_headroom(formats.wire_format(spec.fmt), spec.group_size, spec.hadamard)
+
+
+def message_layout(groups: int, spec: QuantSpec) -> wire.MessageLayout:
+    """The wire layout of a message of `groups` groups compressed with `spec`."""
+    return wire.MessageLayout(groups, spec.group_size, spec.fmt, spec.scales)
+
+
+def encode(rows: jax.Array, spec: QuantSpec, codec: Codec = "auto") -> jax.Array:
+    """Compress rows straight into wire messages (`pallas_kernels.wire`), one per
+    leading index.
+
+    Args:
+      rows: float (..., N, G), G = spec.group_size, in wire channel order.
+      spec: the `QuantSpec` (its `hadamard` decides the transform).
+      codec: a kernel mode (`KERNEL_MODES`) or the plan's `CodecChoice`.
+
+    Returns:
+      uint8 (..., *message_layout(N, spec).shape).
+    """
+    lead, (groups, group_size) = rows.shape[:-2], rows.shape[-2:]
+
+    def kernel(rows, interpret):
+        messages = compress_kernel.compress_message(
+            rows.reshape(-1, groups, group_size),
+            fmt=spec.fmt,
+            scale_format=spec.scales,
+            transform=spec.hadamard,
+            interpret=interpret,
+        )
+        return messages.reshape(*lead, *messages.shape[1:])
+
+    def reference(rows):
+        return wire.pack(*quantize_rows(rows, spec), message_layout(groups, spec))
+
+    return _resolved(codec, spec, rows.dtype, 1, rows.size).run(kernel, reference, rows)
+
+
+def decode(messages: jax.Array, groups: int, spec: QuantSpec, dtype: jnp.dtype, codec: Codec = "auto") -> jax.Array:
+    """Decode messages: for each of B batches the sum of its k messages, in float32 in
+    the transformed domain, transformed back once.
+
+    Args:
+      messages: uint8 (B, k, rows, W) messages of `groups` groups each.
+      groups: N.
+      spec: the `QuantSpec` they were compressed with.
+      dtype: output dtype.
+      codec: a kernel mode (`KERNEL_MODES`) or the plan's `CodecChoice`.
+
+    Returns:
+      (B, N, G) in `dtype`.
+    """
+    layout = message_layout(groups, spec)
+
+    def kernel(messages, interpret):
+        return decompress_kernel.decompress_message(
+            messages, layout, transform=spec.hadamard, out_dtype=dtype, interpret=interpret
+        )
+
+    def reference(messages):
+        batch, shards = messages.shape[:2]
+        # The batches side by side as one (k, B * N, G) sum.
+        payload = jnp.swapaxes(wire.payload_of(messages, layout), 0, 1).reshape(shards, batch * groups, spec.group_size)
+        multiplier = jnp.swapaxes(wire.multiplier(messages, layout), 0, 1).reshape(shards, batch * groups)
+        decoded = wire.dequantize_groups(
+            payload, multiplier, transform=spec.hadamard, out_dtype=dtype, headroom=scale_headroom_of(spec)
+        )
+        return decoded.reshape(batch, groups, spec.group_size)
+
+    choice = _resolved(codec, spec, dtype, messages.shape[1], groups * messages.shape[0])
+    return choice.run(kernel, reference, messages)
+
+
+def requantize(messages: jax.Array, groups: int, spec: QuantSpec, codec: Codec = "auto") -> jax.Array:
+    """Sum k messages (k, rows, W) in float32 and quantize the sum into one message with
+    the same spec, staying in the transformed domain (the two-shot all-reduce's middle);
+    `codec` as `decode`'s.
+
+    Returns:
+      uint8 message of `message_layout(groups, spec).shape`.
+    """
+    layout = message_layout(groups, spec)
+
+    def kernel(messages, interpret):
+        return decompress_kernel.decompress_message(
+            messages[None], layout, transform=spec.hadamard, requantize=True, interpret=interpret
+        )
+
+    def reference(messages):
+        payload, scales = wire.dequantize_groups(
+            wire.payload_of(messages, layout),
+            wire.multiplier(messages, layout),
+            transform=spec.hadamard,
+            requantize_to=(spec.fmt, spec.scales),
+            stochastic=spec.stochastic,
+        )
+        return wire.pack(payload, scales, layout)
+
+    return _resolved(codec, spec, jnp.float32, messages.shape[0], groups).run(kernel, reference, messages)
+
+
+# ----------------------------------------------------------------------------- rows
 
 # Chunks of a pipelined message start at multiples of this many groups, so the kernels
 # split every chunk (the last one aside) into whole row blocks without padding.
 CHUNK_ALIGN = 64
 
 
-# ----------------------------------------------------------------------------- one call, one plan
+def to_rows(x: jax.Array, group_size: int, lead: int) -> jax.Array:
+    """(*lead_dims, *chunk) -> (*lead_dims, n, G), padding the chunk's last axis with zeros."""
+    lead_shape, chunk = x.shape[:lead], x.shape[lead:]
+    last = chunk[-1] if chunk else 1
+    x = x.reshape(*lead_shape, math.prod(chunk[:-1]), last)
+    pad = -last % group_size
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x.reshape(*lead_shape, -1, group_size)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Call:
-    """One collective call's fixed arguments (hashable: a static argument of the
-    collectives' gradient rules).
-
-    Attributes:
-      axis_name: the mesh axis the collective runs over.
-      config: the `TacoConfig` (forward messages use `config.forward`, backward ones
-        `config.backward`).
-      site: call-site name for wire-byte accounting and calibration; None names the
-        site after the op ("all_gather", ...).
-      calibration: per-site channel permutations and transform decisions; None = the
-        identity and the config's transform.
-      repeats: times the call runs per call of the traced function: the trip counts of
-        the loops around it where it is made (`accounting.repeated`), which its
-        backward messages keep when JAX traces them later, outside those loops.
-
-    Raises:
-      ValueError: `config` is not a `TacoConfig`, or `calibration` not a `Calibration`.
-    """
-
-    axis_name: str
-    config: TacoConfig
-    site: str | None = None
-    calibration: Calibration | None = None
-    repeats: int = dataclasses.field(default_factory=accounting.current_repeats)
-
-    def __post_init__(self) -> None:
-        check_config(self.config, self.calibration)
-
-    def site_of(self, op: Op | str) -> str:
-        """The name `op`'s messages are calibrated under (the ledger's: `Collective.name`)."""
-        return self.site or Op(op).value
-
-    def spec(self, direction: str) -> QuantSpec:
-        """The quantizer of `direction`'s messages ("forward" or "backward")."""
-        return self.config.spec(direction)
-
-    @contextlib.contextmanager
-    def transfer(
-        self,
-        x: jax.Array | jax.ShapeDtypeStruct,
-        op: Op,
-        direction: str,
-        *,
-        algorithm: str = "auto",
-        moves_channels: bool = False,
-        report: bool = True,
-        pipelined: bool = True,
-    ) -> Iterator[Transfer]:
-        """The call's collective `op` of the per-rank message `x`, planned
-        (`plan_message`, which takes the keywords) and run inside the block: the block
-        moves the message through `Transfer.move` and `Transfer.send`, and on leaving
-        it the collective is entered in the wire ledger with the bytes those moves sent
-        (not when the block raises).
-
-        `op` is the op entered in the ledger; an all-reduce is planned as `Op.ALL_REDUCE`
-        (`Op.routed`), and a planned one is entered under its algorithm's name.
-
-        Yields:
-          The `Transfer`.
-        """
-        plan = plan_message(
-            x,
-            self,
-            op=op.routed,
-            direction=direction,
-            algorithm=algorithm,
-            moves_channels=moves_channels,
-            report=report,
-            pipelined=pipelined,
-        )
-        collective = Collective.traced(x, op, self.axis_name, direction=direction, site=self.site)
-        transfer = Transfer(
-            collective if plan is None else collective.under(plan.algorithm),
-            plan,
-            plan.spec.text if plan is not None else plain_reason(x, self.config),
-        )
-        yield transfer
-        record_collective(
-            transfer.collective,
-            reason=transfer.reason,
-            compressed=plan is not None,
-            sent_bytes=transfer.sent_bytes,
-            repeats=self.repeats,
-        )
+def from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
+    """Invert `to_rows` for a chunk shape (the padded tail of the last axis is dropped)."""
+    lead_shape = rows.shape[:lead]
+    last = chunk[-1] if chunk else 1
+    rows = rows.reshape(*lead_shape, math.prod(chunk[:-1]), -1)[..., :last]
+    return rows.reshape(*lead_shape, *chunk)
 
 
-@dataclasses.dataclass
-class Transfer:
-    """One collective as it runs, the executor of its plan: it compresses (`send`), moves
-    (`move`) and counts what each move sends; decoding is the received `Message`'s.
-
-    Attributes:
-      collective: the collective entered in the ledger.
-      plan: its `WirePlan`; None sends it plain.
-      reason: why it goes as it does (the spec's text, else what keeps it plain).
-      sent_bytes: what its moves have sent so far, per rank.
-    """
-
-    collective: Collective
-    plan: WirePlan | None
-    reason: str
-    sent_bytes: int = 0
-
-    def move(self, op: Op, run: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
-        """`run`, the collective `op` of a buffer (or plain array) over the call's axis, as
-        a step of this transfer: what it sends is counted (`Collective.plain_bytes` of
-        the step), and what it delivers is named `RECEIVED`."""
-
-        def counted(buffer: jax.Array) -> jax.Array:
-            step = Collective.traced(buffer, op, self.collective.axis_name, direction=self.collective.direction)
-            self.sent_bytes += step.plain_bytes
-            return received(run(buffer))
-
-        return counted
-
-    def send(self, rows: jax.Array, dtype: Any, op: Op, run: Callable[[jax.Array], jax.Array]) -> Message:
-        """Rows compressed by the plan into a `Message` of `dtype` and moved by `run`
-        (`move`): compress kernel -> wire buffer -> collective."""
-        if self.plan is None:
-            raise ValueError(f"{self.collective.name}: a plain transfer sends no compressed message")
-        return self.plan.encode(rows, dtype).moved(self.move(op, run))
+def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
+    """Split `groups` rows into at most `chunks` pieces starting at multiples of
+    `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
+    per_chunk = -(-groups // chunks)
+    step = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
+    edges = list(range(0, groups, step)) + [groups]
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def check_config(config: TacoConfig, calibration: Calibration | None = None) -> None:
-    """Raise ValueError unless `config` is a `TacoConfig` and `calibration` None or a
-    `Calibration`."""
-    if not isinstance(config, TacoConfig):
-        raise ValueError(f"config must be a TacoConfig, got {type(config).__name__}")
-    if calibration is not None and not isinstance(calibration, Calibration):
-        raise ValueError(f"calibration must be a taco_jax.calibration.Calibration, got {type(calibration).__name__}")
+def rank_blocks(rows: jax.Array, ranks: int) -> jax.Array:
+    """(n, G) rows as (ranks, ceil(n / ranks), G) blocks, zero rows padding the last:
+    block i is what rank i reduces in a two-shot all-reduce."""
+    per_rank = -(-rows.shape[0] // ranks)
+    return jnp.pad(rows, [(0, ranks * per_rank - rows.shape[0]), (0, 0)]).reshape(ranks, per_rank, rows.shape[1])
 
 
-def check_algorithm(algorithm: str) -> None:
-    """Raise ValueError unless `algorithm` is one of `ALGORITHMS`."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
+def concatenated(pieces: list[jax.Array], axis: int) -> jax.Array:
+    """The pieces (of a pipelined message) joined along `axis`; one piece as it is."""
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
+
+
+# ----------------------------------------------------------------------------- the plan and its message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +255,7 @@ class WirePlan:
     spec: QuantSpec
     chunks: int = 1
     algorithm: str = "one_shot"
-    permutation: calibration_lib.ChannelPlan | None = None
+    permutation: ChannelPlan | None = None
     codec: Codec = "auto"
 
     def rows(self, x: jax.Array, lead: int = 0) -> jax.Array:
@@ -293,6 +338,49 @@ class Message:
         return dataclasses.replace(self, buffer=requantize(self.buffer, self.groups, self.spec, self.codec))
 
 
+# ----------------------------------------------------------------------------- the executor
+
+
+@dataclasses.dataclass
+class Transfer:
+    """One collective as it runs, the executor of its plan: it compresses (`send`), moves
+    (`move`) and counts what each move sends; decoding is the received `Message`'s.
+
+    Attributes:
+      collective: the collective entered in the ledger.
+      plan: its `WirePlan`; None sends it plain.
+      reason: why it goes as it does (the spec's text, else what keeps it plain).
+      sent_bytes: what its moves have sent so far, per rank.
+    """
+
+    collective: Collective
+    plan: WirePlan | None
+    reason: str
+    sent_bytes: int = 0
+
+    def move(self, op: Op, run: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+        """`run`, the collective `op` of a buffer (or plain array) over the call's axis, as
+        a step of this transfer: what it sends is counted (`Collective.plain_bytes` of
+        the step), and what it delivers is named `RECEIVED`."""
+
+        def counted(buffer: jax.Array) -> jax.Array:
+            step = Collective.traced(buffer, op, self.collective.axis_name, direction=self.collective.direction)
+            self.sent_bytes += step.plain_bytes
+            return received(run(buffer))
+
+        return counted
+
+    def send(self, rows: jax.Array, dtype: Any, op: Op, run: Callable[[jax.Array], jax.Array]) -> Message:
+        """Rows compressed by the plan into a `Message` of `dtype` and moved by `run`
+        (`move`): compress kernel -> wire buffer -> collective."""
+        if self.plan is None:
+            raise ValueError(f"{self.collective.name}: a plain transfer sends no compressed message")
+        return self.plan.encode(rows, dtype).moved(self.move(op, run))
+
+
+# ----------------------------------------------------------------------------- what a gather keeps
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Gathered:
@@ -353,122 +441,6 @@ def in_rank_order(pieces: list[jax.Array], axis_name: str, axis: int) -> jax.Arr
     return ordered.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2 :])
 
 
-def planned_spec(
-    config: TacoConfig, direction: str, calibration: Calibration | None, site: str, channels: int
-) -> tuple[QuantSpec, calibration_lib.ChannelPlan | None]:
-    """The quantizer of `direction`'s messages at `site` and the site's permutation plan
-    (None when it has none or it is the identity).
-
-    The mode and the config decide what a message may be sent as; a calibration only
-    refines within that: in mode "taco" it sets the site's permutation and transform,
-    and its format only where `config.fewer_bits` lists it. Other modes take no
-    calibration ("fp8" is the no-transform, no-reshaping baseline).
-
-    Raises:
-      ValueError: the plan permutes another number of channels than `channels`, or
-        gives the site a format the config does not allow.
-    """
-    spec = config.spec(direction)
-    plan = calibration.plan(site, direction) if calibration is not None and config.mode == "taco" else None
-    if plan is None:
-        return spec, None
-    if len(plan.perm) != channels:
-        raise ValueError(
-            f"calibration of site {site!r} permutes {len(plan.perm)} channels, but the message has {channels}"
-        )
-    conflict = calibration_lib.format_conflict(plan, config)
-    if conflict is not None:
-        raise ValueError(f"calibration of site {site!r} ({direction}) gives {conflict}")
-    return plan.spec(spec), None if plan.is_identity else plan
-
-
-def size_or_kind_rules_out(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> str | None:
-    """What keeps `x` off the codec under `config` whatever the link, or None: the mode,
-    a dtype that is not floating-point, a scalar or an empty array (no channels to group,
-    nothing to send) or a size under `min_bytes`."""
-    nbytes = x.size * x.dtype.itemsize
-    if not config.enabled:
-        return "mode off"
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return f"{jnp.dtype(x.dtype).name} is not floating-point"
-    if x.ndim == 0 or x.size == 0:
-        return "scalar or empty: no channels to group"
-    if not config.compresses(nbytes):
-        return f"under min_bytes ({nbytes:,} < {config.min_bytes:,} B)"
-    return None
-
-
-def plain_reason(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> str:
-    """Why `config` sends `x` uncompressed (`plan_message` gave no plan): what rules it
-    out (`size_or_kind_rules_out`), else the link profile, which measured the plain
-    collective faster."""
-    return size_or_kind_rules_out(x, config) or "the link profile measured plain faster"
-
-
-def compressible(x: jax.Array | jax.ShapeDtypeStruct, config: TacoConfig) -> bool:
-    """Whether `config` compresses `x` where the link does not decide: a non-empty float
-    array with at least one axis, of at least `min_bytes`."""
-    return size_or_kind_rules_out(x, config) is None
-
-
-def plan_message(
-    x: jax.Array | jax.ShapeDtypeStruct,
-    call: Call,
-    *,
-    op: Op | str,
-    direction: str,
-    algorithm: str = "auto",
-    moves_channels: bool = False,
-    report: bool = True,
-    pipelined: bool = True,
-) -> WirePlan | None:
-    """How `x` travels in `op` (`taco_jax.policy`): None for the plain collective, else
-    its `WirePlan`. A compressed message is reported to an active calibration collector.
-
-    Args:
-      x: the message, channels on its last axis.
-      call: the call it belongs to.
-      op: the `Op` the policy routes: all-gather, reduce-scatter, all-reduce or ppermute.
-      direction: "forward" or "backward".
-      algorithm: the caller's all-reduce algorithm ("auto": the policy's choice).
-      moves_channels: the op gathers or scatters along the channel axis.
-      report: report `x` to an active calibration collector (False: the caller reports
-        the pieces it compresses, or none are calibrated; `x` may then be a
-        ShapeDtypeStruct).
-      pipelined: the message may go in chunks (False: one message, as point-to-point
-        sends and the gradient bucket go).
-
-    Raises:
-      ValueError: a channel permutation on a site whose op moves the channel axis, or
-        one of the wrong length.
-    """
-    route = policy.route_for(
-        op,
-        lax.axis_size(call.axis_name),
-        x.size * x.dtype.itemsize,
-        link=call.config.link,
-        chunks=call.config.chunks,
-        algorithm=algorithm,
-        compresses=compressible(x, call.config),
-    )
-    if not route.compressed:
-        return None
-    site = call.site_of(op)
-    if report:
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise ValueError("plan_message reports the message's values: pass the array, or report=False")
-        calibration_lib.observe(x, site, direction)
-    spec, permutation = planned_spec(call.config, direction, call.calibration, site, x.shape[-1])
-    spec.check_channels(x.shape[-1], site)
-    if permutation is not None and moves_channels:
-        raise ValueError(
-            f"site {site!r} has a channel permutation, so it cannot gather or scatter along "
-            f"the last (channel) axis of shape {x.shape}"
-        )
-    codec = codec_choice(spec, x.dtype, call.config.kernel_mode, shards=lax.axis_size(call.axis_name))
-    return WirePlan(spec, route.chunks if pipelined else 1, route.algorithm, permutation, codec)
-
-
 # ----------------------------------------------------------------------------- rematerialization
 
 # The name of every message a collective delivers (`received`), for `jax.checkpoint`
@@ -493,66 +465,3 @@ def remat_policy(policy: Callable[..., bool] | None) -> Callable[..., bool]:
     if policy is None:
         return REMAT_KEEPS_MESSAGES
     return jax.checkpoint_policies.save_from_both_policies(policy, REMAT_KEEPS_MESSAGES)
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def to_rows(x: jax.Array, group_size: int, lead: int) -> jax.Array:
-    """(*lead_dims, *chunk) -> (*lead_dims, n, G), padding the chunk's last axis with zeros."""
-    lead_shape, chunk = x.shape[:lead], x.shape[lead:]
-    last = chunk[-1] if chunk else 1
-    x = x.reshape(*lead_shape, math.prod(chunk[:-1]), last)
-    pad = -last % group_size
-    if pad:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(*lead_shape, -1, group_size)
-
-
-def from_rows(rows: jax.Array, chunk: tuple[int, ...], lead: int) -> jax.Array:
-    """Invert `to_rows` for a chunk shape (the padded tail of the last axis is dropped)."""
-    lead_shape = rows.shape[:lead]
-    last = chunk[-1] if chunk else 1
-    rows = rows.reshape(*lead_shape, math.prod(chunk[:-1]), -1)[..., :last]
-    return rows.reshape(*lead_shape, *chunk)
-
-
-def chunk_bounds(groups: int, chunks: int) -> list[tuple[int, int]]:
-    """Split `groups` rows into at most `chunks` pieces starting at multiples of
-    `CHUNK_ALIGN` (fewer pieces when there are too few rows)."""
-    per_chunk = -(-groups // chunks)
-    step = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
-    edges = list(range(0, groups, step)) + [groups]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
-def rank_blocks(rows: jax.Array, ranks: int) -> jax.Array:
-    """(n, G) rows as (ranks, ceil(n / ranks), G) blocks, zero rows padding the last:
-    block i is what rank i reduces in a two-shot all-reduce."""
-    per_rank = -(-rows.shape[0] // ranks)
-    return jnp.pad(rows, [(0, ranks * per_rank - rows.shape[0]), (0, 0)]).reshape(ranks, per_rank, rows.shape[1])
-
-
-def concatenated(pieces: list[jax.Array], axis: int) -> jax.Array:
-    """The pieces (of a pipelined message) joined along `axis`; one piece as it is."""
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
-
-
-def check_axis(axis: int, ndim: int, what: str) -> int:
-    """`axis` normalized for an array of rank `ndim`; ValueError naming `what` if out of
-    range (always for a scalar, which has no axis)."""
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{what}={axis} is out of range for an array of rank {ndim}")
-    return axis % ndim
-
-
-# ----------------------------------------------------------------------------- ledger
-
-
-def record_plain_all_reduce(
-    x: jax.Array, axis_name: str, *, site: str, direction: str = "forward", reason: str = "a plain lax reduction"
-) -> None:
-    """Record an uncompressed all-reduce (psum, pmean, pmax) of `x` over `axis_name` done
-    with `jax.lax` directly, with the `reason` it goes uncompressed."""
-    collective = Collective.traced(x, Op.ALL_REDUCE, axis_name, direction=direction, site=site)
-    record_collective(collective, reason=reason)

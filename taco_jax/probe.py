@@ -24,8 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives
 from taco_jax.accounting import Op
-from taco_jax.policy import LinkProfile, Route, Timing, default_algorithm
-from taco_jax.spec import TacoConfig
+from taco_jax.policy import LinkProfile, Route, TacoConfig, Timing, default_algorithm
 
 # The plain lax collective of each op a route is chosen for (`policy.OPS`).
 _PLAIN = {

@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec
 
 from taco_jax import collective_matmul, collectives
 from taco_jax.calibration import Calibration
-from taco_jax.message import Call, check_algorithm, record_plain_all_reduce
-from taco_jax.spec import TacoConfig
+from taco_jax.collectives import Call, record_plain_all_reduce
+from taco_jax.policy import TacoConfig, check_algorithm
 
 
 def _copy_backward(cotangent: jax.Array, call: Call, *, algorithm: str) -> jax.Array:

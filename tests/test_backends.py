@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 import taco_jax as tj
-from taco_jax import codec
-from taco_jax.kernels import backends, launch, triton_launch
+from taco_jax import message
+from taco_jax.kernels import backends, jax_compat, launch, triton_launch
 
 INT8 = tj.QuantSpec.parse("int8:128:H:bf16")
 
@@ -28,9 +28,9 @@ INT8 = tj.QuantSpec.parse("int8:128:H:bf16")
 def test_each_kernel_mode_takes_the_first_backend_that_takes_the_work(spec, dtype, shards, interpret_path, monkeypatch):
     """Off GPU: "auto" and "jnp" run the jnp path; "interpret" the Pallas kernel where it
     takes the work; "gpu" the Pallas kernel too (Gluon runs only on a CUDA GPU)."""
-    monkeypatch.setattr(launch, "has_cuda", lambda: False)
+    monkeypatch.setattr(jax_compat, "has_cuda", lambda: False)
     monkeypatch.setattr(triton_launch, "available", lambda: False)
-    choose = lambda mode: codec.codec_choice(spec, dtype, mode, shards=shards)
+    choose = lambda mode: message.codec_choice(spec, dtype, mode, shards=shards)
     assert choose("jnp") == backends.JNP_PATH and choose("auto") == backends.JNP_PATH
     interpreted = choose("interpret")
     assert interpreted.name == interpret_path and interpreted.interpret == (interpret_path == "pallas")
@@ -40,16 +40,16 @@ def test_each_kernel_mode_takes_the_first_backend_that_takes_the_work(spec, dtyp
 def test_auto_stages_the_gpu_choice_where_cuda_exists(monkeypatch):
     """With a CUDA backend "auto" stages the GPU's choice beside the jnp path, and the
     lowering platform picks; Gluon where it runs, else Pallas."""
-    monkeypatch.setattr(launch, "has_cuda", lambda: True)
-    choice = codec.codec_choice(INT8, jnp.bfloat16, "auto", shards=2)
+    monkeypatch.setattr(jax_compat, "has_cuda", lambda: True)
+    choice = message.codec_choice(INT8, jnp.bfloat16, "auto", shards=2)
     expected = "gluon" if triton_launch.available() else "pallas"
     assert choice.platform_dependent and not choice.interpret and choice.name == expected
-    assert codec.codec_choice(INT8, jnp.bfloat16, "auto", size=0) == backends.JNP_PATH
+    assert message.codec_choice(INT8, jnp.bfloat16, "auto", size=0) == backends.JNP_PATH
 
 
 def test_an_unknown_kernel_mode_is_named():
     with pytest.raises(ValueError, match="unknown kernel mode 'pallas'.*now \"gpu\""):
-        codec.codec_choice(INT8, jnp.bfloat16, "pallas")
+        message.codec_choice(INT8, jnp.bfloat16, "pallas")
 
 
 def test_kernel_configs_name_their_backend():

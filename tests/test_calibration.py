@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import calibration, codec, message
+from taco_jax import calibration, collectives, message
 from taco_jax.train import calibrate
 from taco_jax.train.config import TrainConfig
 
@@ -250,7 +250,7 @@ def test_fewer_bits_take_the_fewest_bits_within_the_budget(tolerance, chosen):
         mesh = tj.make_mesh(1, 1, RANKS, devices=jax.devices()[:RANKS])
         hlo = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor"), check_vma=False))
         sent = tj.collectives_in_hlo(hlo.lower(x).compile().as_text())
-        layout = codec.message_layout(64 * CHANNELS // plan.quant.group_size // RANKS, plan.spec(MIXED.forward))
+        layout = message.message_layout(64 * CHANNELS // plan.quant.group_size // RANKS, plan.spec(MIXED.forward))
         assert {c.dtype for c in sent} == {"u8"} and layout.nbytes in {c.operand_bytes for c in sent}
         out = np.asarray(hlo(x), np.float64)[0]
         exact = x.astype(np.float64).sum(0)
@@ -281,17 +281,17 @@ def test_the_preset_decides_what_a_calibration_may_choose():
     e2m3 = tj.QuantSpec.parse("e2m3:128:H:bf16")
     plan = calibration.ChannelPlan((1, 0, 3, 2), False, e2m3)
     state = calibration.Calibration((("s", "forward", plan),))
-    spec, permutation = message.planned_spec(MIXED, "forward", state, "s", 4)
+    spec, permutation = collectives.planned_spec(MIXED, "forward", state, "s", 4)
     assert spec == tj.QuantSpec("e2m3", 128, False, "bf16") and permutation == plan
     fp8 = tj.TacoConfig.preset("fp8")
-    assert message.planned_spec(fp8, "forward", state, "s", 4) == (fp8.forward, None)
+    assert collectives.planned_spec(fp8, "forward", state, "s", 4) == (fp8.forward, None)
     assert state.conflicts(MIXED) == [] and "mode 'fp8' takes no calibration" in state.conflicts(fp8)[0]
     for preset in ("taco4", "taco+"):
         config = tj.TacoConfig.preset(preset)
         (conflict,) = state.conflicts(config)
         assert "format e2m3:128:-:bf16, which the config does not allow (its fewer-bits formats: none)" in conflict
         with pytest.raises(ValueError, match="calibration of site 's' \\(forward\\) gives format e2m3:128:-:bf16"):
-            message.planned_spec(config, "forward", state, "s", 4)
+            collectives.planned_spec(config, "forward", state, "s", 4)
 
 
 def test_a_plan_without_the_transform_is_reported_without_it(capsys, monkeypatch):

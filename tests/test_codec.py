@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax.kernels import elementwise, formats
+from taco_jax.kernels import formats, wire
 from tests import reference as ref
 
 FMTS = ["e4m3", "e5m2", "int8", "int4", "e2m3", "e3m2", "e2m1"]
@@ -112,7 +112,7 @@ def test_float_cast_rounds_to_nearest_even(fmt):
     ties = np.array([1 + quantum_at_one / 2, 1 + 1.5 * quantum_at_one, -(1 + quantum_at_one / 2)])
     subnormal_ties = 2.0 ** (emin - mbits) * np.array([0.5, 1.5, 2.5])
     values = np.concatenate([values, ties, subnormal_ties, [fmax * 1.01, -fmax * 50]]).astype(np.float32)
-    got = ref.as_float64(formats.cast_to_wire(jnp.asarray(values), formats.WIRE_FORMATS[fmt]))
+    got = ref.as_float64(wire.cast_to_wire(jnp.asarray(values), formats.WIRE_FORMATS[fmt]))
     np.testing.assert_array_equal(got, ref.round_to_grid(values.astype(np.float64), fmt))
     np.testing.assert_array_equal(
         got[-len(subnormal_ties) - 2 - len(ties) : -len(subnormal_ties) - 2], [1.0, 1 + 2 * quantum_at_one, -1.0]
@@ -123,26 +123,27 @@ def test_float_cast_rounds_to_nearest_even(fmt):
 def test_sub_byte_floats_are_the_ocp_mx_formats(fmt):
     """Every code of the sub-byte floats decodes to ml_dtypes' value of those bits and
     encodes back; rounding onto the grid is ml_dtypes' cast (nearest, ties to even)."""
-    wire, dtype = formats.WIRE_FORMATS[fmt], MINIFLOATS[fmt]
-    codes = np.arange(2**wire.bits, dtype=np.uint8)
+    minifloat, dtype = formats.WIRE_FORMATS[fmt], MINIFLOATS[fmt]
+    codes = np.arange(2**minifloat.bits, dtype=np.uint8)
     values = codes.view(dtype).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(elementwise.minifloat_values(jnp.asarray(codes), wire)), values)
-    np.testing.assert_array_equal(np.asarray(elementwise.minifloat_codes(jnp.asarray(values), wire)), codes)
-    assert values.max() == wire.max_value
+    np.testing.assert_array_equal(np.asarray(formats.minifloat_values(jnp.asarray(codes), minifloat)), values)
+    np.testing.assert_array_equal(np.asarray(formats.minifloat_codes(jnp.asarray(values), minifloat)), codes)
+    assert values.max() == minifloat.max_value
     rng = np.random.default_rng(5)
-    samples = (rng.uniform(-wire.max_value, wire.max_value, 4000) * 2.0 ** rng.integers(-6, 1, 4000)).astype(np.float32)
+    largest = minifloat.max_value
+    samples = (rng.uniform(-largest, largest, 4000) * 2.0 ** rng.integers(-6, 1, 4000)).astype(np.float32)
     samples = np.concatenate([samples, (values[1:] + values[:-1]) / 2])  # every midpoint: the ties
-    samples = samples[np.isfinite(samples) & (np.abs(samples) <= wire.max_value)]
-    got = np.asarray(jax.jit(formats.cast_to_wire, static_argnums=1)(jnp.asarray(samples), wire), np.float32)
+    samples = samples[np.isfinite(samples) & (np.abs(samples) <= largest)]
+    got = np.asarray(jax.jit(wire.cast_to_wire, static_argnums=1)(jnp.asarray(samples), minifloat), np.float32)
     np.testing.assert_array_equal(got, samples.astype(dtype).astype(np.float32))
 
 
 @pytest.mark.parametrize(("bits", "width"), [(4, 3), (6, 3)])
 def test_sub_byte_codes_pack_and_unpack(bits, width):
     codes = jnp.asarray(np.random.default_rng(bits).integers(0, 2**bits, (width, 64)), jnp.uint8)
-    packed = elementwise.pack_codes(codes, bits)
+    packed = formats.pack_codes(codes, bits)
     assert packed.dtype == jnp.uint8 and packed.shape == (width, 64 * bits // 8)
-    np.testing.assert_array_equal(np.asarray(elementwise.unpack_codes(packed, bits)), np.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(formats.unpack_codes(packed, bits)), np.asarray(codes))
     # The earliest code sits in the lowest bits.
     first = np.asarray(packed[:, 0]) & (2**bits - 1) if bits == 4 else np.asarray(packed[:, 0]) & 0x3F
     np.testing.assert_array_equal(first, np.asarray(codes[:, 0]))
@@ -150,11 +151,11 @@ def test_sub_byte_codes_pack_and_unpack(bits, width):
 
 def test_int8_cast_rounds_half_to_even_and_clips():
     values = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.4, 300.0, -1e9], np.float32)
-    got = np.asarray(formats.cast_to_wire(jnp.asarray(values), formats.WIRE_FORMATS["int8"]))
+    got = np.asarray(wire.cast_to_wire(jnp.asarray(values), formats.WIRE_FORMATS["int8"]))
     np.testing.assert_array_equal(got, [0, 2, 2, 0, -2, 126, 127, 127, -127])
 
 
-@pytest.mark.parametrize("rounding", [elementwise.round_to_int, elementwise.round_half_even], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("rounding", [formats.round_to_int, formats.round_half_even], ids=lambda f: f.__name__)
 def test_integer_rounding_is_numpy_round_half_even(rounding):
     rng = np.random.default_rng(3)
     values = np.concatenate(
@@ -369,11 +370,11 @@ def test_dataclass_replace_keeps_validation():
 
 
 def test_int4_packs_two_codes_per_byte_on_the_wire():
-    wire = formats.WIRE_FORMATS["int4"]
+    int4 = formats.WIRE_FORMATS["int4"]
     every = jnp.asarray(np.arange(-8, 8), jnp.int8)
-    packed = elementwise.pack_codes(wire.codes(every), 4)
+    packed = formats.pack_codes(int4.codes(every), 4)
     assert packed.dtype == jnp.uint8 and packed.shape == (8,)
-    unpacked = wire.from_codes(elementwise.unpack_codes(packed, 4))
+    unpacked = int4.from_codes(formats.unpack_codes(packed, 4))
     assert unpacked.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(unpacked), np.arange(-8, 8))
     spec = tj.QuantSpec(fmt="int4", scales="bf16", group_size=128)
@@ -424,16 +425,16 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(fmt, value, below, abo
     its distance from the lower one: the mean over many positions is the value (to the
     binomial error), where rounding to nearest keeps the whole offset. The same input
     rounds the same way again, eagerly or jitted."""
-    wire = formats.WIRE_FORMATS[fmt]
+    grid = formats.WIRE_FORMATS[fmt]
     values = jnp.concatenate([jnp.full(20000, value, jnp.float32), jnp.full(20000, -value, jnp.float32)])
-    stochastic = lambda v: formats.cast_to_wire(v, wire, draws=elementwise.dither(v))
+    stochastic = lambda v: wire.cast_to_wire(v, grid, draws=wire.dither(v))
     rounded = np.asarray(stochastic(values), np.float64)
     assert set(np.unique(np.abs(rounded))) == {below, above}
     share = (value - below) / (above - below)
     binomial = (above - below) * np.sqrt(share * (1 - share) / 20000)
     assert abs(rounded[:20000].mean() - value) < 4 * binomial
     assert abs(rounded[20000:].mean() + value) < 4 * binomial
-    nearest = np.asarray(formats.cast_to_wire(values, wire), np.float64)
+    nearest = np.asarray(wire.cast_to_wire(values, grid), np.float64)
     assert abs(nearest[:20000].mean() - value) > 10 * binomial
     again = np.asarray(jax.jit(stochastic)(values), np.float64)
     np.testing.assert_array_equal(again, rounded)

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
+from taco_jax import message
 
 # One quantization of INT8 after the transform per message, twice along the block
 # (gather in, reduce-scatter out), and gradients through both directions.
@@ -160,7 +161,7 @@ def test_compiled_all_reduce_form_sends_uint8_permutes_and_gathers_only_blocks()
     found = tj.collectives_in_hlo(compiled)
     assert {c.op for c in found} == {"collective-permute", "all-gather"} and {c.dtype for c in found} == {"u8"}
     groups = 8 * 256 // config.forward.group_size
-    block_message = tj.codec.message_layout(groups, config.forward).nbytes
+    block_message = message.message_layout(groups, config.forward).nbytes
     assert {c.operand_bytes for c in found} == {block_message}
     assert sum(c.op == "collective-permute" for c in found) == 2 * 3
     assert sum(c.op == "all-gather" for c in found) == 2

@@ -8,8 +8,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import codec
-from taco_jax.message import Call, plan_message
+from taco_jax import message
+from taco_jax.collectives import Call, plan_message
 
 MESHES = [
     pytest.param((2, 1, 4), id="dp2_pp1_tp4"),
@@ -476,7 +476,7 @@ def test_sub_byte_formats_cross_the_wire_packed_and_decode_within_their_bound(fm
     # The message: payload rows, then the scales padded to a whole row.
     assert (
         ops[0].operand_bytes
-        == codec.message_layout(64 * 1024 // spec.group_size, spec).nbytes
+        == message.message_layout(64 * 1024 // spec.group_size, spec).nbytes
         < packed_bytes + spec.group_size
     )
     fn = jax.jit(

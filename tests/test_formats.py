@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax import calibration, codec, hlo
-from taco_jax.kernels import elementwise, formats, group_codec, wire
+from taco_jax import calibration, hlo, message
+from taco_jax.kernels import formats, wire
 from taco_jax.train import compression, trainer
 from taco_jax.train.config import TrainConfig
 from tests import reference as ref
@@ -81,7 +81,7 @@ def test_defining_the_class_registers_it(int6):
 
     assert "e4m3x" not in formats.WIRE_FORMATS
     with pytest.raises(ValueError, match="stochastic rounding does not take 'e4m3'"):
-        formats.cast_to_wire(jnp.zeros(4), formats.wire_format("e4m3"), draws=jnp.zeros(4))
+        wire.cast_to_wire(jnp.zeros(4), formats.wire_format("e4m3"), draws=jnp.zeros(4))
 
 
 def test_round_trip_matches_the_float64_reference_between_int4_and_int8(int6, monkeypatch):
@@ -117,26 +117,26 @@ def test_codes_pack_and_unpack_into_ceil_six_eighths_bytes(int6):
 
     spec = tj.QuantSpec.parse(INT6)
     assert tj.wire_bytes((64, 256), jnp.float32, spec) == 64 * 256 * 6 // 8 + 64 * 256 // 32 * 2
-    layout = codec.message_layout(100, spec)  # 100 groups: 24-byte rows, 200 scale bytes in 9 rows
+    layout = message.message_layout(100, spec)  # 100 groups: 24-byte rows, 200 scale bytes in 9 rows
     assert (layout.row_bytes, layout.scale_bytes, layout.shape) == (24, 2, (109, 24))
 
     @jax.jit
     def encoded(x):
-        typed = group_codec.quantize_groups(x, fmt="int6", group_size=32, scale_format="bf16", transform=True)
-        return codec.encode(x, spec, "jnp"), typed[0]
+        typed = wire.quantize_groups(x, fmt="int6", group_size=32, scale_format="bf16", transform=True)
+        return message.encode(x, spec, "jnp"), typed[0]
 
-    message, payload = encoded(_data((100, 32), seed=2))
-    assert message.shape == layout.shape
-    np.testing.assert_array_equal(np.asarray(message[:100]), _pack_bits(np.asarray(payload).view(np.uint8) & 0x3F, 6))
-    np.testing.assert_array_equal(np.asarray(wire.payload_of(message, layout)), np.asarray(payload))
+    buffer, payload = encoded(_data((100, 32), seed=2))
+    assert buffer.shape == layout.shape
+    np.testing.assert_array_equal(np.asarray(buffer[:100]), _pack_bits(np.asarray(payload).view(np.uint8) & 0x3F, 6))
+    np.testing.assert_array_equal(np.asarray(wire.payload_of(buffer, layout)), np.asarray(payload))
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_any_width_packs_as_a_little_endian_bit_stream(bits):
     codes = np.random.default_rng(bits).integers(0, 2**bits, (2, 48), dtype=np.uint8)
-    packed = elementwise.pack_codes(jnp.asarray(codes), bits)
+    packed = formats.pack_codes(jnp.asarray(codes), bits)
     np.testing.assert_array_equal(np.asarray(packed), _pack_bits(codes, bits))
-    np.testing.assert_array_equal(np.asarray(elementwise.unpack_codes(packed, bits)), codes)
+    np.testing.assert_array_equal(np.asarray(formats.unpack_codes(packed, bits)), codes)
 
 
 MINIFLOATS = {"e2m3": ml_dtypes.float6_e2m3fn, "e3m2": ml_dtypes.float6_e3m2fn, "e2m1": ml_dtypes.float4_e2m1fn}
@@ -151,7 +151,7 @@ def test_built_in_sub_byte_formats_keep_their_bytes(fmt):
 
     @jax.jit
     def packed(x):
-        payload, scales = group_codec.quantize_groups(x, fmt=fmt, group_size=64, scale_format="bf16", transform=True)
+        payload, scales = wire.quantize_groups(x, fmt=fmt, group_size=64, scale_format="bf16", transform=True)
         return payload, wire.pack(payload, scales, layout)
 
     payload, message = (np.asarray(out) for out in packed(_data((2, 6, 64), seed=3)))

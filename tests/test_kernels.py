@@ -18,9 +18,9 @@ import pytest
 import taco_jax as tj
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import formats, group_codec
-from taco_jax.kernels.hadamard import hadamard_butterfly, hadamard_lanes, hadamard_pairs
+from taco_jax.kernels import formats, wire
 from taco_jax.kernels.launch import KernelConfig, program_rows
+from taco_jax.kernels.wire import hadamard_butterfly, hadamard_lanes, hadamard_pairs
 from tests import reference as ref
 
 FMTS = ["e4m3", "e5m2", "int8"]
@@ -155,7 +155,7 @@ def _check_requantized_sum(fmt, scale_format, group_size, rows, interpret):
     parts = [_groups(rows, group_size, jnp.float32, seed=s) for s in range(shards)]
     compressed = [kc.compress_reference(p, fmt=fmt, scale_format=scale_format, transform=True) for p in parts]
     payload = jnp.stack([p for p, _ in compressed])
-    multiplier = jnp.stack([group_codec.dequantize_scale(s, scale_format).reshape(-1) for _, s in compressed])
+    multiplier = jnp.stack([wire.dequantize_scale(s, scale_format).reshape(-1) for _, s in compressed])
     kw = dict(transform=True, requantize_to=(fmt, scale_format))
     got_payload, got_scales = kd.decompress_groups(payload, multiplier, interpret=interpret, **kw)
     want_payload, want_scales = kd.decompress_reference(payload, multiplier, **kw)
@@ -205,7 +205,7 @@ def test_transform_methods_match_the_reference(method, group_size, pieces):
     config = KernelConfig(block_rows=16, transform_method=method, pieces=pieces)
     x = _groups(45, group_size, jnp.float32, seed=group_size)
     payload, scales = _compress_case(x, "int8", "bf16", True, interpret=True, config=config)
-    multiplier = group_codec.dequantize_scale(scales, "bf16").reshape(1, -1)
+    multiplier = wire.dequantize_scale(scales, "bf16").reshape(1, -1)
     parts = [
         (payload[None], multiplier),
         (jnp.stack([payload] * 3), jnp.concatenate([multiplier, 2 * multiplier, -multiplier])),
@@ -284,7 +284,7 @@ def _check_looped_launch(fmt, scale_format, rows, looped, interpret):
     # Blocks of another height may reduce in another order: ulps in the scales.
     same_scale = _assert_scales_close(looped_scales, scales, scale_format)
     _assert_payload_close(looped_payload, payload, fmt, 0.002, same_scale)
-    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+    multiplier = wire.dequantize_scale(scales, scale_format).reshape(1, -1)
     for shards in (1, 2):
         parts = (payload.reshape(shards, rows // shards, 128), multiplier.reshape(shards, -1))
         decoded = kd.decompress_groups(*parts, transform=True, config=one_block, interpret=interpret)
@@ -356,7 +356,7 @@ def _check_nan_propagates_to_the_group(fmt, scale_format, config, interpret):
     compress, decode and the requantized sum; every other group stays finite."""
     kw = dict(config=config, interpret=interpret)
     payload, scales = kc.compress_groups(_poisoned_groups(), fmt=fmt, scale_format=scale_format, transform=True, **kw)
-    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+    multiplier = wire.dequantize_scale(scales, scale_format).reshape(1, -1)
     _assert_only_poisoned_groups_nan(kd.decompress_groups(payload[None], multiplier, transform=True, **kw))
     summed, summed_scales = kd.decompress_groups(
         jnp.stack([payload, payload]),
@@ -365,7 +365,7 @@ def _check_nan_propagates_to_the_group(fmt, scale_format, config, interpret):
         requantize_to=(fmt, scale_format),
         **kw,
     )
-    summed_multiplier = group_codec.dequantize_scale(summed_scales, scale_format).reshape(1, -1)
+    summed_multiplier = wire.dequantize_scale(summed_scales, scale_format).reshape(1, -1)
     _assert_only_poisoned_groups_nan(kd.decompress_groups(summed[None], summed_multiplier, transform=True, **kw))
 
 
@@ -383,12 +383,12 @@ def test_nan_propagates_where_max_ignores_nan(monkeypatch, fmt, scale_format):
     nan_ignoring.max = lambda a, axis=None, keepdims=False: jnp.nanmax(a, axis=axis, keepdims=keepdims)
     nan_ignoring.maximum, nan_ignoring.minimum = jnp.fmax, jnp.fmin
     nan_ignoring.clip = lambda x, low, high: jnp.fmin(jnp.fmax(x, low), high)
-    for module in (group_codec, formats):
+    for module in (wire, formats):
         monkeypatch.setattr(module, "jnp", nan_ignoring)
-    payload, scales = group_codec.quantize_groups(
+    payload, scales = wire.quantize_groups(
         _poisoned_groups(), fmt=fmt, group_size=128, scale_format=scale_format, transform=True
     )
-    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+    multiplier = wire.dequantize_scale(scales, scale_format).reshape(1, -1)
     _assert_only_poisoned_groups_nan(
         kd.decompress_reference(payload[None], multiplier, transform=True, out_dtype=jnp.float32)
     )
@@ -447,7 +447,7 @@ def test_compiled_kernels_on_gpu(fmt, scale_format):
     for dtype in (jnp.bfloat16, jnp.float32):
         x = _groups(4099, 128, dtype, seed=9)
         payload, scales = _compress_case(x, fmt, scale_format, True, interpret=False)
-        multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(1, -1)
+        multiplier = wire.dequantize_scale(scales, scale_format).reshape(1, -1)
         got = kd.decompress_groups(payload[None], multiplier, transform=True)
         want = kd.decompress_reference(payload[None], multiplier, transform=True)
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5

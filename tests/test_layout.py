@@ -1,8 +1,13 @@
 """The layout holds for the real imports: `pallas_kernels` <- `taco_jax` <- `models` <-
 `train`, with the integrations (`taco_jax/integrations`) above the library and using
-only its public names, each module within its size (700 lines; the trainer 500)."""
+only its public names, each module within its size (700 lines; the trainer 500), and a
+compressed collective's code in a few modules (at most 8)."""
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +72,42 @@ def test_modules_stay_within_their_size():
     too_long = {str(path.relative_to(ROOT)): lines for path, lines in sizes.items() if lines > MAX_LINES}
     assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
     assert sizes[ROOT / "train" / "trainer.py"] <= MAX_TRAINER_LINES
+
+
+# A fresh process lowers one compressed all-gather (taco+, every message compressed) on 4
+# CPU devices and prints the library modules whose functions ran while it was traced.
+MODULES_RUN = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import taco_jax as tj
+
+mesh = jax.make_mesh((4,), ("tensor",))
+config = tj.TacoConfig.preset("taco+", min_bytes=0)
+gather = jax.jit(jax.shard_map(lambda v: tj.all_gather(v, "tensor", config), mesh=mesh, in_specs=P("tensor"),
+                               out_specs=P("tensor")))
+x = jax.device_put(jnp.ones((256, 256), jnp.bfloat16), NamedSharding(mesh, P("tensor")))
+ran = set()
+
+def profile(frame, event, arg):
+    name = frame.f_globals.get("__name__") or ""
+    if event == "call" and name.startswith("taco_jax"):
+        ran.add(name)
+
+sys.setprofile(profile)
+gather.lower(x)
+sys.setprofile(None)
+print(json.dumps(sorted(ran)))
+"""
+MAX_MODULES_RUN = 8
+
+
+def test_a_compressed_all_gather_runs_in_few_modules():
+    """Adding to the data path touches few files: plan and calls (`collectives`), the
+    message (`message`), the config and route (`policy`), the ledger (`accounting`), and
+    in the kernels the formats, the wire message, the backend table and the platform."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", MODULES_RUN], env=env, capture_output=True, text=True, check=True)
+    modules = json.loads(out.stdout.splitlines()[-1])
+    assert "taco_jax.message" in modules and "taco_jax.kernels.wire" in modules, modules  # the codec ran
+    assert len(modules) <= MAX_MODULES_RUN, f"{len(modules)} modules run a compressed all-gather: {modules}"

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import taco_jax as tj
-from taco_jax.kernels import jax_compat, launch
+from taco_jax.kernels import jax_compat
 
 PRESETS = ("fp8", "taco", "taco+")
 KERNELS = ("jnp", "interpret")
@@ -117,13 +117,13 @@ def test_auto_kernels_follow_the_platform_the_program_is_lowered_for(monkeypatch
     spec = tj.TacoConfig.preset("taco+").forward
     x = jnp.asarray(np.random.default_rng(2).standard_normal((64, 128)), jnp.float32)
     reference = tj.compress(x, spec, kernel_mode="jnp")
-    monkeypatch.setattr(launch, "has_cuda", lambda: True)
+    monkeypatch.setattr(jax_compat, "has_cuda", lambda: True)
     jaxpr = jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x)
     assert "platform_index" in str(jaxpr) and "pallas_call" in str(jaxpr)
     staged = jax.jit(lambda v: tj.compress(v, spec))(x)
     np.testing.assert_array_equal(np.asarray(staged.payload, np.float32), np.asarray(reference.payload, np.float32))
     np.testing.assert_array_equal(np.asarray(staged.scales), np.asarray(reference.scales))
-    monkeypatch.setattr(launch, "has_cuda", lambda: False)
+    monkeypatch.setattr(jax_compat, "has_cuda", lambda: False)
     assert "pallas_call" not in str(jax.make_jaxpr(lambda v: tj.compress(v, spec).payload)(x))
 
 
@@ -133,7 +133,7 @@ def test_export_for_the_cpu_from_a_host_with_a_gpu(monkeypatch):
     spec = tj.TacoConfig.preset("taco+").forward
     x = jnp.asarray(np.random.default_rng(6).standard_normal((64, 256)), jnp.float32)
     want = jax.jit(lambda v: tj.decompress(tj.compress(v, spec, kernel_mode="jnp"), kernel_mode="jnp"))(x)
-    monkeypatch.setattr(launch, "has_cuda", lambda: True)
+    monkeypatch.setattr(jax_compat, "has_cuda", lambda: True)
     exported = jax.export.export(jax.jit(lambda v: tj.decompress(tj.compress(v, spec))), platforms=("cpu",))(x)
     np.testing.assert_array_equal(np.asarray(exported.call(x)), np.asarray(want))
 
@@ -208,7 +208,7 @@ def test_gluon_kernels_are_built_for_the_local_gpus(monkeypatch):
     def devices(*capabilities):
         triton_launch.local_capability.cache_clear()
         fakes = [types.SimpleNamespace(compute_capability=c) for c in capabilities]
-        monkeypatch.setattr(launch, "cuda_devices", lambda: fakes)
+        monkeypatch.setattr(jax_compat, "cuda_devices", lambda: fakes)
 
     try:
         devices("9.0", "9.0")
@@ -371,7 +371,7 @@ def test_attention_follows_the_lowering_platform(monkeypatch):
     q = jnp.asarray(np.random.default_rng(5).standard_normal((2, 16, 4, 32)), jnp.bfloat16)
     want = xla_attention(q, q, q, is_causal=True, implementation="xla")
     monkeypatch.setattr(jax.nn, "dot_product_attention", attention)
-    monkeypatch.setattr(launch, "has_cuda", lambda: True)
+    monkeypatch.setattr(jax_compat, "has_cuda", lambda: True)
     assert "platform_index" in str(jax.make_jaxpr(layers.causal_attention)(q, q, q))
     got = jax.jit(layers.causal_attention)(q, q, q)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -15,8 +15,7 @@ from taco_jax.kernels import (
     backends,
     formats,
     gluon_codec,
-    group_codec,
-    launch,
+    jax_compat,
     row_kernels,
     split_kernels,
     triton_launch,
@@ -50,7 +49,7 @@ SPLIT_LAYOUTS = [
 
 
 def _multiplier(scales, scale_format, shards):
-    return group_codec.dequantize_scale(scales, scale_format).reshape(shards, -1)
+    return wire.dequantize_scale(scales, scale_format).reshape(shards, -1)
 
 
 @pytest.mark.gpu
@@ -110,7 +109,7 @@ def test_messages_match_the_pallas_kernel():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
 def test_extreme_magnitudes_round_trip(fmt, scale_format):
-    """Groups of zeros, near the bottom of the codec's range (`group_codec`: about 1e-35),
+    """Groups of zeros, near the bottom of the codec's range (`wire`: about 1e-35),
     near the float32 maximum and of mixed binades decode finite and within the codec's
     error of the input, not equal to it."""
     base = np.asarray(_groups(8, 128, jnp.float32, seed=3)) / 8.0
@@ -165,7 +164,7 @@ def test_gluon_kernels_need_an_ampere_or_newer_gpu(monkeypatch):
     try:
         for capability, expected in (("7.5", False), ("8.0", True), ("9.0", True)):
             device = types.SimpleNamespace(compute_capability=capability)
-            monkeypatch.setattr(launch, "cuda_devices", lambda device=device: (device,))
+            monkeypatch.setattr(jax_compat, "cuda_devices", lambda device=device: (device,))
             triton_launch.available.cache_clear()
             assert triton_launch.available() is expected, capability
     finally:

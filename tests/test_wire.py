@@ -8,7 +8,7 @@ import pytest
 
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import formats, group_codec, wire
+from taco_jax.kernels import formats, wire
 
 FORMATS = ["e4m3", "e5m2", "int8", "int4", "e2m3", "e3m2", "e2m1"]
 SCALES = ["dual", "single", "bf16", "e8m0"]
@@ -22,7 +22,7 @@ def _rows(batch, groups, group_size=128, seed=0):
 
 
 def _typed(x, fmt, scale_format):
-    return group_codec.quantize_groups(x, fmt=fmt, group_size=x.shape[-1], scale_format=scale_format, transform=True)
+    return wire.quantize_groups(x, fmt=fmt, group_size=x.shape[-1], scale_format=scale_format, transform=True)
 
 
 @pytest.mark.cover
@@ -42,7 +42,7 @@ def test_message_round_trips_payload_and_scales(fmt, scale_format, groups):
         np.asarray(wire.scales_of(message, layout)).view(np.uint8),
         np.asarray(scales.reshape(wire.scales_of(message, layout).shape)).view(np.uint8),
     )
-    multiplier = group_codec.dequantize_scale(scales, scale_format).reshape(2, groups)
+    multiplier = wire.dequantize_scale(scales, scale_format).reshape(2, groups)
     np.testing.assert_array_equal(np.asarray(wire.multiplier(message, layout)), np.asarray(multiplier))
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from taco_jax.models.layers import OVERLAP_SITES
 from taco_jax.models.transformer import REMAT_POLICIES
-from taco_jax.spec import PRESETS, QuantSpec, TacoConfig
+from taco_jax.policy import PRESETS, QuantSpec, TacoConfig
 
 # Seeds are 32-bit: jax.random.key folds larger ones onto these (2**32 is seed 0).
 SEED_LIMIT = 2**32

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 import taco_jax as tj
 from taco_jax import accounting, models, strict_json
 from taco_jax.calibration import Calibration
+from taco_jax.collectives import record_plain_all_reduce
 from taco_jax.mesh import DATA_AXIS, PIPE_AXIS, TENSOR_AXIS
-from taco_jax.message import record_plain_all_reduce
 from taco_jax.models.api import sequence_parallel_grads
 from taco_jax.models.transformer import Parallelism
 

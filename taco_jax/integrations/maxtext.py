@@ -59,7 +59,7 @@ from taco_jax.accounting import WireLedger, record_wire
 from taco_jax.calibration import Calibration, Collector, calibrate, observing
 from taco_jax.dot_general import GatheredInput, ParallelDotGeneral
 from taco_jax.hlo import bytes_by_axis, f32_as_bf16
-from taco_jax.spec import PRESETS, TacoConfig
+from taco_jax.policy import PRESETS, TacoConfig
 
 MAXTEXT_VERSION = "0.2.5"
 LAYOUTS = ("auto", "replicated", "feature", "sequence")
