@@ -235,33 +235,47 @@ class Collector:
 
     Per (site, direction): per-channel sum of squares (float64), row count, and the
     latest `MAX_SAMPLE_ROWS` (or a few more) sampled rows.
+
+    The host callback only queues what it is given (`add`); the arrays are read when the
+    statistics are (`keys`, `rms`, `sample`), after the step. A callback that waited for
+    its arguments would deadlock a program on several CPU devices: JAX copies every
+    callback's arguments to CPU device 0, whose thread is itself inside the program.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._queued: list[tuple[tuple[str, str], Any, Any, Any]] = []
         self.sum_squares: dict[tuple[str, str], np.ndarray] = {}
         self.rows: dict[tuple[str, str], int] = {}
         self.samples: dict[tuple[str, str], list[np.ndarray]] = {}
 
-    def add(self, key: tuple[str, str], sum_squares, rows: int, sample) -> None:
-        """Accumulate one observed message (called from the host callback)."""
-        sum_squares, sample = np.asarray(sum_squares, np.float64), np.asarray(sample, np.float32)
+    def add(self, key: tuple[str, str], sum_squares, rows, sample) -> None:
+        """Queue one observed message (called from the host callback; nothing is read here)."""
         with self._lock:
-            self.sum_squares[key] = self.sum_squares.get(key, 0.0) + sum_squares
-            self.rows[key] = self.rows.get(key, 0) + int(rows)
-            kept = self.samples.setdefault(key, [])
-            kept.append(sample)
-            while sum(len(s) for s in kept) - len(kept[0]) >= MAX_SAMPLE_ROWS:
-                kept.pop(0)  # keep the latest rows: the tensors closest to the decision
+            self._queued.append((key, sum_squares, rows, sample))
+
+    @contextlib.contextmanager
+    def _settled(self) -> Iterator[None]:
+        """The statistics with every queued message folded in, under the lock."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+            for key, sum_squares, rows, sample in queued:
+                self.sum_squares[key] = self.sum_squares.get(key, 0.0) + np.asarray(sum_squares, np.float64)
+                self.rows[key] = self.rows.get(key, 0) + int(rows)
+                kept = self.samples.setdefault(key, [])
+                kept.append(np.asarray(sample, np.float32))
+                while sum(len(s) for s in kept) - len(kept[0]) >= MAX_SAMPLE_ROWS:
+                    kept.pop(0)  # keep the latest rows: the tensors closest to the decision
+            yield
 
     def keys(self) -> list[tuple[str, str]]:
         """The observed (site, direction) pairs, sorted."""
-        with self._lock:
+        with self._settled():
             return sorted(self.sum_squares)
 
     def rms(self, key: tuple[str, str]) -> np.ndarray:
         """Per-channel RMS of everything observed at `key`, over all processes."""
-        with self._lock:
+        with self._settled():
             sums, rows = self.sum_squares[key], self.rows[key]
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -272,7 +286,7 @@ class Collector:
 
     def sample(self, key: tuple[str, str]) -> np.ndarray:
         """The latest sampled rows of `key` (this process)."""
-        with self._lock:
+        with self._settled():
             return np.concatenate(self.samples[key])[-MAX_SAMPLE_ROWS:]
 
 

@@ -3,6 +3,9 @@
 import dataclasses
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +109,39 @@ def test_collector_sees_every_rank_and_the_statistics_are_exact():
     expected = np.sqrt(np.mean(np.square(x.astype(np.float64)).reshape(-1, CHANNELS), axis=0))
     np.testing.assert_allclose(collector.rms(("s", "forward")), expected, rtol=1e-5)
     assert collector.sample(("s", "forward")).shape[1] == CHANNELS
+
+
+# Four CPU devices each run their part of one program that observes a message, then
+# gathers it: every device's callback runs while the others wait in the gather (a
+# message of 1024 channels: smaller ones did not stall).
+OBSERVED_ON_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import taco_jax as tj
+
+mesh = jax.make_mesh((4,), ("tensor",))
+config = tj.TacoConfig.preset("taco+", min_bytes=0)
+body = lambda x: tj.all_gather(jnp.tanh(x), "tensor", config, site="s") * 2.0
+step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor")))
+x = jax.device_put(jnp.full((4 * 64, 1024), 0.5, jnp.float32), NamedSharding(mesh, P("tensor")))
+collector = tj.calibration.Collector()
+with tj.calibration.observing(collector):
+    jax.block_until_ready(step(x))
+    jax.block_until_ready(step(x))
+print(collector.keys(), float(np.max(np.abs(collector.rms(("s", "forward")) - np.tanh(0.5)))))
+"""
+
+
+def test_observing_a_program_on_several_cpu_devices_does_not_stall():
+    """The collector's host callback waits on nothing. JAX copies a callback's arguments
+    to CPU device 0, whose thread is inside the same program: a callback that read them
+    there waited forever on four CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", OBSERVED_ON_DEVICES], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    keys, error = out.stdout.strip().rsplit(" ", 1)
+    assert keys == "[('s', 'forward')]" and float(error) < 1e-6
 
 
 def test_calibrated_collectives_cut_the_per_channel_error():
