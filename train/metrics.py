@@ -45,18 +45,23 @@ def wire_bytes_per_step(train_step: jax.stages.Wrapped, state: tuple, tokens: ja
     it run (the layers' scan, the accumulation steps). A layer recomputed under `remat`
     sends nothing again (`taco_jax.message.remat_policy`).
 
-    The function is traced anew under a wrapper of its own: jit reuses an earlier trace
-    of `train_step`, during which the ledger may not have been recording. The trace is
-    the one the compiled step has (the same function on the same shapes).
+    The step is traced here, before its first call, and the call reuses this trace (jit
+    caches it), so the counted trace is the one compiled and the step is traced once.
+    A step traced before (a cache hit: nothing is recorded) is traced anew under a
+    wrapper of its own, on the same function and shapes.
 
     Args:
       train_step: from `trainer.make_step_functions`.
       state: (params, opt_state, feedback) as train_step takes them.
       tokens: a global batch.
     """
-    step = inspect.unwrap(train_step)
+    args = (*state, tokens, jnp.bool_(False))
     with tj.record_wire() as ledger:
-        jax.jit(lambda *args: step(*args)).trace(*state, tokens, jnp.bool_(False))
+        train_step.trace(*args)
+    if not ledger.records:
+        step = inspect.unwrap(train_step)
+        with tj.record_wire() as ledger:
+            jax.jit(lambda *args: step(*args)).trace(*args)
     return WireBytes(
         ledger.by_axis(tj.MESH_AXES), ledger.uncompressed_by_axis(tj.MESH_AXES), ledger.by_axis(tj.MESH_AXES, bf16=True)
     )
