@@ -527,7 +527,7 @@ def dequantize_groups(
     headroom: int = 0,
 ):
     """Decode k received messages' groups and sum them: payload (k, N, G) the wire
-    format's values (`wire.payload_of`), multiplier (k, N) their scales
+    format's values (`payload_of`), multiplier (k, N) their scales
     (`dequantize_scale`); the sum runs in float32 in the transformed domain, then one
     inverse transform. With `requantize_to` (fmt, scale format) the sum is quantized again
     instead, as (codes, packed scale entries), and `stochastic` rounds it stochastically.
