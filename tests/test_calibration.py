@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import json
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import taco_jax as tj
 from taco_jax import calibration, collectives, message
 from taco_jax.train import calibrate
 from taco_jax.train.config import TrainConfig
+from tests.conftest import cpu_env
 
 
 def test_strategies_are_permutations_with_the_intended_groups():
@@ -136,7 +136,7 @@ def test_observing_a_program_on_several_cpu_devices_does_not_stall():
     """The collector's host callback waits on nothing. JAX copies a callback's arguments
     to CPU device 0, whose thread is inside the same program: a callback that read them
     there waited forever on four CPU devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(4)
     out = subprocess.run(
         [sys.executable, "-c", OBSERVED_ON_DEVICES], env=env, capture_output=True, text=True, timeout=120, check=True
     )

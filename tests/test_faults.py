@@ -22,6 +22,7 @@ import pytest
 from taco_jax.train import cli, run_dir, run_state, trainer
 from taco_jax.train.checkpoint import SET_ASIDE_FOLDER, Checkpointer
 from taco_jax.train.errors import CheckpointError, TrainingError
+from tests.conftest import cpu_env
 from tests.test_train import ROOT, SMALL, _cfg, _cli_args, _rows
 
 
@@ -132,9 +133,7 @@ FAULT_STEPS = 40
 
 def _trainer(out: Path, resume: bool, cache: Path) -> subprocess.Popen:
     env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-        "JAX_PLATFORMS": "cpu",
+        **cpu_env(1),
         # Compiled programs shared by the runs: each restart then spends its time in
         # start-up and training, where the kills should land.
         "JAX_COMPILATION_CACHE_DIR": str(cache),

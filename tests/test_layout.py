@@ -5,12 +5,13 @@ compressed collective's code in a few modules (at most 8)."""
 
 import ast
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each folder, the package it installs as, and the packages it must not import.
@@ -106,7 +107,7 @@ def test_a_compressed_all_gather_runs_in_few_modules():
     """Adding to the data path touches few files: plan and calls (`collectives`), the
     message (`message`), the config and route (`policy`), the ledger (`accounting`), and
     in the kernels the formats, the wire message, the backend table and the platform."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(4)
     out = subprocess.run([sys.executable, "-c", MODULES_RUN], env=env, capture_output=True, text=True, check=True)
     modules = json.loads(out.stdout.splitlines()[-1])
     assert "taco_jax.message" in modules and "taco_jax.kernels.wire" in modules, modules  # the codec ran

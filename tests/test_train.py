@@ -26,6 +26,7 @@ from taco_jax.train.checkpoint import Checkpointer
 from taco_jax.train.config import TrainConfig, apply_overrides, parse_key_values
 from taco_jax.train.data import TokenData, batch, load
 from taco_jax.train.errors import TrainingError
+from tests.conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parent.parent
 # A corpus of byte tokens long enough for any split (for setup checks).
@@ -42,12 +43,7 @@ def _losses(run_dir):
 
 
 def _cli(args, devices, env_extra=None, **kwargs):
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "JAX_PLATFORMS": "cpu",
-        **(env_extra or {}),
-    }
+    env = {**cpu_env(devices), **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "taco_jax.train", "--no-progress", *args],
         cwd=ROOT,
@@ -129,7 +125,7 @@ def test_resume_continues_bit_exactly(tmp_path):
 
 def test_sigterm_saves_a_restorable_checkpoint(tmp_path):
     out = tmp_path / "signal"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -268,7 +264,7 @@ def _free_port():
 
 def test_two_processes_train_on_a_cross_process_mesh(tmp_path):
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(4)
     args = [
         "--no-progress",
         "--mesh",
