@@ -41,18 +41,20 @@ MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
 
 .PHONY: train test test-oldest test-newest test-slow test-maxtext lint docs bench-codec clean
 
-# The whole suite on the oldest supported releases (.ci/oldest.txt).
+# The whole suite on the oldest supported releases (.ci/oldest.txt). Every install skips
+# pip's byte-compiling (--no-compile): Python compiles what it imports when it first
+# does, and torch and transformers alone hold thousands of modules the suite never imports.
 $(STAMP): pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/oldest.txt -e '.[flax,train,test,ref,docs]'
+	$(PY) -m pip install -q --no-compile -c .ci/oldest.txt -e '.[flax,train,test,ref,docs]'
 	touch $(STAMP)
 
 # The newest releases pyproject.toml admits.
 $(NEWEST_STAMP): pyproject.toml
 	$(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install -q --upgrade pip
-	$(NEWEST_PY) -m pip install -q -e '.[flax,train,test]'
+	$(NEWEST_PY) -m pip install -q --no-compile -e '.[flax,train,test]'
 	touch $(NEWEST_STAMP)
 
 # What the trainer needs (no test, reference-model or docs tools), at the versions the
@@ -61,18 +63,17 @@ TRAIN_STAMP := $(VENV)/.installed-train
 $(TRAIN_STAMP): pyproject.toml .ci/oldest.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/oldest.txt -e '.[flax,train]'
+	$(PY) -m pip install -q --no-compile -c .ci/oldest.txt -e '.[flax,train]'
 	touch $(TRAIN_STAMP)
 
 train: $(TRAIN_STAMP)
 	$(CPU_DEVICES) $(PY) -m taco_jax.train
 
-# Lint, the docs build and the newest leg's environment (pip waits on the network and
-# the disk more than on the cores) run while the oldest leg runs; then the newest leg.
-NEWEST_ENV := $(if $(NEWEST_PYTHON),$(NEWEST_STAMP),)
+# Lint, the docs build and both legs run side by side: each waits at times (on pip, a
+# subprocess, the disk, its last tests), and together they keep both cores busy to the
+# end. Their output is interleaved by whole lines.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j4 lint docs test-oldest $(NEWEST_ENV)
-	$(MAKE) --no-print-directory test-newest
+	$(MAKE) --no-print-directory -j4 --output-sync=line lint docs test-oldest test-newest
 
 # Formatting, lint rules and types (configured in pyproject.toml).
 lint: $(STAMP)
@@ -106,7 +107,7 @@ endif
 $(MAXTEXT_STAMP): pyproject.toml
 	$(NEWEST_PYTHON) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_PY) -m pip install -q --upgrade pip
-	$(MAXTEXT_PY) -m pip install -q -e '.[flax,test,maxtext]'
+	$(MAXTEXT_PY) -m pip install -q --no-compile -e '.[flax,test,maxtext]'
 	touch $(MAXTEXT_STAMP)
 
 ifeq ($(NEWEST_PYTHON),)
