@@ -16,13 +16,14 @@ NEWEST_TESTS := tests/test_reliability.py tests/test_conventions.py tests/test_c
 	tests/test_row_kernels.py tests/test_flax.py tests/test_wire.py \
 	tests/test_codec_edges.py tests/test_inputs.py tests/test_sampling.py
 # 8 simulated CPU devices, set before jax is imported.
-CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+EIGHT_DEVICES := --xla_force_host_platform_device_count=8
+CPU_DEVICES := XLA_FLAGS=$(EIGHT_DEVICES) JAX_PLATFORMS=cpu
 # Both legs compile without XLA's backend optimizations: the suite's time is compiles
 # (a quarter less CPU time on the oldest leg, half on the newest). The tests that need
 # the production compiler's numerics (`tests/conftest.py`: `production_compiler`) then
 # run on the newest leg with it.
 PRODUCTION_COMPILER_TESTS := tests/test_wire.py tests/test_kernels.py
-FAST_XLA_FLAGS := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0
+FAST_XLA_FLAGS := $(EIGHT_DEVICES) --xla_backend_optimization_level=0
 FAST_COMPILES := XLA_FLAGS="$(FAST_XLA_FLAGS)" JAX_PLATFORMS=cpu
 # The oldest jax's XLA also has the elemental emitters, which compile the suite's
 # programs a third faster than the fusion emitters (the newest has only the latter).
