@@ -540,6 +540,55 @@ def sweep_split(key, tokens: int, channels: int, ops: list[str], group_size: int
     return results
 
 
+# The sub-byte specs of the presets (taco6-4's two directions, int5), and taco+'s 8-bit
+# spec beside them: (fmt, G, scale format), all with the transform.
+PACKED_SPECS = [("int8", 128, "bf16"), ("e2m3", 128, "bf16"), ("int4", 32, "bf16"), ("int5", 32, "bf16")]
+
+
+def time_packed(key, tokens: int, channels: int, repeats: int = 4) -> list[dict]:
+    """The Gluon kernels on wire messages of `PACKED_SPECS` (sub-byte codes packed into
+    words): compress, one shard decoded, four summed, four requantized; GPU time and
+    its bandwidth over the bytes each op reads and writes once."""
+    results = []
+    for fmt, group_size, scale_format in PACKED_SPECS:
+        rows_n = tokens * channels // group_size
+        layout = wire.MessageLayout(rows_n, group_size, fmt, scale_format)
+        kw = dict(fmt=fmt, scale_format=scale_format, transform=True)
+        xs = [
+            jax.random.normal(jax.random.fold_in(key, i), (1, rows_n, group_size), jnp.bfloat16) for i in range(repeats)
+        ]
+        compress = row_kernels.compress_config(group_size)
+        messages = [kc.compress_message(x, config=compress, **kw) for x in xs]
+        shards = [jnp.stack([messages[i], *messages[:3]][:SHARDS], axis=1) for i in range(repeats)]
+        decode = lambda shard_count, requantize: _over_list(
+            lambda m: kd.decompress_message(
+                m,
+                layout,
+                transform=True,
+                out_dtype=jnp.bfloat16,
+                requantize=requantize,
+                config=split_kernels.decode_config(shard_count, requantize),
+            )
+        )
+        elements, message_bytes = rows_n * group_size, layout.nbytes
+        # Each op's bytes: the messages it reads or writes, and the bf16 side (none for
+        # a requantized sum).
+        for op, fn, inputs, messages_moved, bf16_side in (
+            ("compress", _over_list(lambda v: kc.compress_message(v, config=compress, **kw)), xs, 1, True),
+            ("decompress", decode(1, False), [m[:, None] for m in messages], 1, True),
+            ("decompress_sum", decode(SHARDS, False), shards, SHARDS, True),
+            ("requantize_sum", decode(SHARDS, True), shards, SHARDS + 1, False),
+        ):
+            moved = message_bytes * messages_moved + 2 * elements * bf16_side
+            ms = device_ms(fn, (inputs,))
+            results.append(
+                dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, tokens=tokens, channels=channels)
+                | dict(device_ms=ms, bytes=moved, device_tb_per_s=moved / ms / 1e9)
+            )
+            print(f"  {op:15s} {fmt}:{group_size}: {ms:.3f} ms GPU", file=sys.stderr, flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, no launch sweep")
@@ -570,6 +619,11 @@ def main() -> None:
         default=",".join(SWEEP_OPS),
         help="ops the sweep times, comma-separated (with --split-sweep-only: `SPLIT_OPS` unless given)",
     )
+    parser.add_argument(
+        "--packed-only",
+        action="store_true",
+        help="only the Gluon kernels on messages of `PACKED_SPECS` (sub-byte codes), to kernels_packed.json",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     methods, ops = args.sweep_hadamard.split(","), args.sweep_ops.split(",")
@@ -583,6 +637,22 @@ def main() -> None:
     key = jax.random.key(0)
     device = jax.devices()[0].device_kind
     print(f"{device}, jax {jax.__version__}", file=sys.stderr)
+    if args.packed_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        packed = time_packed(key, *SWEEP_SHAPE)
+        copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
+        (args.out / "kernels_packed.json").write_text(
+            strict_json.dumps(
+                {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "packed": packed}
+            )
+        )
+        print(f"| op | spec | GPU ms | % of copy ({copy_bw:.2f} TB/s) |\n|---|---|---|---|")
+        for r in packed:
+            print(
+                f"| {r['op']} | {r['fmt']}:{r['group_size']}:H:{r['scales']} | {r['device_ms']:.3f} "
+                f"| {100 * r['device_tb_per_s'] / copy_bw:.0f}% |"
+            )
+        return
     if args.split_sweep_only:
         args.out.mkdir(parents=True, exist_ok=True)
         split_ops = ops if args.sweep_ops != parser.get_default("sweep_ops") else list(SPLIT_OPS)

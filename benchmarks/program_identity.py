@@ -165,7 +165,11 @@ def gluon_ptx() -> dict:
 
     out = {}
 
-    def ptx(name, fn, types, cx, warps):
+    def ptx(name, fn, types, cx, warps, fmt):
+        # The code constexprs and the headroom (0 for 8-bit codes) of the checkouts whose
+        # kernels take them.
+        codes = dict(INTEGER=formats.wire_format(fmt).is_integer, BITS=8, EXPONENT_BITS=0, MANTISSA_BITS=0)
+        cx = {k: v for k, v in (codes | dict(HEADROOM=0) | cx).items() if k in fn.arg_names}
         c = triton_launch.compile_kernel(fn, tuple(zip(fn.arg_names, types)), tuple(sorted(cx.items())), warps, 90)
         out[name] = _digest(_without_locations(c.asm["ptx"]))
 
@@ -182,13 +186,14 @@ def gluon_ptx() -> dict:
                     types,
                     cx | row_cx(g, cfg, jnp.bfloat16, jnp.int8),
                     cfg.num_warps,
+                    fmt,
                 )
             else:
-                ptx(f"split_compress_{fmt}_{scales}_{g}", split_c, types, cx | split_cx(g, cfg), cfg.num_warps)
+                ptx(f"split_compress_{fmt}_{scales}_{g}", split_c, types, cx | split_cx(g, cfg), cfg.num_warps, fmt)
         for shards in (1, 4):
             cfg = decode_config(shards, False)
             cx = dict(G=128, SHARDS=shards, TRANSFORM=True, INV_SQRT=inv(128), **split_cx(128, cfg))
-            ptx(f"decode_{fmt}_{shards}", dec, [code, "*fp32", "*bf16", "i32", "i64"], cx, cfg.num_warps)
+            ptx(f"decode_{fmt}_{shards}", dec, [code, "*fp32", "*bf16", "i32", "i64"], cx, cfg.num_warps, fmt)
         cfg = decode_config(2, True)
         cx = dict(G=128, SHARDS=2, **split_cx(128, cfg), **quant(fmt, scales))
         ptx(
@@ -197,6 +202,7 @@ def gluon_ptx() -> dict:
             [code, "*fp32", code, ptr[sdt(scales)], "i32", "i64", "i64"],
             cx,
             cfg.num_warps,
+            fmt,
         )
     return out
 

@@ -12,11 +12,12 @@ kernels' own default when called without a launch config (`compress`, `decompres
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import jax.numpy as jnp
 
-from . import jax_compat, triton_launch
+from . import formats, jax_compat, triton_launch
 
 # The float dtypes a kernel reads (a compress's input) or writes (a decode's output).
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -80,7 +81,7 @@ class CodecBackend:
     def takes(self, work: CodecWork) -> bool:
         """Whether this backend takes `work` (wherever it runs)."""
         return (
-            (self.formats is None or work.fmt in self.formats)
+            (self.formats is None or (work.fmt in self.formats and _fills_words(work)))
             and (self.scale_formats is None or work.scales is None or work.scales in self.scale_formats)
             and 16 <= work.group_size <= self.max_group
             and _power_of_two(work.group_size)
@@ -90,29 +91,53 @@ class CodecBackend:
         )
 
 
+def _fills_words(work: CodecWork) -> bool:
+    """Whether a group's codes fill whole 32-bit words (as the kernels pack sub-byte codes)."""
+    return work.group_size * formats.wire_format(work.fmt).bits % 32 == 0
+
+
 _EIGHT_BIT = ("e4m3", "e5m2", "int8")
+# The sub-byte formats, whose codes the Gluon kernels pack into 32-bit words
+# (`gluon_codec.store_packed`). Taken where TACO_JAX_SUB_BYTE_KERNELS=1 until their
+# numerics and speed are measured on a GPU; the jnp path encodes them otherwise.
+_SUB_BYTE = ("int5", "int4", "e2m3", "e3m2", "e2m1")
+SUB_BYTE_KERNELS = os.environ.get("TACO_JAX_SUB_BYTE_KERNELS", "0") == "1"
 # The scale encodings the kernels write (`gluon_codec.SCALE_FORMAT_IDS`, `wire`).
 _KERNEL_SCALES = ("dual", "single", "bf16", "e8m0")
 
 
-def _kernels(name: str, runs: Callable[[bool], bool]) -> CodecBackend:
-    """A kernel backend: the 8-bit formats, the kernels' scale encodings, groups up to
+def _kernels(name: str, element_formats: tuple[str, ...], runs: Callable[[bool], bool]) -> CodecBackend:
+    """A kernel backend: its element formats, the kernels' scale encodings, groups up to
     512 (the Gluon split kernels spread a group over at most a warp's 32 lanes, 16 values
     per thread; the Pallas kernels keep the same limit), the three float dtypes, a
     power-of-two number of shards, rounding to nearest."""
     return CodecBackend(
-        name, _EIGHT_BIT, _KERNEL_SCALES, 512, KERNEL_DTYPES, any_shards=False, stochastic=False, runs=runs
+        name, element_formats, _KERNEL_SCALES, 512, KERNEL_DTYPES, any_shards=False, stochastic=False, runs=runs
     )
 
 
 # The Gluon kernels (`row_kernels`, `split_kernels`): on a CUDA GPU with Triton's Gluon.
-GLUON = _kernels("gluon", lambda interpret: not interpret and triton_launch.available())
+GLUON = _kernels(
+    "gluon",
+    _EIGHT_BIT + (_SUB_BYTE if SUB_BYTE_KERNELS else ()),
+    lambda interpret: not interpret and triton_launch.available(),
+)
 # The Pallas compress and decompress kernels: on a GPU, or in the Pallas interpreter.
-PALLAS = _kernels("pallas", lambda _: True)
+PALLAS = _kernels("pallas", _EIGHT_BIT, lambda _: True)
 # The plain jnp path (`wire.quantize_groups`, `wire.pack`): every format, size and rounding.
 JNP = CodecBackend(
     "jnp", None, None, max_group=1 << 30, dtypes=None, any_shards=True, stochastic=True, runs=lambda _: True
 )
+
+
+def check_pallas_takes(fmt: str) -> None:
+    """Raise ValueError unless the Pallas kernels encode `fmt` (8-bit codes)."""
+    if fmt not in _EIGHT_BIT:
+        raise ValueError(
+            f"the Pallas kernels take the 8-bit formats {list(_EIGHT_BIT)}, got {fmt!r}: packed codes are "
+            "the Gluon kernels' (a CUDA GPU, TACO_JAX_SUB_BYTE_KERNELS=1) or the jnp path's"
+        )
+
 
 # In order of preference.
 BACKENDS = (GLUON, PALLAS, JNP)

@@ -133,6 +133,7 @@ def _encode(x, fmt, scale_format, transform, config, interpret, payload_dtype, p
             config=config,
         )
         return payload, scales[:, :, None]
+    backends.check_pallas_takes(fmt)
     payload, entries = _launch(x, fmt, scale_format, transform, config, interpret, payload_dtype, payload_rows)
     return payload, wire.pack_scale_entries(tuple(entries), scale_format)
 
@@ -164,11 +165,12 @@ def compress_groups(
     Returns:
       (payload (N, G), scales) in the layout of `wire.quantize_groups` for (N, G).
     """
-    rows = x.shape[0]
-    payload, scales = _encode(
-        x[None], fmt, scale_format, transform, config, interpret, formats.wire_format(fmt).dtype, rows
-    )
-    return payload[0, :rows], scales[0]
+    rows, element = x.shape[0], formats.wire_format(fmt)
+    packed = element.bits < 8
+    payload, scales = _encode(x[None], fmt, scale_format, transform, config, interpret, element.dtype, rows)
+    payload = payload[0, :rows]
+    # Sub-byte codes come packed (the Gluon kernels): typed, as the reference returns them.
+    return (element.unpack(jax.lax.bitcast_convert_type(payload, jnp.uint8)) if packed else payload), scales[0]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))

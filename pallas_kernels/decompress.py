@@ -154,7 +154,9 @@ def _decode(
       requantize any number of batches.
     """
     fmt = message_fmt or (requantize_to[0] if requantize_to else CODE_FORMATS.get(jnp.dtype(payload.dtype)))
-    shards, group_size = payload.shape[1], payload.shape[-1]
+    shards = payload.shape[1]
+    # A message's row holds a group's packed codes: G * bits / 8 bytes.
+    group_size = payload.shape[-1] * 8 // formats.wire_format(message_fmt).bits if message_fmt else payload.shape[-1]
     work = backends.CodecWork(fmt or "unknown", group_size, out_dtype, shards)
     if backends.launched_by(config, work, interpret) is backends.GLUON:
         if fmt is None:
@@ -171,6 +173,8 @@ def _decode(
             payload_rows=groups + extra_rows,
             config=config,
         )
+    if message_fmt:
+        backends.check_pallas_takes(message_fmt)
     out = _launch(
         payload,
         multiplier,

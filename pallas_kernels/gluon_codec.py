@@ -7,6 +7,8 @@ codes. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) bu
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,7 @@ POINTER_TYPES = {
     jnp.dtype(jnp.float8_e5m2): "*fp8e5",
     jnp.dtype(jnp.int8): "*i8",
     jnp.dtype(jnp.uint8): "*u8",
+    jnp.dtype(jnp.uint32): "*u32",
 }
 
 
@@ -40,11 +43,41 @@ def inverse_sqrt(group_size: int) -> float:
     return float(np.float32(1.0 / np.sqrt(group_size)))
 
 
-def quantization(fmt: str, scale_format: str) -> dict:
-    """The quantizing kernels' constexprs: the format's largest value, whether it is an
-    integer format, and the scale encoding's id."""
+def element_codes(fmt: str) -> dict:
+    """The constexprs of the format's codes: whether it is an integer format, its bits
+    (8: the payload dtype's own bytes; fewer: codes packed into 32-bit words,
+    `formats.pack_codes`), and a sub-byte float's field widths (0 otherwise)."""
     element = formats.wire_format(fmt)
-    return dict(FMT_MAX=float(element.max_value), INTEGER=element.is_integer, SCALES=SCALE_FORMAT_IDS[scale_format])
+    return dict(
+        INTEGER=element.is_integer,
+        BITS=element.bits,
+        EXPONENT_BITS=element.exponent_bits,
+        MANTISSA_BITS=element.mantissa_bits,
+    )
+
+
+def quantization(fmt: str, scale_format: str) -> dict:
+    """The quantizing kernels' constexprs: the format's largest value and codes
+    (`element_codes`), and the scale encoding's id."""
+    element = formats.wire_format(fmt)
+    return dict(FMT_MAX=float(element.max_value), SCALES=SCALE_FORMAT_IDS[scale_format], **element_codes(fmt))
+
+
+def code_pointer(fmt: str) -> str:
+    """The Triton pointer type a kernel reads or writes the format's payload as: its
+    dtype's for 8-bit codes, 32-bit words for packed codes."""
+    element = formats.wire_format(fmt)
+    return POINTER_TYPES[jnp.dtype(element.dtype if element.bits == 8 else jnp.uint32)]
+
+
+def row_bytes(fmt: str, group_size: int) -> int:
+    """Bytes of one group's payload: G for 8-bit codes, G * bits / 8 packed."""
+    return formats.wire_format(fmt).payload_bytes(group_size)
+
+
+def packs_into_words(fmt: str, group_size: int) -> bool:
+    """Whether a group's codes fill whole 32-bit words, as the kernels pack them."""
+    return group_size * formats.wire_format(fmt).bits % 32 == 0
 
 
 def scale_dtype(scale_format: str) -> jnp.dtype:
@@ -134,6 +167,151 @@ if gluon is not None:
         code = gl.minimum(gl.maximum(code, 1), 254)
         return gl.where(gl.abs(ratio) < float("inf"), code, 255)
 
+    @gluon.constexpr_function
+    def power_of_two(exponent):
+        """2.0**exponent as a compile-time float."""
+        return float(2.0**exponent)
+
+    @gluon.jit
+    def with_headroom(prescale, HEADROOM: gl.constexpr):
+        """The pre-scale the scales are sent with: times 2**HEADROOM, so that they carry
+        2**-HEADROOM (`wire.scale_headroom`; exact, the pre-scale is at most 2**100)."""
+        if HEADROOM > 0:
+            prescale = prescale * power_of_two(HEADROOM)
+        return prescale
+
+    @gluon.jit
+    def round_to_int(values):
+        """int32 round(v), ties to even, for |v| < 2**22 (`formats.round_to_int`)."""
+        return (values + ROUNDING_BIAS).to(gl.int32, bitcast=True) - ROUNDING_BIAS_BITS
+
+    @gluon.jit
+    def sub_byte_codes(
+        scaled, INTEGER: gl.constexpr, BITS: gl.constexpr, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr
+    ):
+        """int32 codes (their low BITS bits, `formats.WireFormat.codes`) of values on the
+        format's scale (|v| at most its largest value, to within a few ulps): integers
+        rounded to nearest even, in two's complement; sub-byte floats rounded to nearest
+        even onto their grid (`formats.round_to_minifloat`, `formats.minifloat_codes`)."""
+        # Each constexpr branch assigns and one return follows: Triton traces what
+        # follows a branch that returns.
+        if INTEGER:
+            codes = round_to_int(scaled) & ((1 << BITS) - 1)
+        else:
+            MIN_EXPONENT: gl.constexpr = 2 - (1 << (EXPONENT_BITS - 1))
+            # floor(log2 |v|), raised to the smallest normal exponent: the grid's step
+            # there is 2**(exponent - MANTISSA_BITS), subnormals and normals alike.
+            exponent = gl.maximum(((scaled.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXPONENT)
+            steps = round_to_int(scaled * pow2(MANTISSA_BITS - exponent))
+            # A value rounded up into the next binade (|steps| = 2**(m+1)) lands on that
+            # binade's first code: the same sum.
+            magnitude = ((exponent - MIN_EXPONENT) << MANTISSA_BITS) + gl.abs(steps)
+            codes = gl.where(steps < 0, magnitude | (1 << (EXPONENT_BITS + MANTISSA_BITS)), magnitude)
+        return codes
+
+    @gluon.jit
+    def code_values(
+        codes, INTEGER: gl.constexpr, BITS: gl.constexpr, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr
+    ):
+        """float32 values of int32 sub-byte codes (`formats.WireFormat.from_codes`)."""
+        if INTEGER:
+            values = (codes - ((codes >> (BITS - 1)) << BITS)).to(gl.float32)
+        else:
+            MIN_EXPONENT: gl.constexpr = 2 - (1 << (EXPONENT_BITS - 1))
+            field = (codes >> MANTISSA_BITS) & ((1 << EXPONENT_BITS) - 1)
+            mantissa = (codes & ((1 << MANTISSA_BITS) - 1)) + gl.where(field > 0, 1 << MANTISSA_BITS, 0)
+            magnitude = mantissa.to(gl.float32) * pow2(gl.maximum(field, 1) - 1 + MIN_EXPONENT - MANTISSA_BITS)
+            values = gl.where(((codes >> (EXPONENT_BITS + MANTISSA_BITS)) & 1) == 1, -magnitude, magnitude)
+        return values
+
+    @gluon.constexpr_function
+    def unit_codes(BITS):
+        """U: the codes of the shortest run that fills whole 32-bit words."""
+        return 32 // math.gcd(BITS, 32)
+
+    @gluon.constexpr_function
+    def unit_words(BITS):
+        """The 32-bit words U codes fill."""
+        return BITS // math.gcd(BITS, 32)
+
+    @gluon.constexpr_function
+    def padded_words(BITS):
+        """`unit_words` rounded up to a power of two (a tensor's extent)."""
+        return 1 << (unit_words(BITS) - 1).bit_length()
+
+    @gluon.constexpr_function
+    def packing_layout(G, BITS, NUM_WARPS):
+        """(rows, units, padded words, codes) of packed groups: a unit's codes and words
+        in one thread, consecutive units of a row on consecutive lanes."""
+        lanes = min(G // unit_codes(BITS), 32)
+        return gl.BlockedLayout(
+            [1, 1, padded_words(BITS), unit_codes(BITS)], [32 // lanes, lanes, 1, 1], [NUM_WARPS, 1, 1, 1], [3, 2, 1, 0]
+        )
+
+    @gluon.jit
+    def _field_offsets(G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """(1, 1, WP, U): where code i of a unit starts in its word k, BITS * i - 32 * k
+        (negative: it started in the word before). Past the unit's words every code
+        lies wholly before the word."""
+        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS)
+        # Each expanded axis by axis, left to right, as its layout is sliced.
+        words = gl.arange(0, padded_words(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
+        codes = gl.arange(0, unit_codes(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+        return BITS * codes[None, None, None, :] - 32 * words[None, None, :, None]
+
+    @gluon.jit
+    def packed_offsets(start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """(word offsets, mask) of rows [start, start + ROWS) of packed groups (G * BITS
+        / 32 words a row), as (rows, units, padded words) in `packing_layout`; the mask
+        drops rows past n_rows and the padding words."""
+        layout: gl.constexpr = gl.SliceLayout(3, packing_layout(G, BITS, NUM_WARPS))
+        U: gl.constexpr = unit_codes(BITS)
+        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+        units = gl.arange(0, G // U, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        words = gl.arange(0, padded_words(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        offsets = (
+            rows.to(gl.int64)[:, None, None] * (G * BITS // 32)
+            + (units * unit_words(BITS))[None, :, None]
+            + words[None, None, :]
+        )
+        return offsets, (rows < n_rows)[:, None, None] & (words < unit_words(BITS))[None, None, :]
+
+    @gluon.jit
+    def store_packed(
+        base, codes, start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr
+    ):
+        """Store int32 codes (ROWS, G) (their low BITS bits) packed as `formats.pack_codes`
+        packs them (32-bit words, little-endian) into rows [start, ...) at `base` (a
+        uint32 pointer); rows past n_rows are not stored."""
+        U: gl.constexpr = unit_codes(BITS)
+        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS)
+        units = gl.convert_layout(codes.reshape([ROWS, G // U, U]), gl.SliceLayout(2, layout))
+        offset = _field_offsets(G, BITS, NUM_WARPS)
+        fields = units.to(gl.uint32, bitcast=True)[:, :, None, :]
+        placed = gl.where(
+            offset >= 0, fields << gl.maximum(offset, 0).to(gl.uint32), fields >> gl.maximum(-offset, 0).to(gl.uint32)
+        )
+        # The fields of a word are disjoint: their sum is their bitwise or.
+        words = gl.sum(gl.where((offset > -BITS) & (offset < 32), placed, 0), axis=3)
+        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS)
+        gl.store(base + offsets, words, mask=mask)
+
+    @gluon.jit
+    def load_packed(
+        base, start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr
+    ):
+        """int32 codes (ROWS, G) of rows [start, ...) of packed groups at `base` (a uint32
+        pointer), `store_packed`'s inverse; rows past n_rows are not read (their codes
+        are undefined)."""
+        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS)
+        words = gl.load(base + offsets, mask=mask)[:, :, :, None]
+        offset = _field_offsets(G, BITS, NUM_WARPS)
+        fields = gl.where(
+            offset >= 0, words >> gl.maximum(offset, 0).to(gl.uint32), words << gl.maximum(-offset, 0).to(gl.uint32)
+        )
+        fields = gl.where((offset > -BITS) & (offset < 32), fields & ((1 << BITS) - 1), 0)
+        return gl.sum(fields, axis=2).to(gl.int32, bitcast=True).reshape([ROWS, G])
+
     @gluon.jit
     def scaled_codes(
         values,
@@ -146,10 +324,14 @@ if gluon is not None:
         FMT_MAX: gl.constexpr,
         INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
     ):
         """`wire.quantize_scaled` of a tile of groups y = values * factor: stores
         the packed scales of its `rows` (along the tile's rows; `in_range` masks them) at
-        `scales_ptr` and returns the codes in `codes_dtype`, in the layout of `values`."""
+        `scales_ptr` and returns the codes in the layout of `values`: 8-bit codes in
+        `codes_dtype`, sub-byte codes as int32 (`sub_byte_codes`)."""
         scale = gl.div_rn(gl.max(gl.abs(values), axis=1) * factor, gl.full_like(factor, FMT_MAX))
         scale = gl.where(scale < SCALE_MIN, SCALE_MIN, scale)  # NaN stays NaN
         # A requantized sum beyond float32's range: its multiplier held at MAX_SCALE
@@ -170,6 +352,10 @@ if gluon is not None:
             divisor = prescale * gl.where(code == 255, float("nan"), pow2(code - 127))
             gl.store(scales_ptr + rows, code.to(gl.uint8), mask=in_range)
         scaled = values * gl.div_rn(factor, divisor)[:, None]
-        if INTEGER:
-            return ((scaled + ROUNDING_BIAS).to(gl.int32, bitcast=True) - ROUNDING_BIAS_BITS).to(gl.int8)
-        return scaled.to(codes_dtype)
+        if BITS < 8:
+            codes = sub_byte_codes(scaled, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
+        elif INTEGER:
+            codes = round_to_int(scaled).to(gl.int8)
+        else:
+            codes = scaled.to(codes_dtype)
+        return codes

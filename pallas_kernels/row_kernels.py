@@ -18,8 +18,17 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from . import formats, split_kernels, triton_launch
-from .gluon_codec import POINTER_TYPES, grid, inverse_sqrt, quantization, scale_dtype, scales_struct
+from . import formats, split_kernels, triton_launch, wire
+from .gluon_codec import (
+    POINTER_TYPES,
+    code_pointer,
+    grid,
+    inverse_sqrt,
+    quantization,
+    row_bytes,
+    scale_dtype,
+    scales_struct,
+)
 from .launch import output_struct
 from .split_kernels import SPLIT_COMPRESS, SplitConfig, split_constexprs
 
@@ -147,23 +156,15 @@ def gluon_compress(
 def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payload_rows, config):
     """One launch of the kernel over x (B, N, G); arguments as `compress`."""
     batch, groups, group_size = x.shape
-    payload_type = output_struct((batch, payload_rows, group_size), payload_dtype, x)
-    constexprs = dict(
-        G=group_size, TRANSFORM=transform, INV_SQRT=inverse_sqrt(group_size), **quantization(fmt, scale_format)
-    )
-    if isinstance(config, SplitConfig):
-        kernel = split_kernels.taco_split_compress
-        constexprs |= split_constexprs(group_size, config)
-    else:
-        kernel = taco_row_compress
-        constexprs |= _row_constexprs(group_size, config, x.dtype, jnp.int8)
+    payload_type = output_struct((batch, payload_rows, row_bytes(fmt, group_size)), payload_dtype, x)
+    kernel, constexprs = compress_kernel(fmt, scale_format, transform, group_size, config, x.dtype)
     return triton_launch.gluon_call(
         kernel,
         [x],
         [payload_type, scales_struct(batch, groups, scale_format, x)],
         pointer_types=[
             POINTER_TYPES[jnp.dtype(x.dtype)],
-            POINTER_TYPES[formats.wire_format(fmt).dtype],
+            code_pointer(fmt),
             POINTER_TYPES[scale_dtype(scale_format)],
         ],
         scalars=[("n_rows", "i32", groups), ("payload_rows", "i64", payload_rows)],
@@ -171,6 +172,23 @@ def _launch(x: jax.Array, *, fmt, scale_format, transform, payload_dtype, payloa
         num_warps=config.num_warps,
         constexprs=constexprs,
     )
+
+
+def compress_kernel(
+    fmt: str, scale_format: str, transform: bool, group_size: int, config: RowConfig | SplitConfig, in_dtype
+) -> tuple:
+    """(the Gluon kernel, its constexprs) of a compress: the row kernel for a `RowConfig`,
+    the split kernel for a `SplitConfig`; `in_dtype` the input's."""
+    constexprs = dict(
+        G=group_size,
+        TRANSFORM=transform,
+        INV_SQRT=inverse_sqrt(group_size),
+        HEADROOM=wire.scale_headroom(formats.wire_format(fmt), group_size, transform),
+        **quantization(fmt, scale_format),
+    )
+    if isinstance(config, SplitConfig):
+        return split_kernels.taco_split_compress, constexprs | split_constexprs(group_size, config)
+    return taco_row_compress, constexprs | _row_constexprs(group_size, config, in_dtype, jnp.int8)
 
 
 def _row_constexprs(group_size: int, config: RowConfig, in_dtype, out_dtype) -> dict[str, int]:
@@ -189,6 +207,8 @@ if gluon is not None:
         normalize,
         row_layout,
         scaled_codes,
+        store_packed,
+        with_headroom,
     )
 
     @gluon.constexpr_function
@@ -268,12 +288,16 @@ if gluon is not None:
         OUT_LANES: gl.constexpr,
         TRANSFORM: gl.constexpr,
         INV_SQRT: gl.constexpr,
+        HEADROOM: gl.constexpr,
         FMT_MAX: gl.constexpr,
-        INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
+        INTEGER: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
     ):
         """A tile of 32 * NUM_WARPS groups copied into shared memory, then quantized a
-        group per thread and stored coalesced."""
+        group per thread and stored coalesced (sub-byte codes packed into words)."""
         ROWS: gl.constexpr = 32 * NUM_WARPS
         start = gl.program_id(0) * ROWS
         batch = gl.program_id(1).to(gl.int64)
@@ -290,7 +314,7 @@ if gluon is not None:
         codes = scaled_codes(
             values,
             factor,
-            prescale,
+            with_headroom(prescale, HEADROOM),
             payload_ptr.dtype.element_ty,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
             rows,
@@ -298,5 +322,15 @@ if gluon is not None:
             FMT_MAX,
             INTEGER,
             SCALES,
+            BITS,
+            EXPONENT_BITS,
+            MANTISSA_BITS,
         )
-        _store_groups(payload_ptr + batch * payload_rows * G, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
+        if BITS == 8:
+            _store_groups(
+                payload_ptr + batch * payload_rows * G, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES
+            )
+        else:
+            store_packed(
+                payload_ptr + batch * payload_rows * (G * BITS // 32), codes, start, n_rows, ROWS, G, BITS, NUM_WARPS
+            )

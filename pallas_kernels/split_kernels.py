@@ -25,8 +25,17 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from . import formats, triton_launch
-from .gluon_codec import POINTER_TYPES, grid, inverse_sqrt, quantization, scale_dtype, scales_struct
+from . import formats, triton_launch, wire
+from .gluon_codec import (
+    POINTER_TYPES,
+    code_pointer,
+    element_codes,
+    grid,
+    inverse_sqrt,
+    quantization,
+    scale_dtype,
+    scales_struct,
+)
 from .launch import output_struct
 
 try:
@@ -189,35 +198,52 @@ def decode_config(shards: int, requantize: bool, config: SplitConfig | None = No
     return config
 
 
+def decode_kernel(
+    fmt: str, group_size: int, shards: int, transform: bool, requantize_to: str | None, config: SplitConfig
+) -> tuple:
+    """(the Gluon split kernel, its constexprs) of a decode of `shards` shards, or of
+    their sum requantized into the scale format `requantize_to`."""
+    constexprs = dict(G=group_size, SHARDS=shards, **split_constexprs(group_size, config))
+    if requantize_to is not None:
+        return taco_split_requantize, constexprs | quantization(fmt, requantize_to)
+    headroom = wire.scale_headroom(formats.wire_format(fmt), group_size, transform)
+    transform_constexprs = dict(TRANSFORM=transform, INV_SQRT=inverse_sqrt(group_size), HEADROOM=headroom)
+    return taco_split_decode, constexprs | element_codes(fmt) | transform_constexprs
+
+
 def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config):
     """One launch of a decode kernel; arguments as `gluon_decompress`."""
-    batch, shards, in_rows, group_size = payload.shape
+    batch, shards, in_rows, width = payload.shape
+    # Packed codes come as uint8 message buffers, G * bits / 8 bytes a group.
+    group_size = width * 8 // formats.wire_format(fmt).bits
     config = decode_config(shards, requantize_to is not None, config)
-    code_pointer = POINTER_TYPES[formats.wire_format(fmt).dtype]
+    codes = code_pointer(fmt)
     scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
-    constexprs = dict(G=group_size, SHARDS=shards, **split_constexprs(group_size, config))
-    common = dict(grid=grid(groups, batch, config.rows_per_program(group_size)), num_warps=config.num_warps)
+    kernel, constexprs = decode_kernel(fmt, group_size, shards, transform, requantize_to, config)
+    common = dict(
+        grid=grid(groups, batch, config.rows_per_program(group_size)),
+        num_warps=config.num_warps,
+        constexprs=constexprs,
+    )
     if requantize_to is None:
         return triton_launch.gluon_call(
-            taco_split_decode,
+            kernel,
             [payload, multiplier],
             [output_struct((batch, groups, group_size), out_dtype, payload)],
-            pointer_types=[code_pointer, "*fp32", POINTER_TYPES[out_dtype]],
+            pointer_types=[codes, "*fp32", POINTER_TYPES[out_dtype]],
             scalars=scalars,
-            constexprs=constexprs | dict(TRANSFORM=transform, INV_SQRT=inverse_sqrt(group_size)),
             **common,
         )[0]
     return tuple(
         triton_launch.gluon_call(
-            taco_split_requantize,
+            kernel,
             [payload, multiplier],
             [
-                output_struct((batch, payload_rows, group_size), payload.dtype, payload),
+                output_struct((batch, payload_rows, width), payload.dtype, payload),
                 scales_struct(batch, groups, requantize_to, payload),
             ],
-            pointer_types=[code_pointer, "*fp32", code_pointer, POINTER_TYPES[scale_dtype(requantize_to)]],
+            pointer_types=[codes, "*fp32", codes, POINTER_TYPES[scale_dtype(requantize_to)]],
             scalars=[*scalars, ("payload_rows", "i64", payload_rows)],
-            constexprs=constexprs | quantization(fmt, requantize_to),
             **common,
         )
     )
@@ -226,10 +252,15 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
 if gluon is not None:
     from .gluon_codec import (
         FLOAT32_MAX,
+        code_values,
+        load_packed,
         normalize,
         pow2,
+        power_of_two,
         scaled_codes,
+        store_packed,
         times_pow2,
+        with_headroom,
     )
 
     @gluon.constexpr_function
@@ -283,9 +314,57 @@ if gluon is not None:
         offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
         return offsets, rows, in_range, gl.program_id(1).to(gl.int64)
 
+    @gluon.constexpr_function
+    def _row_elements(G, BITS):
+        """Elements of the payload pointer's type a group takes: G codes, or its packed
+        codes' G * BITS / 32 words."""
+        return G if BITS == 8 else G * BITS // 32
+
+    @gluon.jit
+    def _shard_values(
+        shard_ptr,
+        offsets,
+        in_range,
+        start,
+        n_rows,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        INTEGER: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
+    ):
+        """One shard's code values as float32 on the tile `_split_tile` gives (its rows
+        from `start`; `shard_ptr` at the shard's first row): 8-bit codes converted,
+        packed codes unpacked and decoded (rows out of range are not read)."""
+        if BITS == 8:
+            values = gl.load(shard_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
+        else:
+            codes = load_packed(shard_ptr, start, n_rows, ROWS, G, BITS, NUM_WARPS)
+            values = gl.convert_layout(
+                code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS), offsets.type.layout
+            )
+        return values
+
     @gluon.jit
     def _split_sum(
-        payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS: gl.constexpr, G: gl.constexpr
+        payload_ptr,
+        multiplier_ptr,
+        offsets,
+        rows,
+        in_range,
+        start,
+        n_rows,
+        in_rows,
+        SHARDS: gl.constexpr,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        INTEGER: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
     ):
         """The float32 sum over the shards of codes times their groups' multipliers scaled
         by 2**-shift, and shift per row (`wire.sum_shift`), on the tile
@@ -297,9 +376,22 @@ if gluon is not None:
         shift = gl.maximum(((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
         summed = gl.zeros_like(offsets, dtype=gl.float32)
         for shard in gl.static_range(SHARDS):
-            codes = gl.load(payload_ptr + shard * in_rows * G + offsets, mask=in_range[:, None])
+            codes = _shard_values(
+                payload_ptr + shard * in_rows * _row_elements(G, BITS),
+                offsets,
+                in_range,
+                start,
+                n_rows,
+                ROWS,
+                G,
+                NUM_WARPS,
+                INTEGER,
+                BITS,
+                EXPONENT_BITS,
+                MANTISSA_BITS,
+            )
             multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
-            summed = summed + codes.to(gl.float32) * multiplier[:, None]
+            summed = summed + codes * multiplier[:, None]
         return summed, shift
 
     @gluon.jit
@@ -328,33 +420,24 @@ if gluon is not None:
         return values
 
     @gluon.jit
-    def _quantize_split(
-        groups,
-        payload_ptr,
-        scales_ptr,
+    def _store_codes(
+        base,
+        codes,
         offsets,
-        rows,
         in_range,
+        start,
+        n_rows,
         ROWS: gl.constexpr,
         G: gl.constexpr,
-        VALUES: gl.constexpr,
-        TRANSFORM: gl.constexpr,
-        INV_SQRT: gl.constexpr,
-        FMT_MAX: gl.constexpr,
-        INTEGER: gl.constexpr,
-        SCALES: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        BITS: gl.constexpr,
     ):
-        """`wire.quantize_groups` of a split tile of float32 groups: the codes
-        stored at `payload_ptr` + `offsets`, the packed scales of `rows` at `scales_ptr`
-        (the pointers at the batch's first row; rows out of range are not stored)."""
-        values, factor, prescale = normalize(groups, FMT_MAX, G)
-        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
-            values = _split_hadamard(values, ROWS, G, VALUES)
-            factor = factor * INV_SQRT
-        codes = scaled_codes(
-            values, factor, prescale, payload_ptr.dtype.element_ty, scales_ptr, rows, in_range, FMT_MAX, INTEGER, SCALES
-        )
-        gl.store(payload_ptr + offsets, codes, mask=in_range[:, None])
+        """Store a split tile's codes at `base` (the batch's first row): 8-bit codes as
+        they are, sub-byte ones packed (rows out of range are not stored)."""
+        if BITS == 8:
+            gl.store(base + offsets, codes, mask=in_range[:, None])
+        else:
+            store_packed(base, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS)
 
     @gluon.jit
     def taco_split_compress(
@@ -369,29 +452,49 @@ if gluon is not None:
         NUM_WARPS: gl.constexpr,
         TRANSFORM: gl.constexpr,
         INV_SQRT: gl.constexpr,
+        HEADROOM: gl.constexpr,
         FMT_MAX: gl.constexpr,
-        INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
+        INTEGER: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
     ):
         """`taco_row_compress` in the split layout: the group statistics are reductions
-        over a group's lanes, and nothing goes through shared memory."""
+        over a group's lanes, and nothing goes through shared memory (but the packing of
+        sub-byte codes)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         groups = gl.load(x_ptr + batch * n_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
-        _quantize_split(
-            groups,
-            payload_ptr + batch * payload_rows * G,
+        values, factor, prescale = normalize(groups, FMT_MAX, G)
+        if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
+            values = _split_hadamard(values, ROWS, G, VALUES)
+            factor = factor * INV_SQRT
+        codes = scaled_codes(
+            values,
+            factor,
+            with_headroom(prescale, HEADROOM),
+            payload_ptr.dtype.element_ty,
             scales_ptr + batch * n_rows * (2 if SCALES == 0 else 1),
-            offsets,
             rows,
             in_range,
-            ROWS,
-            G,
-            VALUES,
-            TRANSFORM,
-            INV_SQRT,
             FMT_MAX,
             INTEGER,
             SCALES,
+            BITS,
+            EXPONENT_BITS,
+            MANTISSA_BITS,
+        )
+        _store_codes(
+            payload_ptr + batch * payload_rows * _row_elements(G, BITS),
+            codes,
+            offsets,
+            in_range,
+            gl.program_id(0) * ROWS,
+            n_rows,
+            ROWS,
+            G,
+            NUM_WARPS,
+            BITS,
         )
 
     @gluon.jit
@@ -408,21 +511,62 @@ if gluon is not None:
         SHARDS: gl.constexpr,
         TRANSFORM: gl.constexpr,
         INV_SQRT: gl.constexpr,
+        HEADROOM: gl.constexpr,
+        INTEGER: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
     ):
-        """The sum of k dequantized shards, inverse-transformed or not, in the output dtype."""
+        """The sum of k dequantized shards, inverse-transformed or not, in the output
+        dtype, times 2**HEADROOM (`wire.scale_headroom`)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
-        payload_ptr = payload_ptr + batch * SHARDS * in_rows * G
+        start = gl.program_id(0) * ROWS
+        payload_ptr = payload_ptr + batch * SHARDS * in_rows * _row_elements(G, BITS)
         multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
         if TRANSFORM and SHARDS == 1:
             # One shard's codes are transformed first, then scaled (as the reference),
             # so no intermediate overflows near float32's largest.
-            codes = gl.load(payload_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
+            codes = _shard_values(
+                payload_ptr,
+                offsets,
+                in_range,
+                start,
+                n_rows,
+                ROWS,
+                G,
+                NUM_WARPS,
+                INTEGER,
+                BITS,
+                EXPONENT_BITS,
+                MANTISSA_BITS,
+            )
             multiplier = gl.load(multiplier_ptr + rows, mask=in_range)
             values = _split_hadamard(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
+            if HEADROOM > 0:
+                values = values * power_of_two(HEADROOM)
         else:
-            values, shift = _split_sum(payload_ptr, multiplier_ptr, offsets, rows, in_range, n_rows, in_rows, SHARDS, G)
-            # One multiply an element undoes the shift (and normalizes the transform):
-            # 2**shift / sqrt(G) is a finite float32 for every finite multiplier.
+            values, shift = _split_sum(
+                payload_ptr,
+                multiplier_ptr,
+                offsets,
+                rows,
+                in_range,
+                start,
+                n_rows,
+                in_rows,
+                SHARDS,
+                ROWS,
+                G,
+                NUM_WARPS,
+                INTEGER,
+                BITS,
+                EXPONENT_BITS,
+                MANTISSA_BITS,
+            )
+            # One multiply an element undoes the shift and the headroom (and normalizes
+            # the transform): 2**shift / sqrt(G) is a finite float32 for every finite
+            # multiplier.
+            shift = shift + HEADROOM
             half = shift >> 1
             if TRANSFORM:
                 values = _split_hadamard(values, ROWS, G, VALUES)
@@ -448,26 +592,37 @@ if gluon is not None:
         NUM_WARPS: gl.constexpr,
         SHARDS: gl.constexpr,
         FMT_MAX: gl.constexpr,
-        INTEGER: gl.constexpr,
         SCALES: gl.constexpr,
+        INTEGER: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
     ):
-        """The sum of k dequantized shards quantized again (in the transformed domain)."""
+        """The sum of k dequantized shards quantized again (in the transformed domain;
+        the multipliers' units, which carry any headroom, stay)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
+        start = gl.program_id(0) * ROWS
         summed, shift = _split_sum(
-            payload_ptr + batch * SHARDS * in_rows * G,
+            payload_ptr + batch * SHARDS * in_rows * _row_elements(G, BITS),
             multiplier_ptr + batch * SHARDS * n_rows,
             offsets,
             rows,
             in_range,
+            start,
             n_rows,
             in_rows,
             SHARDS,
+            ROWS,
             G,
+            NUM_WARPS,
+            INTEGER,
+            BITS,
+            EXPONENT_BITS,
+            MANTISSA_BITS,
         )
         # No transform (the sum is already in the transformed domain); the pre-scale is
         # the unscaled sum's.
         values, factor, prescale = normalize(summed, FMT_MAX, G)
-        out_ptr = out_ptr + batch * payload_rows * G
         codes = scaled_codes(
             values,
             factor,
@@ -479,5 +634,19 @@ if gluon is not None:
             FMT_MAX,
             INTEGER,
             SCALES,
+            BITS,
+            EXPONENT_BITS,
+            MANTISSA_BITS,
         )
-        gl.store(out_ptr + offsets, codes, mask=in_range[:, None])
+        _store_codes(
+            out_ptr + batch * payload_rows * _row_elements(G, BITS),
+            codes,
+            offsets,
+            in_range,
+            start,
+            n_rows,
+            ROWS,
+            G,
+            NUM_WARPS,
+            BITS,
+        )

@@ -42,7 +42,7 @@ def _assert_payload_close(got, want, fmt, max_mismatch, same_scale=None):
         got, want = got[same_scale], want[same_scale]
     mismatch = got != want
     assert mismatch.mean() <= max_mismatch
-    step = np.maximum(np.abs(want), 1.0) * (2.0**-2 if fmt != "int8" else 1.0)
+    step = np.maximum(np.abs(want), 1.0) * (1.0 if formats.wire_format(fmt).is_integer else 2.0**-2)
     assert np.all(np.abs(got - want)[mismatch] <= step[mismatch])
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from taco_jax import message
 from taco_jax.kernels import (
     backends,
     formats,
@@ -24,6 +25,7 @@ from taco_jax.kernels import (
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
 from taco_jax.kernels.launch import KernelConfig
+from taco_jax.policy import QuantSpec
 from tests import reference as ref
 from tests.test_kernels import (
     FMTS,
@@ -156,6 +158,64 @@ def test_large_groups_compress_and_decode_on_the_split_kernels(group_size):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
 
 
+# Sub-byte formats as the presets send them, a G = 16 E2M1 and a split-kernel G = 256.
+SUB_BYTE = [
+    ("int4", 32, "bf16"),
+    ("e2m3", 128, "bf16"),
+    ("int5", 32, "bf16"),
+    ("e2m1", 16, "e8m0"),
+    ("e2m3", 256, "dual"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, group_size, scale_format", SUB_BYTE)
+def test_sub_byte_codes_pack_and_decode_as_the_reference(fmt, group_size, scale_format):
+    """Packed codes: the Gluon compress writes the reference's codes and scales (a few
+    codes a step apart on ties), its message holds `wire.pack`'s bytes for them, and the
+    decodes (one shard through the transform, a sum of four, the requantized sum of two)
+    match the reference's decode of the same messages, within the codec's error of the
+    input and not equal to it."""
+    x = _groups(4 * 45, group_size, jnp.bfloat16, seed=group_size).reshape(4, 45, group_size)
+    spec = QuantSpec.parse(f"{fmt}:{group_size}:H:{scale_format}")
+    layout = message.message_layout(45, spec)
+    config = row_kernels.compress_config(group_size)
+    _compress_case(x.reshape(-1, group_size), fmt, scale_format, True, interpret=False, config=config)
+    kw = dict(fmt=fmt, scale_format=scale_format, transform=True)
+    messages = kc.compress_message(x, config=config, **kw)
+    payload, scales = kc.compress_groups(x.reshape(-1, group_size), config=config, **kw)
+    packed = wire.pack(payload.reshape(4, 45, group_size), scales.reshape(4, 45, *scales.shape[1:]), layout)
+    np.testing.assert_array_equal(np.asarray(messages), np.asarray(packed))
+    exact = ref.as_float64(x)
+    for shards in (1, 4):
+        batches = messages.reshape(4 // shards, shards, *layout.shape)
+        got = kd.decompress_message(batches, layout, transform=True, config=split_kernels.decode_config(shards, False))
+        want = message.decode(batches, 45, spec, jnp.float32, codec="jnp")
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * scale)
+        target = exact.reshape(4 // shards, shards, 45, group_size).sum(axis=1)
+        error = np.linalg.norm(np.asarray(got, np.float64) - target) / np.linalg.norm(target)
+        assert 0 < error < 0.25
+    summed = kd.decompress_message(messages[None, :2], layout, transform=True, requantize=True)
+    reference = message.requantize(messages[:2], 45, spec, codec="jnp")
+    decode = lambda m: np.asarray(message.decode(m[None, None], 45, spec, jnp.float32, codec="jnp"), np.float64)
+    np.testing.assert_allclose(decode(summed), decode(reference), rtol=0, atol=0.02 * np.abs(decode(reference)).max())
+
+
+def test_sub_byte_formats_take_the_gluon_kernels_behind_a_flag():
+    """The Gluon kernels take the sub-byte formats where TACO_JAX_SUB_BYTE_KERNELS=1, at
+    group sizes whose codes fill whole 32-bit words; the Pallas kernels refuse them by
+    name."""
+    work = lambda fmt, group_size: backends.CodecWork(fmt, group_size, jnp.dtype(jnp.bfloat16))
+    assert not backends.GLUON.takes(work("int4", 32)) and not backends.PALLAS.takes(work("e2m3", 128))
+    flagged = backends._kernels("gluon", backends._EIGHT_BIT + backends._SUB_BYTE, lambda _: True)
+    assert flagged.takes(work("int4", 32)) and flagged.takes(work("e2m3", 16)) and flagged.takes(work("int5", 32))
+    assert not flagged.takes(work("int5", 16))  # 80 bits: not whole words
+    x = _groups(8, 32, jnp.float32)
+    with pytest.raises(ValueError, match="Pallas kernels take the 8-bit formats .* got 'int4'"):
+        kc.compress_groups(x, fmt="int4", scale_format="bf16", transform=True, interpret=True)
+
+
 def test_gluon_kernels_need_an_ampere_or_newer_gpu(monkeypatch):
     """The row compress stages its tile with cp.async (sm_80): on an older GPU the Gluon
     kernels are not offered, so the Pallas kernels run."""
@@ -184,35 +244,32 @@ def test_gluon_kernels_take_8_bit_groups_up_to_512():
     assert backends.GLUON.runs(False) is triton_launch.available()
 
 
+def _compile_for_sm90(kernel, pointer_types, constexprs, num_warps):
+    return triton_launch.compile_kernel(
+        kernel, tuple(zip(kernel.arg_names, pointer_types)), tuple(sorted(constexprs.items())), num_warps, 90
+    )
+
+
 @pytest.mark.parametrize("kernel", ["row", "split"])
-@pytest.mark.parametrize("fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16")])
+@pytest.mark.parametrize(
+    "fmt, scale_format", [("e4m3", "dual"), ("int8", "bf16"), ("int4", "bf16"), ("e2m3", "bf16"), ("int5", "e8m0")]
+)
 def test_compress_kernels_compile_for_sm90(fmt, scale_format, kernel):
     """Triton builds the compress kernels for an H100/H200 (no GPU needed): the row
     kernel with its layout conversions through shared memory, the split kernel (G = 512,
-    16 lanes a group) with none."""
+    16 lanes a group) with none for 8-bit codes; sub-byte codes packed into words."""
     pytest.importorskip("triton.experimental.gluon")
-    dtype = formats.wire_format(fmt).dtype
     scale_pointer = gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(scale_format)]
-    types = ["*bf16", gluon_codec.POINTER_TYPES[dtype], scale_pointer, "i32", "i64"]
+    types = ["*bf16", gluon_codec.code_pointer(fmt), scale_pointer, "i32", "i64"]
     group_size = 128 if kernel == "row" else 512
     config = row_kernels.compress_config(group_size)
-    constexprs = dict(
-        G=group_size,
-        TRANSFORM=True,
-        INV_SQRT=gluon_codec.inverse_sqrt(group_size),
-        **gluon_codec.quantization(fmt, scale_format),
-    )
-    if kernel == "row":
-        function = row_kernels.taco_row_compress
-        constexprs |= row_kernels._row_constexprs(group_size, config, jnp.bfloat16, jnp.int8)
-    else:
-        function = split_kernels.taco_split_compress
-        constexprs |= split_kernels.split_constexprs(group_size, config)
-    compiled = triton_launch.compile_kernel(
-        function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
-    )
+    function, constexprs = row_kernels.compress_kernel(fmt, scale_format, True, group_size, config, jnp.bfloat16)
+    compiled = _compile_for_sm90(function, types, constexprs, config.num_warps)
     assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
-    assert (compiled.metadata.shared > 0) == (kernel == "row")
+    packed = formats.wire_format(fmt).bits < 8
+    assert (compiled.metadata.shared > 0) == (kernel == "row") or packed
+    # Packed codes are stored as 32-bit words.
+    assert "st.global.b32" in compiled.asm["ptx"] or not packed
 
 
 def test_gluon_call_rejects_scalars_out_of_place():
@@ -536,31 +593,31 @@ def test_vmapped_requantize_is_one_launch_over_the_folded_batch(monkeypatch):
         ("split", "int8", "*fp32", 4, False),
         ("split", "e5m2", "*fp16", 8, True),
         ("split", "e4m3", "*bf16", 1, False),
+        ("split", "int4", "*bf16", 1, True),
+        ("split", "e2m3", "*bf16", 4, True),
+        ("split", "int5", "*fp32", 2, False),
         ("requantize", "int8", "bf16", 4, None),
         ("requantize", "e4m3", "dual", 2, None),
+        ("requantize", "e2m3", "bf16", 2, None),
+        ("requantize", "int4", "bf16", 4, None),
     ],
 )
 def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     """Triton builds the decode and requantize kernels for an H100/H200 (no GPU needed),
-    the split kernels with no shared memory (the transform's cross-lane stages are warp
-    shuffles)."""
+    the split kernels with no shared memory for 8-bit codes (the transform's cross-lane
+    stages are warp shuffles); unpacking sub-byte codes may convert layouts."""
     pytest.importorskip("triton.experimental.gluon")
-    codes = gluon_codec.POINTER_TYPES[formats.wire_format(fmt).dtype]
+    codes = gluon_codec.code_pointer(fmt)
     config = split_kernels.decode_config(shards, requantize=kernel == "requantize")
     if kernel == "split":
-        function, types = split_kernels.taco_split_decode, [codes, "*fp32", out, "i32", "i64"]
-        constexprs = dict(G=128, SHARDS=shards, TRANSFORM=transform, INV_SQRT=gluon_codec.inverse_sqrt(128))
-        constexprs |= split_kernels.split_constexprs(128, config)
+        function, constexprs = split_kernels.decode_kernel(fmt, 128, shards, transform, None, config)
+        types = [codes, "*fp32", out, "i32", "i64"]
     else:
-        function = split_kernels.taco_split_requantize
-        scales = gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(out)]
-        types = [codes, "*fp32", codes, scales, "i32", "i64", "i64"]
-        constexprs = dict(G=128, SHARDS=shards, **split_kernels.split_constexprs(128, config))
-        constexprs |= gluon_codec.quantization(fmt, out)
-    compiled = triton_launch.compile_kernel(
-        function, tuple(zip(function.arg_names, types)), tuple(sorted(constexprs.items())), config.num_warps, 90
-    )
-    assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"] and compiled.metadata.shared == 0
+        function, constexprs = split_kernels.decode_kernel(fmt, 128, shards, True, out, config)
+        types = [codes, "*fp32", codes, gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(out)], "i32", "i64", "i64"]
+    compiled = _compile_for_sm90(function, types, constexprs, config.num_warps)
+    assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
+    assert compiled.metadata.shared == 0 or formats.wire_format(fmt).bits < 8
 
 
 def test_launch_configs_name_the_kernel_the_work_needs():
