@@ -300,9 +300,9 @@ if gluon is not None:
     def load_packed(
         base, start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr
     ):
-        """int32 codes (ROWS, G) of rows [start, ...) of packed groups at `base` (a uint32
-        pointer), `store_packed`'s inverse; rows past n_rows are not read (their codes
-        are undefined)."""
+        """int32 codes (ROWS, G / U, U) of rows [start, ...) of packed groups at `base` (a
+        uint32 pointer), in `packing_layout` sliced at its words: `store_packed`'s
+        inverse; rows past n_rows are not read (their codes are undefined)."""
         offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS)
         words = gl.load(base + offsets, mask=mask)[:, :, :, None]
         offset = _field_offsets(G, BITS, NUM_WARPS)
@@ -310,7 +310,7 @@ if gluon is not None:
             offset >= 0, words >> gl.maximum(offset, 0).to(gl.uint32), words << gl.maximum(-offset, 0).to(gl.uint32)
         )
         fields = gl.where((offset > -BITS) & (offset < 32), fields & ((1 << BITS) - 1), 0)
-        return gl.sum(fields, axis=2).to(gl.int32, bitcast=True).reshape([ROWS, G])
+        return gl.sum(fields, axis=2).to(gl.int32, bitcast=True)
 
     @gluon.jit
     def scaled_codes(

@@ -196,7 +196,8 @@ def test_sub_byte_codes_pack_and_decode_as_the_reference(fmt, group_size, scale_
         target = exact.reshape(4 // shards, shards, 45, group_size).sum(axis=1)
         error = np.linalg.norm(np.asarray(got, np.float64) - target) / np.linalg.norm(target)
         assert 0 < error < 0.25
-    summed = kd.decompress_message(messages[None, :2], layout, transform=True, requantize=True)
+    requantize = split_kernels.decode_config(2, requantize=True)
+    summed = kd.decompress_message(messages[None, :2], layout, transform=True, requantize=True, config=requantize)
     reference = message.requantize(messages[:2], 45, spec, codec="jnp")
     decode = lambda m: np.asarray(message.decode(m[None, None], 45, spec, jnp.float32, codec="jnp"), np.float64)
     np.testing.assert_allclose(decode(summed), decode(reference), rtol=0, atol=0.02 * np.abs(decode(reference)).max())
