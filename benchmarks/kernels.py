@@ -567,7 +567,7 @@ def time_packed(key, tokens: int, channels: int, repeats: int = 4) -> list[dict]
                 transform=True,
                 out_dtype=jnp.bfloat16,
                 requantize=requantize,
-                config=split_kernels.decode_config(shard_count, requantize),
+                config=split_kernels.decode_config(shard_count, requantize, fmt=fmt),
             )
         )
         elements, message_bytes = rows_n * group_size, layout.nbytes

@@ -70,6 +70,12 @@ def code_pointer(fmt: str) -> str:
     return POINTER_TYPES[jnp.dtype(element.dtype if element.bits == 8 else jnp.uint32)]
 
 
+def codes_per_unit(bits: int) -> int:
+    """U: the codes of the shortest run that fills whole 32-bit words (the kernels pack
+    and unpack a unit in one thread); 4 for 8-bit codes."""
+    return 32 // math.gcd(bits, 32)
+
+
 def row_bytes(fmt: str, group_size: int) -> int:
     """Bytes of one group's payload: G for 8-bit codes, G * bits / 8 packed."""
     return formats.wire_format(fmt).payload_bytes(group_size)
@@ -209,24 +215,33 @@ if gluon is not None:
             codes = gl.where(steps < 0, magnitude | (1 << (EXPONENT_BITS + MANTISSA_BITS)), magnitude)
         return codes
 
+    @gluon.constexpr_function
+    def half_exponent_scale(EXPONENT_BITS):
+        """2**(15 - bias): a sub-byte float's sign, exponent and mantissa bits placed in a
+        float16's (its exponent field at the bottom of float16's) read as float16 times
+        this are its value, subnormals included (float16's own subnormals)."""
+        return float(2.0 ** (15 - (2 ** (EXPONENT_BITS - 1) - 1)))
+
     @gluon.jit
     def code_values(
         codes, INTEGER: gl.constexpr, BITS: gl.constexpr, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr
     ):
-        """float32 values of int32 sub-byte codes (`formats.WireFormat.from_codes`)."""
+        """float32 values of int32 sub-byte codes (`formats.WireFormat.from_codes`):
+        integers sign-extended; sub-byte floats through a float16 (`half_exponent_scale`),
+        a few instructions where decoding the fields takes a dozen."""
         if INTEGER:
-            values = (codes - ((codes >> (BITS - 1)) << BITS)).to(gl.float32)
+            sign = 1 << (BITS - 1)
+            values = ((codes ^ sign) - sign).to(gl.float32)
         else:
-            MIN_EXPONENT: gl.constexpr = 2 - (1 << (EXPONENT_BITS - 1))
-            field = (codes >> MANTISSA_BITS) & ((1 << EXPONENT_BITS) - 1)
-            mantissa = (codes & ((1 << MANTISSA_BITS) - 1)) + gl.where(field > 0, 1 << MANTISSA_BITS, 0)
-            magnitude = mantissa.to(gl.float32) * pow2(gl.maximum(field, 1) - 1 + MIN_EXPONENT - MANTISSA_BITS)
-            values = gl.where(((codes >> (EXPONENT_BITS + MANTISSA_BITS)) & 1) == 1, -magnitude, magnitude)
+            FIELDS: gl.constexpr = EXPONENT_BITS + MANTISSA_BITS
+            half = (((codes >> FIELDS) & 1) << 15) | ((codes & ((1 << FIELDS) - 1)) << (10 - MANTISSA_BITS))
+            values = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * half_exponent_scale(EXPONENT_BITS)
         return values
 
     @gluon.constexpr_function
     def unit_codes(BITS):
-        """U: the codes of the shortest run that fills whole 32-bit words."""
+        """`codes_per_unit` at compile time (a constexpr function calls no plain Python
+        function)."""
         return 32 // math.gcd(BITS, 32)
 
     @gluon.constexpr_function
@@ -240,31 +255,45 @@ if gluon is not None:
         return 1 << (unit_words(BITS) - 1).bit_length()
 
     @gluon.constexpr_function
-    def packing_layout(G, BITS, NUM_WARPS):
-        """(rows, units, padded words, codes) of packed groups: a unit's codes and words
-        in one thread, consecutive units of a row on consecutive lanes."""
-        lanes = min(G // unit_codes(BITS), 32)
+    def packing_layout(G, BITS, NUM_WARPS, VALUES):
+        """(rows, units, padded words, codes) of packed groups: whole units in one thread,
+        VALUES consecutive codes of a group if that is a whole number of them (as the
+        split layout of V = VALUES holds them, so that no values move between the two),
+        at least one, and at most 32 lanes a group."""
+        U = unit_codes(BITS)
+        values = max(VALUES, U, G // 32)
         return gl.BlockedLayout(
-            [1, 1, padded_words(BITS), unit_codes(BITS)], [32 // lanes, lanes, 1, 1], [NUM_WARPS, 1, 1, 1], [3, 2, 1, 0]
+            [1, values // U, padded_words(BITS), U],
+            [32 // (G // values), G // values, 1, 1],
+            [NUM_WARPS, 1, 1, 1],
+            [3, 2, 1, 0],
         )
 
     @gluon.jit
-    def _field_offsets(G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr):
+    def _field_offsets(G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr, VALUES: gl.constexpr):
         """(1, 1, WP, U): where code i of a unit starts in its word k, BITS * i - 32 * k
         (negative: it started in the word before). Past the unit's words every code
         lies wholly before the word."""
-        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS)
+        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS, VALUES)
         # Each expanded axis by axis, left to right, as its layout is sliced.
         words = gl.arange(0, padded_words(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
         codes = gl.arange(0, unit_codes(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
         return BITS * codes[None, None, None, :] - 32 * words[None, None, :, None]
 
     @gluon.jit
-    def packed_offsets(start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr):
+    def packed_offsets(
+        start,
+        n_rows,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        BITS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
+    ):
         """(word offsets, mask) of rows [start, start + ROWS) of packed groups (G * BITS
         / 32 words a row), as (rows, units, padded words) in `packing_layout`; the mask
         drops rows past n_rows and the padding words."""
-        layout: gl.constexpr = gl.SliceLayout(3, packing_layout(G, BITS, NUM_WARPS))
+        layout: gl.constexpr = gl.SliceLayout(3, packing_layout(G, BITS, NUM_WARPS, VALUES))
         U: gl.constexpr = unit_codes(BITS)
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
         units = gl.arange(0, G // U, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
@@ -278,34 +307,49 @@ if gluon is not None:
 
     @gluon.jit
     def store_packed(
-        base, codes, start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr
+        base,
+        codes,
+        start,
+        n_rows,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        BITS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
     ):
         """Store int32 codes (ROWS, G) (their low BITS bits) packed as `formats.pack_codes`
         packs them (32-bit words, little-endian) into rows [start, ...) at `base` (a
         uint32 pointer); rows past n_rows are not stored."""
         U: gl.constexpr = unit_codes(BITS)
-        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS)
+        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS, VALUES)
         units = gl.convert_layout(codes.reshape([ROWS, G // U, U]), gl.SliceLayout(2, layout))
-        offset = _field_offsets(G, BITS, NUM_WARPS)
+        offset = _field_offsets(G, BITS, NUM_WARPS, VALUES)
         fields = units.to(gl.uint32, bitcast=True)[:, :, None, :]
         placed = gl.where(
             offset >= 0, fields << gl.maximum(offset, 0).to(gl.uint32), fields >> gl.maximum(-offset, 0).to(gl.uint32)
         )
         # The fields of a word are disjoint: their sum is their bitwise or.
         words = gl.sum(gl.where((offset > -BITS) & (offset < 32), placed, 0), axis=3)
-        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS)
+        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
         gl.store(base + offsets, words, mask=mask)
 
     @gluon.jit
     def load_packed(
-        base, start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr
+        base,
+        start,
+        n_rows,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        BITS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
     ):
         """int32 codes (ROWS, G / U, U) of rows [start, ...) of packed groups at `base` (a
         uint32 pointer), in `packing_layout` sliced at its words: `store_packed`'s
         inverse; rows past n_rows are not read (their codes are undefined)."""
-        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS)
+        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
         words = gl.load(base + offsets, mask=mask)[:, :, :, None]
-        offset = _field_offsets(G, BITS, NUM_WARPS)
+        offset = _field_offsets(G, BITS, NUM_WARPS, VALUES)
         fields = gl.where(
             offset >= 0, words >> gl.maximum(offset, 0).to(gl.uint32), words << gl.maximum(-offset, 0).to(gl.uint32)
         )

@@ -332,5 +332,5 @@ if gluon is not None:
             )
         else:
             store_packed(
-                payload_ptr + batch * payload_rows * (G * BITS // 32), codes, start, n_rows, ROWS, G, BITS, NUM_WARPS
+                payload_ptr + batch * payload_rows * (G * BITS // 32), codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, 1
             )

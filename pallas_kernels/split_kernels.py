@@ -29,6 +29,7 @@ from . import formats, triton_launch, wire
 from .gluon_codec import (
     POINTER_TYPES,
     code_pointer,
+    codes_per_unit,
     element_codes,
     grid,
     inverse_sqrt,
@@ -174,13 +175,16 @@ def gluon_decompress(
     return batched(payload, multiplier)
 
 
-def decode_config(shards: int, requantize: bool, config: SplitConfig | None = None) -> SplitConfig:
+def decode_config(shards: int, requantize: bool, config: SplitConfig | None = None, fmt: str = "int8") -> SplitConfig:
     """The split kernel's launch for a decode.
 
     Args:
       shards: k, the shards summed.
       requantize: whether the sum is requantized.
       config: the launch asked for, or None for the default of the work.
+      fmt: the codes' format: the default launch of packed codes holds at least a
+        packing unit of them a thread (`gluon_codec.codes_per_unit`), so that no row is
+        unpacked twice.
 
     Returns:
       `config`, or the default launch of the work: `SPLIT_REQUANTIZE` for a requantized
@@ -190,9 +194,9 @@ def decode_config(shards: int, requantize: bool, config: SplitConfig | None = No
       ValueError: `config` is not a `SplitConfig`.
     """
     if config is None:
-        if requantize:
-            return SPLIT_REQUANTIZE
-        return SPLIT_ONE_SHARD if shards == 1 else SplitConfig()
+        default = SPLIT_REQUANTIZE if requantize else SPLIT_ONE_SHARD if shards == 1 else SplitConfig()
+        unit = codes_per_unit(formats.wire_format(fmt).bits)
+        return dataclasses.replace(default, values_per_thread=max(default.values_per_thread, unit))
     if not isinstance(config, SplitConfig):
         raise ValueError(f"the Gluon decode kernels are the split kernels: pass a SplitConfig, got {config!r}")
     return config
@@ -216,7 +220,7 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
     batch, shards, in_rows, width = payload.shape
     # Packed codes come as uint8 message buffers, G * bits / 8 bytes a group.
     group_size = width * 8 // formats.wire_format(fmt).bits
-    config = decode_config(shards, requantize_to is not None, config)
+    config = decode_config(shards, requantize_to is not None, config, fmt)
     codes = code_pointer(fmt)
     scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
     kernel, constexprs = decode_kernel(fmt, group_size, shards, transform, requantize_to, config)
@@ -332,6 +336,7 @@ if gluon is not None:
         ROWS: gl.constexpr,
         G: gl.constexpr,
         NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
         INTEGER: gl.constexpr,
         BITS: gl.constexpr,
         EXPONENT_BITS: gl.constexpr,
@@ -343,7 +348,7 @@ if gluon is not None:
         if BITS == 8:
             values = gl.load(shard_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
         else:
-            codes = load_packed(shard_ptr, start, n_rows, ROWS, G, BITS, NUM_WARPS)
+            codes = load_packed(shard_ptr, start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
             values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS).reshape([ROWS, G])
             values = gl.convert_layout(values, offsets.type.layout)
         return values
@@ -368,13 +373,14 @@ if gluon is not None:
         ROWS: gl.constexpr,
         G: gl.constexpr,
         NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
         INTEGER: gl.constexpr,
         BITS: gl.constexpr,
         EXPONENT_BITS: gl.constexpr,
         MANTISSA_BITS: gl.constexpr,
     ):
         """`_split_sum`'s sum of packed codes, (ROWS, G) in the layout they unpack in."""
-        units: gl.constexpr = gl.SliceLayout(2, packing_layout(G, BITS, NUM_WARPS))
+        units: gl.constexpr = gl.SliceLayout(2, packing_layout(G, BITS, NUM_WARPS, VALUES))
         # Expanded at axis 1, then 2.
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, units)))
         in_range = rows < n_rows
@@ -382,7 +388,7 @@ if gluon is not None:
         summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS)], gl.float32, units)
         for shard in gl.static_range(SHARDS):
             codes = load_packed(
-                payload_ptr + shard * in_rows * (G * BITS // 32), start, n_rows, ROWS, G, BITS, NUM_WARPS
+                payload_ptr + shard * in_rows * (G * BITS // 32), start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES
             )
             multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
             values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
@@ -403,6 +409,7 @@ if gluon is not None:
         ROWS: gl.constexpr,
         G: gl.constexpr,
         NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
         INTEGER: gl.constexpr,
         BITS: gl.constexpr,
         EXPONENT_BITS: gl.constexpr,
@@ -432,6 +439,7 @@ if gluon is not None:
                 ROWS,
                 G,
                 NUM_WARPS,
+                VALUES,
                 INTEGER,
                 BITS,
                 EXPONENT_BITS,
@@ -476,6 +484,7 @@ if gluon is not None:
         ROWS: gl.constexpr,
         G: gl.constexpr,
         NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
         BITS: gl.constexpr,
     ):
         """Store a split tile's codes at `base` (the batch's first row): 8-bit codes as
@@ -483,7 +492,7 @@ if gluon is not None:
         if BITS == 8:
             gl.store(base + offsets, codes, mask=in_range[:, None])
         else:
-            store_packed(base, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS)
+            store_packed(base, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
 
     @gluon.jit
     def taco_split_compress(
@@ -540,6 +549,7 @@ if gluon is not None:
             ROWS,
             G,
             NUM_WARPS,
+            VALUES,
             BITS,
         )
 
@@ -581,6 +591,7 @@ if gluon is not None:
                 ROWS,
                 G,
                 NUM_WARPS,
+                VALUES,
                 INTEGER,
                 BITS,
                 EXPONENT_BITS,
@@ -604,6 +615,7 @@ if gluon is not None:
                 ROWS,
                 G,
                 NUM_WARPS,
+                VALUES,
                 INTEGER,
                 BITS,
                 EXPONENT_BITS,
@@ -661,6 +673,7 @@ if gluon is not None:
             ROWS,
             G,
             NUM_WARPS,
+            VALUES,
             INTEGER,
             BITS,
             EXPONENT_BITS,
@@ -694,5 +707,6 @@ if gluon is not None:
             ROWS,
             G,
             NUM_WARPS,
+            VALUES,
             BITS,
         )

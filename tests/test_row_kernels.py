@@ -189,14 +189,16 @@ def test_sub_byte_codes_pack_and_decode_as_the_reference(fmt, group_size, scale_
     exact = ref.as_float64(x)
     for shards in (1, 4):
         batches = messages.reshape(4 // shards, shards, *layout.shape)
-        got = kd.decompress_message(batches, layout, transform=True, config=split_kernels.decode_config(shards, False))
+        got = kd.decompress_message(
+            batches, layout, transform=True, config=split_kernels.decode_config(shards, False, fmt=fmt)
+        )
         want = message.decode(batches, 45, spec, jnp.float32, codec="jnp")
         scale = float(jnp.abs(want).max())
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * scale)
         target = exact.reshape(4 // shards, shards, 45, group_size).sum(axis=1)
         error = np.linalg.norm(np.asarray(got, np.float64) - target) / np.linalg.norm(target)
         assert 0 < error < 0.25
-    requantize = split_kernels.decode_config(2, requantize=True)
+    requantize = split_kernels.decode_config(2, requantize=True, fmt=fmt)
     summed = kd.decompress_message(messages[None, :2], layout, transform=True, requantize=True, config=requantize)
     reference = message.requantize(messages[:2], 45, spec, codec="jnp")
     decode = lambda m: np.asarray(message.decode(m[None, None], 45, spec, jnp.float32, codec="jnp"), np.float64)
@@ -609,7 +611,7 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     stages are warp shuffles); unpacking sub-byte codes may convert layouts."""
     pytest.importorskip("triton.experimental.gluon")
     codes = gluon_codec.code_pointer(fmt)
-    config = split_kernels.decode_config(shards, requantize=kernel == "requantize")
+    config = split_kernels.decode_config(shards, requantize=kernel == "requantize", fmt=fmt)
     if kernel == "split":
         function, constexprs = split_kernels.decode_kernel(fmt, 128, shards, transform, None, config)
         types = [codes, "*fp32", out, "i32", "i64"]
