@@ -248,13 +248,15 @@ QUALITY_COMMANDS = {
     "--models gpt2-40m,qwen2-40m --variants off,taco+,taco+mixed,taco6-4,taco4 --seeds 3 --steps 1600 "
     "--batch-size 8 --seq-len 128 --lr 1.5e-4 --jobs 16 (Shakespeare); then --corpora python-code,python-docs,"
     "shakespeare --variants off,taco6-4,e2m3fwd-int4g16bwd,taco+mixed, cut at 525 s (python-code: off, and "
-    "seeds 0-1 of the others)",
+    "seeds 0-1 of the others); then --corpora python-code --variants off,taco+mixed,int5,taco6-4,"
+    "e2m3fwd-int4g16bwd --jobs 12 (python-code, 3 seeds); then --corpora python-docs --variants "
+    "off,taco+mixed,taco6-4 --seeds 2 --jobs 12",
 }
 QUALITY_DATES = {
     "quality_stable.json": "2026-12-02 to 2026-12-03",
     "quality_pipe_data.json": "2026-11-30",
     "quality_bits_direction.json": "2026-12-06",
-    "quality_bits.json": "2026-12-06",
+    "quality_bits.json": "2026-12-06 to 2026-12-07",
 }
 QUALITY_CARDS = {"quality_bits_direction.json": "NVIDIA H100 80GB HBM3", "quality_bits.json": "NVIDIA H100 80GB HBM3"}
 
