@@ -152,7 +152,8 @@ def compress_groups(
 
     Args:
       x: (N, G) float32, bfloat16 or float16; G a power of two >= 16.
-      fmt: "e4m3", "e5m2" or "int8".
+      fmt: "e4m3", "e5m2" or "int8"; a sub-byte format (`backends.GLUON`) on a Gluon
+        kernel only.
       scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the Walsh-Hadamard transform.
       config: which kernel and its launch parameters: a `KernelConfig` for the Pallas

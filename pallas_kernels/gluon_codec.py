@@ -81,11 +81,6 @@ def row_bytes(fmt: str, group_size: int) -> int:
     return formats.wire_format(fmt).payload_bytes(group_size)
 
 
-def packs_into_words(fmt: str, group_size: int) -> bool:
-    """Whether a group's codes fill whole 32-bit words, as the kernels pack them."""
-    return group_size * formats.wire_format(fmt).bits % 32 == 0
-
-
 def scale_dtype(scale_format: str) -> jnp.dtype:
     """The dtype of the kernel's packed scales (every entry of a format has the same one)."""
     return jnp.dtype(formats.SCALE_ENTRY_DTYPES[scale_format][0])

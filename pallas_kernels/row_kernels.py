@@ -121,7 +121,8 @@ def gluon_compress(
 
     Args:
       x: (B, N, G) bfloat16, float16 or float32 (`supports`).
-      fmt: "e4m3", "e5m2" or "int8".
+      fmt: "e4m3", "e5m2", "int8", or a sub-byte format whose groups fill whole 32-bit
+        words (its codes packed as `formats.pack_codes` packs them).
       scale_format: "dual", "single", "bf16" or "e8m0".
       transform: apply the Walsh-Hadamard transform.
       payload_dtype: dtype of the payload array (the format's, or uint8 for messages).

@@ -129,10 +129,10 @@ def gluon_decompress(
 
     Args:
       payload: (B, k, rows >= N, G) codes in `fmt`, or uint8 message buffers holding
-        their bytes (`wire`).
+        their bytes (`wire`): (B, k, rows, G * bits / 8) for packed sub-byte codes.
       multiplier: (B, k, N) float32 per-group dequantization multipliers.
       groups: N.
-      fmt: the codes' format: "e4m3", "e5m2" or "int8".
+      fmt: the codes' format: "e4m3", "e5m2", "int8", or a sub-byte format (packed).
       transform: apply the inverse Walsh-Hadamard transform to the sum (decode only).
       out_dtype: float32, bfloat16 or float16: the decoded dtype.
       requantize_to: a scale format to quantize the sum into (in `fmt`, with no
