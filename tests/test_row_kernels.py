@@ -637,6 +637,9 @@ def test_launch_configs_name_the_kernel_the_work_needs():
     assert split_kernels.decode_config(1, requantize=False) == split_kernels.SPLIT_ONE_SHARD
     assert split_kernels.decode_config(2, requantize=True) == split_kernels.SPLIT_REQUANTIZE
     assert split_kernels.decode_config(1, requantize=False, config=SPLIT) == SPLIT
+    # Packed codes: at least a packing unit a thread (8, 16 and 32 codes at 4, 6 and 5 bits).
+    packed = [split_kernels.decode_config(4, False, fmt=fmt).values_per_thread for fmt in ("int4", "e2m3", "int5")]
+    assert packed == [8, 16, 32] and split_kernels.decode_config(4, True, fmt="e2m3") == split_kernels.SPLIT_REQUANTIZE
     with pytest.raises(ValueError, match="are the split kernels: pass a SplitConfig"):
         split_kernels.decode_config(1, requantize=False, config=ROWS)
     with pytest.raises(ValueError, match="values_per_thread must be one of"):
