@@ -352,6 +352,49 @@ if gluon is not None:
         return gl.sum(fields, axis=2).to(gl.int32, bitcast=True)
 
     @gluon.jit
+    def sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS: gl.constexpr):
+        """shift per row (`wire.sum_shift`): the binade of the shards' largest multiplier
+        above 1, which the sum is scaled down by, in the layout of `rows`."""
+        largest = gl.load(multiplier_ptr + rows, mask=in_range)
+        for shard in gl.static_range(1, SHARDS):
+            largest = gl.maximum(largest, gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range))
+        return gl.maximum(((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
+
+    @gluon.jit
+    def packed_sum(
+        payload_ptr,
+        multiplier_ptr,
+        start,
+        n_rows,
+        in_rows,
+        SHARDS: gl.constexpr,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
+        INTEGER: gl.constexpr,
+        BITS: gl.constexpr,
+        EXPONENT_BITS: gl.constexpr,
+        MANTISSA_BITS: gl.constexpr,
+    ):
+        """`split_kernels`' sum of k shards of packed codes times their multipliers scaled
+        by 2**-shift (`sum_shift`), (ROWS, G) in the layout they unpack in."""
+        units: gl.constexpr = gl.SliceLayout(2, packing_layout(G, BITS, NUM_WARPS, VALUES))
+        # Expanded at axis 1, then 2.
+        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, units)))
+        in_range = rows < n_rows
+        shift = sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
+        summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS)], gl.float32, units)
+        for shard in gl.static_range(SHARDS):
+            codes = load_packed(
+                payload_ptr + shard * in_rows * (G * BITS // 32), start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES
+            )
+            multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
+            values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
+            summed = summed + values * multiplier[:, None, None]
+        return summed.reshape([ROWS, G])
+
+    @gluon.jit
     def scaled_codes(
         values,
         factor,

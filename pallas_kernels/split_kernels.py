@@ -259,13 +259,13 @@ if gluon is not None:
         code_values,
         load_packed,
         normalize,
-        packing_layout,
+        packed_sum,
         pow2,
         power_of_two,
         scaled_codes,
         store_packed,
+        sum_shift,
         times_pow2,
-        unit_codes,
         with_headroom,
     )
 
@@ -354,48 +354,6 @@ if gluon is not None:
         return values
 
     @gluon.jit
-    def _sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS: gl.constexpr):
-        """shift per row (`wire.sum_shift`): the binade of the shards' largest multiplier
-        above 1, which the sum is scaled down by, in the layout of `rows`."""
-        largest = gl.load(multiplier_ptr + rows, mask=in_range)
-        for shard in gl.static_range(1, SHARDS):
-            largest = gl.maximum(largest, gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range))
-        return gl.maximum(((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
-
-    @gluon.jit
-    def _packed_sum(
-        payload_ptr,
-        multiplier_ptr,
-        start,
-        n_rows,
-        in_rows,
-        SHARDS: gl.constexpr,
-        ROWS: gl.constexpr,
-        G: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        VALUES: gl.constexpr,
-        INTEGER: gl.constexpr,
-        BITS: gl.constexpr,
-        EXPONENT_BITS: gl.constexpr,
-        MANTISSA_BITS: gl.constexpr,
-    ):
-        """`_split_sum`'s sum of packed codes, (ROWS, G) in the layout they unpack in."""
-        units: gl.constexpr = gl.SliceLayout(2, packing_layout(G, BITS, NUM_WARPS, VALUES))
-        # Expanded at axis 1, then 2.
-        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, units)))
-        in_range = rows < n_rows
-        shift = _sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
-        summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS)], gl.float32, units)
-        for shard in gl.static_range(SHARDS):
-            codes = load_packed(
-                payload_ptr + shard * in_rows * (G * BITS // 32), start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES
-            )
-            multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
-            values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
-            summed = summed + values * multiplier[:, None, None]
-        return summed.reshape([ROWS, G])
-
-    @gluon.jit
     def _split_sum(
         payload_ptr,
         multiplier_ptr,
@@ -419,7 +377,7 @@ if gluon is not None:
         by 2**-shift, and shift per row (`wire.sum_shift`), on the tile
         `_split_tile` gives (rows out of range are not read; their values are undefined
         and never stored); the pointers are at the batch's first shard."""
-        shift = _sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
+        shift = sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
         if BITS == 8:
             summed = gl.zeros_like(offsets, dtype=gl.float32)
             for shard in gl.static_range(SHARDS):
@@ -429,7 +387,7 @@ if gluon is not None:
         else:
             # Summed in the layout the codes unpack in: one layout conversion for the
             # sum, not one a shard.
-            summed = _packed_sum(
+            summed = packed_sum(
                 payload_ptr,
                 multiplier_ptr,
                 start,
