@@ -199,14 +199,18 @@ if gluon is not None:
         if INTEGER:
             codes = round_to_int(scaled) & ((1 << BITS) - 1)
         else:
-            MIN_EXPONENT: gl.constexpr = 2 - (1 << (EXPONENT_BITS - 1))
-            # floor(log2 |v|), raised to the smallest normal exponent: the grid's step
-            # there is 2**(exponent - MANTISSA_BITS), subnormals and normals alike.
-            exponent = gl.maximum(((scaled.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXPONENT)
-            steps = round_to_int(scaled * pow2(MANTISSA_BITS - exponent))
+            # The binade of v, raised to the smallest normal one (float32 exponent bits):
+            # the grid's step there is 2**(exponent - MANTISSA_BITS), subnormals and
+            # normals alike. Adding C = 1.5 * 2**(exponent + 23 - MANTISSA_BITS) rounds v
+            # to that step (to nearest even) and keeps the sum in C's binade, so the
+            # sum's bits minus C's are the signed steps.
+            MIN_BITS: gl.constexpr = (2 - (1 << (EXPONENT_BITS - 1)) + 127) << 23
+            binade = gl.maximum(scaled.to(gl.int32, bitcast=True) & 0x7F800000, MIN_BITS)
+            magic = binade + (((23 - MANTISSA_BITS) << 23) | 0x400000)
+            steps = (scaled + magic.to(gl.float32, bitcast=True)).to(gl.int32, bitcast=True) - magic
             # A value rounded up into the next binade (|steps| = 2**(m+1)) lands on that
             # binade's first code: the same sum.
-            magnitude = ((exponent - MIN_EXPONENT) << MANTISSA_BITS) + gl.abs(steps)
+            magnitude = ((binade - MIN_BITS) >> (23 - MANTISSA_BITS)) + gl.abs(steps)
             codes = gl.where(steps < 0, magnitude | (1 << (EXPONENT_BITS + MANTISSA_BITS)), magnitude)
         return codes
 
