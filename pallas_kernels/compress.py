@@ -168,10 +168,11 @@ def compress_groups(
     """
     rows, element = x.shape[0], formats.wire_format(fmt)
     packed = element.bits < 8
-    payload, scales = _encode(x[None], fmt, scale_format, transform, config, interpret, element.dtype, rows)
+    payload_dtype = jnp.uint8 if packed else element.dtype
+    payload, scales = _encode(x[None], fmt, scale_format, transform, config, interpret, payload_dtype, rows)
     payload = payload[0, :rows]
     # Sub-byte codes come packed (the Gluon kernels): typed, as the reference returns them.
-    return (element.unpack(jax.lax.bitcast_convert_type(payload, jnp.uint8)) if packed else payload), scales[0]
+    return (element.unpack(payload) if packed else payload), scales[0]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_format", "transform", "config", "interpret"))

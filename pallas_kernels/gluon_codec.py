@@ -268,6 +268,12 @@ if gluon is not None:
             [3, 2, 1, 0],
         )
 
+    @gluon.constexpr_function
+    def row_elements(G, BITS):
+        """Elements of the payload pointer's type a group takes: G codes, or its packed
+        codes' G * BITS / 32 words."""
+        return G if BITS == 8 else G * BITS // 32
+
     @gluon.jit
     def _field_offsets(G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr, VALUES: gl.constexpr):
         """(1, 1, WP, U): where code i of a unit starts in its word k, BITS * i - 32 * k
@@ -298,7 +304,7 @@ if gluon is not None:
         units = gl.arange(0, G // U, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
         words = gl.arange(0, padded_words(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         offsets = (
-            rows.to(gl.int64)[:, None, None] * (G * BITS // 32)
+            rows.to(gl.int64)[:, None, None] * row_elements(G, BITS)
             + (units * unit_words(BITS))[None, :, None]
             + words[None, None, :]
         )
@@ -382,7 +388,8 @@ if gluon is not None:
         MANTISSA_BITS: gl.constexpr,
     ):
         """`split_kernels`' sum of k shards of packed codes times their multipliers scaled
-        by 2**-shift (`sum_shift`), (ROWS, G) in the layout they unpack in."""
+        by 2**-shift, (ROWS, G) in the layout they unpack in, and shift (`sum_shift`) in
+        its rows' layout."""
         units: gl.constexpr = gl.SliceLayout(2, packing_layout(G, BITS, NUM_WARPS, VALUES))
         # Expanded at axis 1, then 2.
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, units)))
@@ -391,12 +398,12 @@ if gluon is not None:
         summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS)], gl.float32, units)
         for shard in gl.static_range(SHARDS):
             codes = load_packed(
-                payload_ptr + shard * in_rows * (G * BITS // 32), start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES
+                payload_ptr + shard * in_rows * row_elements(G, BITS), start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES
             )
             multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
             values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
             summed = summed + values * multiplier[:, None, None]
-        return summed.reshape([ROWS, G])
+        return summed.reshape([ROWS, G]), shift
 
     @gluon.jit
     def scaled_codes(

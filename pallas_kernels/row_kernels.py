@@ -206,6 +206,7 @@ if gluon is not None:
     from .gluon_codec import (
         hadamard_in_registers,
         normalize,
+        row_elements,
         row_layout,
         scaled_codes,
         store_packed,
@@ -327,11 +328,8 @@ if gluon is not None:
             EXPONENT_BITS,
             MANTISSA_BITS,
         )
+        payload_ptr = payload_ptr + batch * payload_rows * row_elements(G, BITS)
         if BITS == 8:
-            _store_groups(
-                payload_ptr + batch * payload_rows * G, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES
-            )
+            _store_groups(payload_ptr, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
         else:
-            store_packed(
-                payload_ptr + batch * payload_rows * (G * BITS // 32), codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, 1
-            )
+            store_packed(payload_ptr, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, 1)

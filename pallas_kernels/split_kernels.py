@@ -262,6 +262,7 @@ if gluon is not None:
         packed_sum,
         pow2,
         power_of_two,
+        row_elements,
         scaled_codes,
         store_packed,
         sum_shift,
@@ -320,12 +321,6 @@ if gluon is not None:
         offsets, rows, in_range = _split_tile(gl.program_id(0) * ROWS, n_rows, ROWS, G, layout)
         return offsets, rows, in_range, gl.program_id(1).to(gl.int64)
 
-    @gluon.constexpr_function
-    def _row_elements(G, BITS):
-        """Elements of the payload pointer's type a group takes: G codes, or its packed
-        codes' G * BITS / 32 words."""
-        return G if BITS == 8 else G * BITS // 32
-
     @gluon.jit
     def _shard_values(
         shard_ptr,
@@ -377,8 +372,8 @@ if gluon is not None:
         by 2**-shift, and shift per row (`wire.sum_shift`), on the tile
         `_split_tile` gives (rows out of range are not read; their values are undefined
         and never stored); the pointers are at the batch's first shard."""
-        shift = sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
         if BITS == 8:
+            shift = sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
             summed = gl.zeros_like(offsets, dtype=gl.float32)
             for shard in gl.static_range(SHARDS):
                 codes = gl.load(payload_ptr + shard * in_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
@@ -387,7 +382,7 @@ if gluon is not None:
         else:
             # Summed in the layout the codes unpack in: one layout conversion for the
             # sum, not one a shard.
-            summed = packed_sum(
+            summed, shift = packed_sum(
                 payload_ptr,
                 multiplier_ptr,
                 start,
@@ -403,7 +398,7 @@ if gluon is not None:
                 EXPONENT_BITS,
                 MANTISSA_BITS,
             )
-            summed = gl.convert_layout(summed, offsets.type.layout)
+            summed, shift = gl.convert_layout(summed, offsets.type.layout), gl.convert_layout(shift, rows.type.layout)
         return summed, shift
 
     @gluon.jit
@@ -498,7 +493,7 @@ if gluon is not None:
             MANTISSA_BITS,
         )
         _store_codes(
-            payload_ptr + batch * payload_rows * _row_elements(G, BITS),
+            payload_ptr + batch * payload_rows * row_elements(G, BITS),
             codes,
             offsets,
             in_range,
@@ -535,7 +530,7 @@ if gluon is not None:
         dtype, times 2**HEADROOM (`wire.scale_headroom`)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         start = gl.program_id(0) * ROWS
-        payload_ptr = payload_ptr + batch * SHARDS * in_rows * _row_elements(G, BITS)
+        payload_ptr = payload_ptr + batch * SHARDS * in_rows * row_elements(G, BITS)
         multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
         if TRANSFORM and SHARDS == 1:
             # One shard's codes are transformed first, then scaled (as the reference),
@@ -619,7 +614,7 @@ if gluon is not None:
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         start = gl.program_id(0) * ROWS
         summed, shift = _split_sum(
-            payload_ptr + batch * SHARDS * in_rows * _row_elements(G, BITS),
+            payload_ptr + batch * SHARDS * in_rows * row_elements(G, BITS),
             multiplier_ptr + batch * SHARDS * n_rows,
             offsets,
             rows,
@@ -656,7 +651,7 @@ if gluon is not None:
             MANTISSA_BITS,
         )
         _store_codes(
-            out_ptr + batch * payload_rows * _row_elements(G, BITS),
+            out_ptr + batch * payload_rows * row_elements(G, BITS),
             codes,
             offsets,
             in_range,
