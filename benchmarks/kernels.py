@@ -540,9 +540,16 @@ def sweep_split(key, tokens: int, channels: int, ops: list[str], group_size: int
     return results
 
 
-# The sub-byte specs of the presets (taco6-4's two directions, int5), and taco+'s 8-bit
-# spec beside them: (fmt, G, scale format), all with the transform.
-PACKED_SPECS = [("int8", 128, "bf16"), ("e2m3", 128, "bf16"), ("int4", 32, "bf16"), ("int5", 32, "bf16")]
+# The sub-byte specs of the presets (taco6-4's two directions, int5), INT4 at taco+'s
+# group size, and taco+'s 8-bit spec beside them: (fmt, G, scale format), all with the
+# transform.
+PACKED_SPECS = [
+    ("int8", 128, "bf16"),
+    ("e2m3", 128, "bf16"),
+    ("int4", 32, "bf16"),
+    ("int4", 128, "bf16"),
+    ("int5", 32, "bf16"),
+]
 
 
 def time_packed(key, tokens: int, channels: int, repeats: int = 4) -> list[dict]:

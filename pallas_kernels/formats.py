@@ -78,9 +78,10 @@ def minifloat_exponent(magnitude: jnp.ndarray, fmt: Minifloat) -> jnp.ndarray:
 def round_to_minifloat(values: jnp.ndarray, fmt: Minifloat) -> jnp.ndarray:
     """float32 values with |v| <= fmt.max_value rounded onto the sub-byte float grid,
     to nearest, ties to even (the grid spacing in v's binade is a power of two, so the
-    scaling is exact). NaN stays NaN; the result is float32."""
+    scaling is exact). A value that rounds to zero keeps its sign, as IEEE rounding and
+    the hardware FP8 casts do. NaN stays NaN; the result is float32."""
     step_exponent = minifloat_exponent(jnp.abs(values), fmt) - fmt.mantissa_bits
-    return round_half_even(values * pow2(-step_exponent)) * pow2(step_exponent)
+    return jnp.copysign(round_half_even(values * pow2(-step_exponent)) * pow2(step_exponent), values)
 
 
 def minifloat_codes(values: jnp.ndarray, fmt: Minifloat) -> jnp.ndarray:

@@ -186,18 +186,80 @@ if gluon is not None:
         """int32 round(v), ties to even, for |v| < 2**22 (`formats.round_to_int`)."""
         return (values + ROUNDING_BIAS).to(gl.int32, bitcast=True) - ROUNDING_BIAS_BITS
 
+    @gluon.constexpr_function
+    def fp8_carrier(EXPONENT_BITS, MANTISSA_BITS):
+        """The FP8 dtype whose cast rounds a sub-byte float's values exactly as the
+        format does, once they are scaled by `carrier_scale`: one with as many mantissa
+        bits (Hopper converts float32 pairs to FP8 in one instruction). None for E2M1
+        and the integers."""
+        carriers = {(2, 3): gl.float8e4nv, (3, 2): gl.float8e5}
+        return carriers.get((EXPONENT_BITS, MANTISSA_BITS))
+
+    @gluon.constexpr_function
+    def carrier_scale(EXPONENT_BITS, MANTISSA_BITS):
+        """The power of two that maps a sub-byte float's smallest normal onto its FP8
+        carrier's (E4M3 2**-6 for E2M3's 1, E5M2 2**-14 for E3M2's 2**-2): the two grids
+        then coincide over the format's range, and the carrier's exponent field is the
+        format's. 1.0 for formats without a carrier."""
+        if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None:
+            return 1.0
+        carrier_bias = {gl.float8e4nv: 7, gl.float8e5: 15}[fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)]
+        return float(2.0 ** ((2 ** (EXPONENT_BITS - 1) - 1) - carrier_bias))
+
+    @gluon.constexpr_function
+    def carrier_packing(EXPONENT_BITS, MANTISSA_BITS):
+        """PTX of four values ($4..$7, times `carrier_scale`) to their 6-bit codes packed
+        into a 24-bit field ($0, the first code lowest; $1..$3 zero): two conversions to
+        the FP8 carrier (a byte each, its exponent field's top bits zero), each byte's
+        sign moved down next to its 5 fields, then the 6-bit codes closed up, byte pairs
+        into 12 bits, then the two halves into 24. Nine logic operations for four codes,
+        where packing them one by one takes about twenty."""
+        pair = {gl.float8e4nv: "e4m3x2", gl.float8e5: "e5m2x2"}[fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)]
+        return f"""{{
+        .reg .b16 low, high;
+        .reg .b32 w, t;
+        cvt.rn.satfinite.{pair}.f32 low, $5, $4;
+        cvt.rn.satfinite.{pair}.f32 high, $7, $6;
+        mov.b32 w, {{low, high}};
+        shr.b32 t, w, 2;
+        and.b32 t, t, 0x20202020;
+        and.b32 w, w, 0x1F1F1F1F;
+        or.b32 w, w, t;
+        shr.b32 t, w, 2;
+        and.b32 t, t, 0x0FC00FC0;
+        and.b32 w, w, 0x003F003F;
+        or.b32 w, w, t;
+        shr.b32 t, w, 4;
+        and.b32 t, t, 0x00FFF000;
+        and.b32 w, w, 0x00000FFF;
+        or.b32 $0, w, t;
+        mov.b32 $1, 0;
+        mov.b32 $2, 0;
+        mov.b32 $3, 0;
+        }}"""
+
     @gluon.jit
     def sub_byte_codes(
         scaled, INTEGER: gl.constexpr, BITS: gl.constexpr, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr
     ):
         """int32 codes (their low BITS bits, `formats.WireFormat.codes`) of values on the
-        format's scale (|v| at most its largest value, to within a few ulps): integers
-        rounded to nearest even, in two's complement; sub-byte floats rounded to nearest
-        even onto their grid (`formats.round_to_minifloat`, `formats.minifloat_codes`)."""
+        format's scale (|v| at most its largest value, to within a few ulps; times
+        `carrier_scale` for a float with an FP8 carrier): integers rounded to nearest
+        even, in two's complement; sub-byte floats rounded to nearest even onto their
+        grid (`formats.round_to_minifloat`, `formats.minifloat_codes`). A float with a
+        carrier comes as (rows, G / 4) fields of four codes (`carrier_packing`), which
+        `store_packed` takes as they are."""
         # Each constexpr branch assigns and one return follows: Triton traces what
         # follows a branch that returns.
+        FIELDS: gl.constexpr = EXPONENT_BITS + MANTISSA_BITS
         if INTEGER:
             codes = round_to_int(scaled) & ((1 << BITS) - 1)
+        elif fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is not None:
+            # Four codes a 24-bit field (in the first of four outputs; the zeros fold away).
+            fields = gl.inline_asm_elementwise(
+                carrier_packing(EXPONENT_BITS, MANTISSA_BITS), "=r,=r,=r,=r,r,r,r,r", [scaled], gl.int32, True, 4
+            )
+            codes = gl.sum(fields.reshape([scaled.shape[0], scaled.shape[1] // 4, 4]), axis=2)
         else:
             # The binade of v, raised to the smallest normal one (float32 exponent bits):
             # the grid's step there is 2**(exponent - MANTISSA_BITS), subnormals and
@@ -205,13 +267,14 @@ if gluon is not None:
             # to that step (to nearest even) and keeps the sum in C's binade, so the
             # sum's bits minus C's are the signed steps.
             MIN_BITS: gl.constexpr = (2 - (1 << (EXPONENT_BITS - 1)) + 127) << 23
-            binade = gl.maximum(scaled.to(gl.int32, bitcast=True) & 0x7F800000, MIN_BITS)
+            bits = scaled.to(gl.int32, bitcast=True)
+            binade = gl.maximum(bits & 0x7F800000, MIN_BITS)
             magic = binade + (((23 - MANTISSA_BITS) << 23) | 0x400000)
             steps = (scaled + magic.to(gl.float32, bitcast=True)).to(gl.int32, bitcast=True) - magic
             # A value rounded up into the next binade (|steps| = 2**(m+1)) lands on that
-            # binade's first code: the same sum.
+            # binade's first code: the same sum. The sign is v's, zeros included.
             magnitude = ((binade - MIN_BITS) >> (23 - MANTISSA_BITS)) + gl.abs(steps)
-            codes = gl.where(steps < 0, magnitude | (1 << (EXPONENT_BITS + MANTISSA_BITS)), magnitude)
+            codes = magnitude | ((bits >> (31 - FIELDS)) & (1 << FIELDS))
         return codes
 
     @gluon.constexpr_function
@@ -225,17 +288,81 @@ if gluon is not None:
     def code_values(
         codes, INTEGER: gl.constexpr, BITS: gl.constexpr, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr
     ):
-        """float32 values of int32 sub-byte codes (`formats.WireFormat.from_codes`):
-        integers sign-extended; sub-byte floats through a float16 (`half_exponent_scale`),
-        a few instructions where decoding the fields takes a dozen."""
+        """float32 values of int32 sub-byte codes (`formats.WireFormat.from_codes`) over
+        `code_unit`: integers sign-extended; sub-byte floats through a float16
+        (`half_exponent_scale`), a few instructions where decoding the fields takes a
+        dozen."""
         if INTEGER:
             sign = 1 << (BITS - 1)
             values = ((codes ^ sign) - sign).to(gl.float32)
         else:
             FIELDS: gl.constexpr = EXPONENT_BITS + MANTISSA_BITS
             half = (((codes >> FIELDS) & 1) << 15) | ((codes & ((1 << FIELDS) - 1)) << (10 - MANTISSA_BITS))
-            values = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * half_exponent_scale(EXPONENT_BITS)
+            values = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
         return values
+
+    @gluon.constexpr_function
+    def code_unit(INTEGER, EXPONENT_BITS, MANTISSA_BITS):
+        """The power of two the decoded codes (`code_values`, `carrier_values`) are in
+        units of, which a multiplier takes on: 1 for integers, `half_exponent_scale` for
+        floats decoded through float16, 1 / `carrier_scale` through an FP8 carrier."""
+        if INTEGER:
+            return 1.0
+        if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is not None:
+            return 1.0 / carrier_scale(EXPONENT_BITS, MANTISSA_BITS)
+        return half_exponent_scale(EXPONENT_BITS)
+
+    @gluon.constexpr_function
+    def carrier_unpacking(EXPONENT_BITS, MANTISSA_BITS):
+        """PTX of a 24-bit field of four 6-bit codes ($4, `carrier_packing`'s) to their
+        values as float32 times `carrier_scale` ($0..$3, the first code first): the
+        packing's steps undone (halves, bytes, the sign back to bit 7), then two pair
+        conversions from the FP8 carrier to float16, exact, and on to float32."""
+        pair = {gl.float8e4nv: "e4m3x2", gl.float8e5: "e5m2x2"}[fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)]
+        return f"""{{
+        .reg .b16 low, high, h0, h1, h2, h3;
+        .reg .b32 w, t, p, q;
+        shl.b32 t, $4, 4;
+        and.b32 t, t, 0x0FFF0000;
+        and.b32 w, $4, 0x00000FFF;
+        or.b32 w, w, t;
+        shl.b32 t, w, 2;
+        and.b32 t, t, 0x3F003F00;
+        and.b32 w, w, 0x003F003F;
+        or.b32 w, w, t;
+        shl.b32 t, w, 2;
+        and.b32 t, t, 0x80808080;
+        and.b32 w, w, 0x1F1F1F1F;
+        or.b32 w, w, t;
+        mov.b32 {{low, high}}, w;
+        cvt.rn.f16x2.{pair} p, low;
+        cvt.rn.f16x2.{pair} q, high;
+        mov.b32 {{h0, h1}}, p;
+        mov.b32 {{h2, h3}}, q;
+        cvt.f32.f16 $0, h0;
+        cvt.f32.f16 $1, h1;
+        cvt.f32.f16 $2, h2;
+        cvt.f32.f16 $3, h3;
+        }}"""
+
+    @gluon.jit
+    def carrier_values(fields, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr):
+        """The four codes of each 24-bit field as float32 times `carrier_scale`: four
+        tensors in the fields' layout, the first codes first (`carrier_unpacking`)."""
+        return gl.inline_asm_elementwise(
+            carrier_unpacking(EXPONENT_BITS, MANTISSA_BITS),
+            "=r,=r,=r,=r,r",
+            [fields],
+            [gl.float32, gl.float32, gl.float32, gl.float32],
+            True,
+            1,
+        )
+
+    @gluon.jit
+    def interleave_four(first, second, third, fourth):
+        """(a, b, 4 n) of four (a, b, n) tensors: element i of each at 4 i, 4 i + 1, ..."""
+        joined = gl.join(gl.join(first, third), gl.join(second, fourth))
+        return joined.reshape([first.shape[0], first.shape[1], first.shape[2] * 4])
 
     @gluon.constexpr_function
     def unit_codes(BITS):
@@ -324,7 +451,24 @@ if gluon is not None:
     ):
         """Store int32 codes (ROWS, G) (their low BITS bits) packed as `formats.pack_codes`
         packs them (32-bit words, little-endian) into rows [start, ...) at `base` (a
-        uint32 pointer); rows past n_rows are not stored."""
+        uint32 pointer); rows past n_rows are not stored. `codes` may also be (ROWS, G /
+        F) fields of F consecutive codes each (`sub_byte_codes`), packed alike."""
+        F: gl.constexpr = G // codes.shape[1]
+        store_fields(base, codes, start, n_rows, ROWS, G // F, BITS * F, NUM_WARPS, VALUES // F)
+
+    @gluon.jit
+    def store_fields(
+        base,
+        codes,
+        start,
+        n_rows,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        BITS: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
+    ):
+        """`store_packed` of G fields of BITS bits a row."""
         U: gl.constexpr = unit_codes(BITS)
         layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS, VALUES)
         units = gl.convert_layout(codes.reshape([ROWS, G // U, U]), gl.SliceLayout(2, layout))
@@ -390,19 +534,40 @@ if gluon is not None:
         """`split_kernels`' sum of k shards of packed codes times their multipliers scaled
         by 2**-shift, (ROWS, G) in the layout they unpack in, and shift (`sum_shift`) in
         its rows' layout."""
-        units: gl.constexpr = gl.SliceLayout(2, packing_layout(G, BITS, NUM_WARPS, VALUES))
+        # A carrier's codes are loaded as fields of F = 4 (`carrier_unpacking`).
+        F: gl.constexpr = 1 if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None else 4
+        units: gl.constexpr = gl.SliceLayout(2, packing_layout(G // F, BITS * F, NUM_WARPS, VALUES // F))
         # Expanded at axis 1, then 2.
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, units)))
         in_range = rows < n_rows
         shift = sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
-        summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS)], gl.float32, units)
+        summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS) // F], gl.float32, units)
+        second, third, fourth = summed, summed, summed
         for shard in gl.static_range(SHARDS):
             codes = load_packed(
-                payload_ptr + shard * in_rows * row_elements(G, BITS), start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES
+                payload_ptr + shard * in_rows * row_elements(G, BITS),
+                start,
+                n_rows,
+                ROWS,
+                G // F,
+                BITS * F,
+                NUM_WARPS,
+                VALUES // F,
             )
+            # The codes' constant unit goes into the multiplier (exact: it is at most 2
+            # after the shift).
             multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
-            values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
-            summed = summed + values * multiplier[:, None, None]
+            multiplier = (multiplier * code_unit(INTEGER, EXPONENT_BITS, MANTISSA_BITS))[:, None, None]
+            if F == 1:
+                summed = summed + code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS) * multiplier
+            else:
+                values = carrier_values(codes, EXPONENT_BITS, MANTISSA_BITS)
+                summed = summed + values[0] * multiplier
+                second = second + values[1] * multiplier
+                third = third + values[2] * multiplier
+                fourth = fourth + values[3] * multiplier
+        if F > 1:
+            summed = interleave_four(summed, second, third, fourth)
         return summed.reshape([ROWS, G]), shift
 
     @gluon.jit
@@ -444,11 +609,14 @@ if gluon is not None:
             code = encode_e8m0(gl.div_rn(scale, prescale))
             divisor = prescale * gl.where(code == 255, float("nan"), pow2(code - 127))
             gl.store(scales_ptr + rows, code.to(gl.uint8), mask=in_range)
-        scaled = values * gl.div_rn(factor, divisor)[:, None]
         if BITS < 8:
+            # Exact: a power of two on a scalar far from float32's limits.
+            scaled = values * (gl.div_rn(factor, divisor) * carrier_scale(EXPONENT_BITS, MANTISSA_BITS))[:, None]
             codes = sub_byte_codes(scaled, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
-        elif INTEGER:
-            codes = round_to_int(scaled).to(gl.int8)
         else:
-            codes = scaled.to(codes_dtype)
+            scaled = values * gl.div_rn(factor, divisor)[:, None]
+            if INTEGER:
+                codes = round_to_int(scaled).to(gl.int8)
+            else:
+                codes = scaled.to(codes_dtype)
         return codes

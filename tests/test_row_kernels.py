@@ -159,10 +159,12 @@ def test_large_groups_compress_and_decode_on_the_split_kernels(group_size):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
 
 
-# Sub-byte formats as the presets send them, a G = 16 E2M1 and a split-kernel G = 256.
+# Sub-byte formats as the presets send them, both FP8 carriers (E2M3 through E4M3, E3M2
+# through E5M2), a G = 16 E2M1 and a split-kernel G = 256.
 SUB_BYTE = [
     ("int4", 32, "bf16"),
     ("e2m3", 128, "bf16"),
+    ("e3m2", 64, "e8m0"),
     ("int5", 32, "bf16"),
     ("e2m1", 16, "e8m0"),
     ("e2m3", 256, "dual"),
