@@ -11,8 +11,13 @@ brings ptxas and cuobjdump), and the SASS counted. XLA builds its kernels with i
 Triton, so registers and counts there differ a little (80 registers against 64 for
 compress).
 
+The Gluon kernels on packed sub-byte codes (`--packed`) compile through
+`pallas_kernels.triton_launch.compile_kernel` and are counted per value of a group they
+take (their code runs once per thread).
+
 Usage:  pip install triton==3.6.0
         python -m benchmarks.kernel_sass [--ops compress/taco+,decompress_sum/taco+] [--out FILE]
+        python -m benchmarks.kernel_sass --packed
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import lowering
 
-from benchmarks.kernels import GROUP, PRESETS, SHARDS, SWEEP_OPS
+from benchmarks.kernels import GROUP, PACKED_SPECS, PRESETS, SHARDS, SWEEP_OPS
+from pallas_kernels import gluon_codec as gc
+from pallas_kernels import row_kernels, split_kernels, triton_launch
 from taco_jax import strict_json
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
@@ -88,14 +95,23 @@ def compile_sass(ir: str, num_warps: int, num_stages: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ttir"
         source.write_text(ir)
         kernel = triton.compile(
             str(source), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
         )
-        (Path(tmp) / "kernel.ptx").write_text(kernel.asm["ptx"])
+    return ptx_sass(kernel.asm["ptx"]) | dict(shared_bytes=kernel.metadata.shared)
+
+
+def ptx_sass(ptx: str) -> dict:
+    """Registers, spill bytes and SASS opcode counts of PTX, assembled for sm_90a by the
+    `triton` package's ptxas."""
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "kernel.ptx").write_text(ptx)
         ptxas = subprocess.run(
             [str(tools / "ptxas"), "-arch=sm_90a", "-v", f"{tmp}/kernel.ptx", "-o", f"{tmp}/kernel.cubin"],
             capture_output=True,
@@ -109,17 +125,89 @@ def compile_sass(ir: str, num_warps: int, num_stages: int) -> dict:
     return dict(
         registers=int(re.search(r"Used (\d+) registers", ptxas).group(1)),
         spill_bytes=int(re.search(r"(\d+) bytes spill stores", ptxas).group(1)),
-        shared_bytes=kernel.metadata.shared,
         sass=sum(opcodes.values()),
         opcodes=dict(opcodes.most_common()),
     )
+
+
+def packed_kernels(fmt: str, group_size: int, scale_format: str) -> list[tuple[str, object, int]]:
+    """(op, compiled Gluon kernel, values of a group one thread takes) of each op
+    `benchmarks.kernels.time_packed` times, at its default launch (the transform on; the
+    requantized sum's scales in `scale_format`)."""
+    config = row_kernels.compress_config(group_size)
+    kernel, constexprs = row_kernels.compress_kernel(fmt, scale_format, True, group_size, config, jnp.bfloat16)
+    x_type, codes, scales = (
+        gc.POINTER_TYPES[jnp.dtype(jnp.bfloat16)],
+        gc.code_pointer(fmt),
+        gc.scale_dtype(scale_format),
+    )
+    payload = (("payload_ptr", codes), ("multiplier_ptr", "*fp32"))
+    rows = (("n_rows", "i32"), ("in_rows", "i64"))
+    out = [
+        (
+            "compress",
+            triton_launch.compile_kernel(
+                kernel,
+                (("x_ptr", x_type), ("payload_ptr", codes), ("scales_ptr", gc.POINTER_TYPES[scales]))
+                + (("n_rows", "i32"), ("payload_rows", "i64")),
+                tuple(constexprs.items()),
+                config.num_warps,
+                90,
+            ),
+            group_size if isinstance(config, row_kernels.RowConfig) else config.values(group_size),
+        )
+    ]
+    for op, shards, requantize in (
+        ("decompress", 1, False),
+        ("decompress_sum", SHARDS, False),
+        ("requantize_sum", SHARDS, True),
+    ):
+        config = split_kernels.decode_config(shards, requantize, fmt=fmt)
+        kernel, constexprs = split_kernels.decode_kernel(
+            fmt, group_size, shards, True, scale_format if requantize else None, config
+        )
+        outputs = (
+            (("out_ptr", codes), ("scales_ptr", gc.POINTER_TYPES[scales])) if requantize else (("out_ptr", x_type),)
+        )
+        signature = payload + outputs + rows + ((("payload_rows", "i64"),) if requantize else ())
+        compiled = triton_launch.compile_kernel(kernel, signature, tuple(constexprs.items()), config.num_warps, 90)
+        out.append((op, compiled, config.values(group_size) * config.rows_per_thread))
+    return out
+
+
+def packed_rows() -> list[dict]:
+    """SASS of the packed-code Gluon kernels on `benchmarks.kernels.PACKED_SPECS`, per value
+    of a group (a kernel's code runs once per thread on the values it takes)."""
+    rows = []
+    for fmt, group_size, scale_format in PACKED_SPECS:
+        for op, compiled, values in packed_kernels(fmt, group_size, scale_format):
+            row = dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, values_per_thread=values)
+            row |= ptx_sass(compiled.asm["ptx"])
+            row["per_value"] = row["sass"] / values
+            rows.append(row)
+            print(
+                f"| {op} | {fmt}:{group_size} | {row['registers']} | {row['sass']} | {row['per_value']:.1f} |",
+                flush=True,
+            )
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(SWEEP_OPS), help="ops to compile, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_sass.json"))
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="the Gluon kernels on packed sub-byte codes instead, to kernel_sass_packed.json",
+    )
     args = parser.parse_args()
+    if args.packed:
+        print("| op | spec | registers | SASS | per value |\n|---|---|---|---|---|")
+        rows = packed_rows()
+        out = args.out.with_name("kernel_sass_packed.json")
+        out.write_text(strict_json.dumps({"shards": SHARDS, "rows": rows}, indent=1))
+        return
     ops = args.ops.split(",")
     unknown = sorted(set(ops) - set(SWEEP_OPS))
     if unknown:
