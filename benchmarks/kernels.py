@@ -552,10 +552,20 @@ PACKED_SPECS = [
 ]
 
 
-def time_packed(key, tokens: int, channels: int, repeats: int = 4) -> list[dict]:
+def _launch_label(launch: split_kernels.SplitConfig | None) -> str:
+    """A decode launch as the packed rows name it: "default", or V, rows and warps."""
+    if launch is None:
+        return "default"
+    return f"V{launch.values_per_thread} R{launch.rows_per_thread} W{launch.num_warps}"
+
+
+def time_packed(
+    key, tokens: int, channels: int, repeats: int = 4, launch: split_kernels.SplitConfig | None = None
+) -> list[dict]:
     """The Gluon kernels on wire messages of `PACKED_SPECS` (sub-byte codes packed into
     words): compress, one shard decoded, four summed, four requantized; GPU time and
-    its bandwidth over the bytes each op reads and writes once."""
+    its bandwidth over the bytes each op reads and writes once. With `launch`, only the
+    decodes, at that launch instead of their default."""
     results = []
     for fmt, group_size, scale_format in PACKED_SPECS:
         rows_n = tokens * channels // group_size
@@ -574,7 +584,7 @@ def time_packed(key, tokens: int, channels: int, repeats: int = 4) -> list[dict]
                 transform=True,
                 out_dtype=jnp.bfloat16,
                 requantize=requantize,
-                config=split_kernels.decode_config(shard_count, requantize, fmt=fmt),
+                config=split_kernels.decode_config(shard_count, requantize, launch, fmt=fmt),
             )
         )
         elements, message_bytes = rows_n * group_size, layout.nbytes
@@ -586,11 +596,13 @@ def time_packed(key, tokens: int, channels: int, repeats: int = 4) -> list[dict]
             ("decompress_sum", decode(SHARDS, False), shards, SHARDS, True),
             ("requantize_sum", decode(SHARDS, True), shards, SHARDS + 1, False),
         ):
+            if launch is not None and op == "compress":
+                continue
             moved = message_bytes * messages_moved + 2 * elements * bf16_side
             ms = device_ms(fn, (inputs,))
             results.append(
                 dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, tokens=tokens, channels=channels)
-                | dict(device_ms=ms, bytes=moved, device_tb_per_s=moved / ms / 1e9)
+                | dict(launch=_launch_label(launch), device_ms=ms, bytes=moved, device_tb_per_s=moved / ms / 1e9)
             )
             print(f"  {op:15s} {fmt}:{group_size}: {ms:.3f} ms GPU", file=sys.stderr, flush=True)
     return results
@@ -631,6 +643,11 @@ def main() -> None:
         action="store_true",
         help="only the Gluon kernels on messages of `PACKED_SPECS` (sub-byte codes), to kernels_packed.json",
     )
+    parser.add_argument(
+        "--packed-launches",
+        default="",
+        help="with --packed-only, also the decodes at these split launches, V:ROWS:WARPS comma-separated",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     methods, ops = args.sweep_hadamard.split(","), args.sweep_ops.split(",")
@@ -647,16 +664,19 @@ def main() -> None:
     if args.packed_only:
         args.out.mkdir(parents=True, exist_ok=True)
         packed = time_packed(key, *SWEEP_SHAPE)
+        for launch in args.packed_launches.split(",") if args.packed_launches else ():
+            values, rows, warps = (int(n) for n in launch.split(":"))
+            packed += time_packed(key, *SWEEP_SHAPE, launch=split_kernels.SplitConfig(values, rows, warps))
         copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
         (args.out / "kernels_packed.json").write_text(
             strict_json.dumps(
                 {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "packed": packed}
             )
         )
-        print(f"| op | spec | GPU ms | % of copy ({copy_bw:.2f} TB/s) |\n|---|---|---|---|")
+        print(f"| op | spec | launch | GPU ms | % of copy ({copy_bw:.2f} TB/s) |\n|---|---|---|---|---|")
         for r in packed:
             print(
-                f"| {r['op']} | {r['fmt']}:{r['group_size']}:H:{r['scales']} | {r['device_ms']:.3f} "
+                f"| {r['op']} | {r['fmt']}:{r['group_size']}:H:{r['scales']} | {r['launch']} | {r['device_ms']:.3f} "
                 f"| {100 * r['device_tb_per_s'] / copy_bw:.0f}% |"
             )
         return
