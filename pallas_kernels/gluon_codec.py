@@ -207,6 +207,15 @@ if gluon is not None:
         return float(2.0 ** ((2 ** (EXPONENT_BITS - 1) - 1) - carrier_bias))
 
     @gluon.constexpr_function
+    def bit_moves(shift, steps):
+        """PTX moving bit fields of the register w: for each (n, moved, kept), the bits
+        `moved` of w shifted by n (`shift`: "shl" or "shr") joined to the bits `kept`."""
+        return "\n".join(
+            f"{shift}.b32 t, w, {n}; and.b32 t, t, {moved:#010x}; and.b32 w, w, {kept:#010x}; or.b32 w, w, t;"
+            for n, moved, kept in steps
+        )
+
+    @gluon.constexpr_function
     def carrier_packing(EXPONENT_BITS, MANTISSA_BITS):
         """PTX of four values ($4..$7, times `carrier_scale`) to their 6-bit codes packed
         into a 24-bit field ($0, the first code lowest; $1..$3 zero): two conversions to
@@ -221,18 +230,8 @@ if gluon is not None:
         cvt.rn.satfinite.{pair}.f32 low, $5, $4;
         cvt.rn.satfinite.{pair}.f32 high, $7, $6;
         mov.b32 w, {{low, high}};
-        shr.b32 t, w, 2;
-        and.b32 t, t, 0x20202020;
-        and.b32 w, w, 0x1F1F1F1F;
-        or.b32 w, w, t;
-        shr.b32 t, w, 2;
-        and.b32 t, t, 0x0FC00FC0;
-        and.b32 w, w, 0x003F003F;
-        or.b32 w, w, t;
-        shr.b32 t, w, 4;
-        and.b32 t, t, 0x00FFF000;
-        and.b32 w, w, 0x00000FFF;
-        or.b32 $0, w, t;
+        {bit_moves("shr", ((2, 0x20202020, 0x1F1F1F1F), (2, 0x0FC00FC0, 0x003F003F), (4, 0x00FFF000, 0x00000FFF)))}
+        mov.b32 $0, w;
         mov.b32 $1, 0;
         mov.b32 $2, 0;
         mov.b32 $3, 0;
@@ -322,18 +321,8 @@ if gluon is not None:
         return f"""{{
         .reg .b16 low, high, h0, h1, h2, h3;
         .reg .b32 w, t, p, q;
-        shl.b32 t, $4, 4;
-        and.b32 t, t, 0x0FFF0000;
-        and.b32 w, $4, 0x00000FFF;
-        or.b32 w, w, t;
-        shl.b32 t, w, 2;
-        and.b32 t, t, 0x3F003F00;
-        and.b32 w, w, 0x003F003F;
-        or.b32 w, w, t;
-        shl.b32 t, w, 2;
-        and.b32 t, t, 0x80808080;
-        and.b32 w, w, 0x1F1F1F1F;
-        or.b32 w, w, t;
+        mov.b32 w, $4;
+        {bit_moves("shl", ((4, 0x0FFF0000, 0x00000FFF), (2, 0x3F003F00, 0x003F003F), (2, 0x80808080, 0x1F1F1F1F)))}
         mov.b32 {{low, high}}, w;
         cvt.rn.f16x2.{pair} p, low;
         cvt.rn.f16x2.{pair} q, high;
@@ -453,33 +442,21 @@ if gluon is not None:
         packs them (32-bit words, little-endian) into rows [start, ...) at `base` (a
         uint32 pointer); rows past n_rows are not stored. `codes` may also be (ROWS, G /
         F) fields of F consecutive codes each (`sub_byte_codes`), packed alike."""
-        F: gl.constexpr = G // codes.shape[1]
-        store_fields(base, codes, start, n_rows, ROWS, G // F, BITS * F, NUM_WARPS, VALUES // F)
-
-    @gluon.jit
-    def store_fields(
-        base,
-        codes,
-        start,
-        n_rows,
-        ROWS: gl.constexpr,
-        G: gl.constexpr,
-        BITS: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        VALUES: gl.constexpr,
-    ):
-        """`store_packed` of G fields of BITS bits a row."""
-        U: gl.constexpr = unit_codes(BITS)
-        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS, VALUES)
-        units = gl.convert_layout(codes.reshape([ROWS, G // U, U]), gl.SliceLayout(2, layout))
-        offset = _field_offsets(G, BITS, NUM_WARPS, VALUES)
+        # Fields: FIELDS of FIELD_BITS bits a row, packed as codes are.
+        FIELDS: gl.constexpr = codes.shape[1]
+        FIELD_BITS: gl.constexpr = G * BITS // FIELDS
+        VALUE_FIELDS: gl.constexpr = VALUES * FIELDS // G
+        U: gl.constexpr = unit_codes(FIELD_BITS)
+        layout: gl.constexpr = packing_layout(FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
+        units = gl.convert_layout(codes.reshape([ROWS, FIELDS // U, U]), gl.SliceLayout(2, layout))
+        offset = _field_offsets(FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
         fields = units.to(gl.uint32, bitcast=True)[:, :, None, :]
         placed = gl.where(
             offset >= 0, fields << gl.maximum(offset, 0).to(gl.uint32), fields >> gl.maximum(-offset, 0).to(gl.uint32)
         )
         # The fields of a word are disjoint: their sum is their bitwise or.
-        words = gl.sum(gl.where((offset > -BITS) & (offset < 32), placed, 0), axis=3)
-        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
+        words = gl.sum(gl.where((offset > -FIELD_BITS) & (offset < 32), placed, 0), axis=3)
+        offsets, mask = packed_offsets(start, n_rows, ROWS, FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
         gl.store(base + offsets, words, mask=mask)
 
     @gluon.jit
