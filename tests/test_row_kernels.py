@@ -208,6 +208,30 @@ def test_sub_byte_codes_pack_and_decode_as_the_reference(fmt, group_size, scale_
     np.testing.assert_allclose(decode(summed), decode(reference), rtol=0, atol=0.02 * np.abs(decode(reference)).max())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, group_size", [("int4", 32), ("e2m3", 128)])
+@pytest.mark.parametrize("launch", ["16:2:2", "32:1:4", "32:2:2"])
+def test_packed_sums_match_the_reference_at_other_launches(fmt, group_size, launch):
+    """A packed four-shard sum and requantized sum at a launch other than the default
+    (more codes or rows a thread) decode as the jnp path decodes the same messages."""
+    values, rows, warps = (int(n) for n in launch.split(":"))
+    config = split_kernels.SplitConfig(values_per_thread=values, rows_per_thread=rows, num_warps=warps)
+    x = _groups(4 * 45, group_size, jnp.bfloat16, seed=7).reshape(4, 45, group_size)
+    spec = QuantSpec.parse(f"{fmt}:{group_size}:H:bf16")
+    layout = message.message_layout(45, spec)
+    messages = kc.compress_message(x, fmt=fmt, scale_format="bf16", transform=True)
+    got = kd.decompress_message(messages[None], layout, transform=True, config=config)
+    want = message.decode(messages[None], 45, spec, jnp.float32, codec="jnp")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+    target = ref.as_float64(x).sum(axis=0)
+    error = np.linalg.norm(np.asarray(got, np.float64).reshape(target.shape) - target) / np.linalg.norm(target)
+    assert 0 < error < 0.25
+    summed = kd.decompress_message(messages[None], layout, transform=True, requantize=True, config=config)
+    reference = message.requantize(messages, 45, spec, codec="jnp")
+    decode = lambda m: np.asarray(message.decode(m[None, None], 45, spec, jnp.float32, codec="jnp"), np.float64)
+    np.testing.assert_allclose(decode(summed), decode(reference), rtol=0, atol=0.02 * np.abs(decode(reference)).max())
+
+
 def test_sub_byte_formats_take_the_gluon_kernels_behind_a_flag():
     """The Gluon kernels take the sub-byte formats where TACO_JAX_SUB_BYTE_KERNELS=1, at
     group sizes whose codes fill whole 32-bit words; the Pallas kernels refuse them by
