@@ -140,6 +140,33 @@ def test_sub_byte_floats_are_the_ocp_mx_formats(fmt):
     np.testing.assert_array_equal(np.asarray(minifloat.codes(got)), samples.astype(dtype).view(np.uint8))
 
 
+# The Gluon kernels encode and decode the 6-bit floats through an FP8 carrier with as many
+# mantissa bits (`gluon_codec.fp8_carrier`).
+CARRIERS = {"e2m3": ml_dtypes.float8_e4m3fn, "e3m2": ml_dtypes.float8_e5m2}
+
+
+@pytest.mark.parametrize("fmt", list(CARRIERS))
+def test_six_bit_floats_round_as_their_fp8_carrier(fmt):
+    """Scaled by the power of two that puts its smallest normal on the carrier's, a 6-bit
+    float's value rounds to the carrier's byte for its code: the same fields with two
+    more exponent bits that stay zero, and the sign at bit 7 (the kernels' premise),
+    ties, subnormals and signed zeros included."""
+    minifloat, carrier = formats.WIRE_FORMATS[fmt], CARRIERS[fmt]
+    shift = 2.0 ** (ml_dtypes.finfo(carrier).minexp - minifloat.min_exponent)
+    grid = np.unique(np.abs(np.arange(2**minifloat.bits, dtype=np.uint8).view(MINIFLOATS[fmt]).astype(np.float32)))
+    ties = (grid[1:] + grid[:-1]) / 2
+    rng = np.random.default_rng(11)
+    magnitudes = np.concatenate(
+        [grid, ties, np.nextafter(ties, 0), np.nextafter(ties, np.inf), rng.uniform(0, grid[-1], 20000)]
+    )
+    values = np.concatenate([magnitudes, -magnitudes]).astype(np.float32)
+    codes = np.asarray(minifloat.codes(wire.cast_to_wire(jnp.asarray(values), minifloat)))
+    carried = (values * np.float32(shift)).astype(carrier).view(np.uint8)
+    fields = (1 << (minifloat.bits - 1)) - 1
+    assert not np.any(carried & 0x60)  # the two exponent bits the format lacks
+    np.testing.assert_array_equal(codes, (carried & fields) | ((carried >> 7) << (minifloat.bits - 1)))
+
+
 @pytest.mark.parametrize(("bits", "width"), [(4, 3), (6, 3)])
 def test_sub_byte_codes_pack_and_unpack(bits, width):
     codes = jnp.asarray(np.random.default_rng(bits).integers(0, 2**bits, (width, 64)), jnp.uint8)
