@@ -198,13 +198,19 @@ if gluon is not None:
     @gluon.constexpr_function
     def carrier_scale(EXPONENT_BITS, MANTISSA_BITS):
         """The power of two that maps a sub-byte float's smallest normal onto its FP8
-        carrier's (E4M3 2**-6 for E2M3's 1, E5M2 2**-14 for E3M2's 2**-2): the two grids
-        then coincide over the format's range, and the carrier's exponent field is the
-        format's. 1.0 for formats without a carrier."""
+        carrier's (2**-6: E2M3's 1 to E4M3's 2**-6; 2**-12: E3M2's 2**-2 to E5M2's
+        2**-14): the two grids then coincide over the format's range, and the carrier's
+        exponent field is the format's. 1.0 for formats without a carrier."""
         if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None:
             return 1.0
         carrier_bias = {gl.float8e4nv: 7, gl.float8e5: 15}[fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)]
         return float(2.0 ** ((2 ** (EXPONENT_BITS - 1) - 1) - carrier_bias))
+
+    @gluon.constexpr_function
+    def carrier_field(EXPONENT_BITS, MANTISSA_BITS):
+        """Codes a kernel converts and packs at once: the four of a 24-bit field for a
+        float with an FP8 carrier (`carrier_packing`), else one."""
+        return 1 if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None else 4
 
     @gluon.constexpr_function
     def bit_moves(shift, steps):
@@ -258,7 +264,8 @@ if gluon is not None:
             fields = gl.inline_asm_elementwise(
                 carrier_packing(EXPONENT_BITS, MANTISSA_BITS), "=r,=r,=r,=r,r,r,r,r", [scaled], gl.int32, True, 4
             )
-            codes = gl.sum(fields.reshape([scaled.shape[0], scaled.shape[1] // 4, 4]), axis=2)
+            F: gl.constexpr = carrier_field(EXPONENT_BITS, MANTISSA_BITS)
+            codes = gl.sum(fields.reshape([scaled.shape[0], scaled.shape[1] // F, F]), axis=2)
         else:
             # The binade of v, raised to the smallest normal one (float32 exponent bits):
             # the grid's step there is 2**(exponent - MANTISSA_BITS), subnormals and
@@ -511,8 +518,8 @@ if gluon is not None:
         """`split_kernels`' sum of k shards of packed codes times their multipliers scaled
         by 2**-shift, (ROWS, G) in the layout they unpack in, and shift (`sum_shift`) in
         its rows' layout."""
-        # A carrier's codes are loaded as fields of F = 4 (`carrier_unpacking`).
-        F: gl.constexpr = 1 if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None else 4
+        # A carrier's codes are loaded as fields of F (`carrier_unpacking`).
+        F: gl.constexpr = carrier_field(EXPONENT_BITS, MANTISSA_BITS)
         units: gl.constexpr = gl.SliceLayout(2, packing_layout(G // F, BITS * F, NUM_WARPS, VALUES // F))
         # Expanded at axis 1, then 2.
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, units)))

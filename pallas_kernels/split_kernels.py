@@ -256,10 +256,10 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
 if gluon is not None:
     from .gluon_codec import (
         FLOAT32_MAX,
+        carrier_field,
         carrier_values,
         code_unit,
         code_values,
-        fp8_carrier,
         interleave_four,
         load_packed,
         normalize,
@@ -347,12 +347,12 @@ if gluon is not None:
         if BITS == 8:
             values = gl.load(shard_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
         else:
-            if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None:
-                codes = load_packed(shard_ptr, start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
+            F: gl.constexpr = carrier_field(EXPONENT_BITS, MANTISSA_BITS)
+            codes = load_packed(shard_ptr, start, n_rows, ROWS, G // F, BITS * F, NUM_WARPS, VALUES // F)
+            if F == 1:
                 values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
             else:
-                fields = load_packed(shard_ptr, start, n_rows, ROWS, G // 4, BITS * 4, NUM_WARPS, VALUES // 4)
-                values = carrier_values(fields, EXPONENT_BITS, MANTISSA_BITS)
+                values = carrier_values(codes, EXPONENT_BITS, MANTISSA_BITS)
                 values = interleave_four(values[0], values[1], values[2], values[3])
             unit = code_unit(INTEGER, EXPONENT_BITS, MANTISSA_BITS)
             values = gl.convert_layout(values.reshape([ROWS, G]) * unit, offsets.type.layout)
