@@ -188,12 +188,11 @@ if gluon is not None:
 
     @gluon.constexpr_function
     def fp8_carrier(EXPONENT_BITS, MANTISSA_BITS):
-        """The FP8 dtype whose cast rounds a sub-byte float's values exactly as the
-        format does, once they are scaled by `carrier_scale`: one with as many mantissa
-        bits (Hopper converts float32 pairs to FP8 in one instruction). None for E2M1
-        and the integers."""
-        carriers = {(2, 3): gl.float8e4nv, (3, 2): gl.float8e5}
-        return carriers.get((EXPONENT_BITS, MANTISSA_BITS))
+        """(the PTX name of a pair of the FP8 type, its exponent bias) whose conversion
+        rounds a sub-byte float's values exactly as the format does, once they are
+        scaled by `carrier_scale`: the type with as many mantissa bits (Hopper converts
+        float32 pairs to FP8 in one instruction). None for E2M1 and the integers."""
+        return {(2, 3): ("e4m3x2", 7), (3, 2): ("e5m2x2", 15)}.get((EXPONENT_BITS, MANTISSA_BITS))
 
     @gluon.constexpr_function
     def carrier_scale(EXPONENT_BITS, MANTISSA_BITS):
@@ -203,8 +202,7 @@ if gluon is not None:
         exponent field is the format's. 1.0 for formats without a carrier."""
         if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None:
             return 1.0
-        carrier_bias = {gl.float8e4nv: 7, gl.float8e5: 15}[fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)]
-        return float(2.0 ** ((2 ** (EXPONENT_BITS - 1) - 1) - carrier_bias))
+        return float(2.0 ** ((2 ** (EXPONENT_BITS - 1) - 1) - fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)[1]))
 
     @gluon.constexpr_function
     def carrier_field(EXPONENT_BITS, MANTISSA_BITS):
@@ -229,7 +227,7 @@ if gluon is not None:
         sign moved down next to its 5 fields, then the 6-bit codes closed up, byte pairs
         into 12 bits, then the two halves into 24. Nine logic operations for four codes,
         where packing them one by one takes about twenty."""
-        pair = {gl.float8e4nv: "e4m3x2", gl.float8e5: "e5m2x2"}[fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)]
+        pair = fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)[0]
         return f"""{{
         .reg .b16 low, high;
         .reg .b32 w, t;
@@ -259,7 +257,7 @@ if gluon is not None:
         FIELDS: gl.constexpr = EXPONENT_BITS + MANTISSA_BITS
         if INTEGER:
             codes = round_to_int(scaled) & ((1 << BITS) - 1)
-        elif fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is not None:
+        elif carrier_field(EXPONENT_BITS, MANTISSA_BITS) > 1:
             # Four codes a 24-bit field (in the first of four outputs; the zeros fold away).
             fields = gl.inline_asm_elementwise(
                 carrier_packing(EXPONENT_BITS, MANTISSA_BITS), "=r,=r,=r,=r,r,r,r,r", [scaled], gl.int32, True, 4
@@ -324,7 +322,7 @@ if gluon is not None:
         values as float32 times `carrier_scale` ($0..$3, the first code first): the
         packing's steps undone (halves, bytes, the sign back to bit 7), then two pair
         conversions from the FP8 carrier to float16, exact, and on to float32."""
-        pair = {gl.float8e4nv: "e4m3x2", gl.float8e5: "e5m2x2"}[fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)]
+        pair = fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)[0]
         return f"""{{
         .reg .b16 low, high, h0, h1, h2, h3;
         .reg .b32 w, t, p, q;
