@@ -134,29 +134,16 @@ def packed_kernels(fmt: str, group_size: int, scale_format: str) -> list[tuple[s
     """(op, compiled Gluon kernel, values of a group one thread takes) of each op
     `benchmarks.kernels.time_packed` times, at its default launch (the transform on; the
     requantized sum's scales in `scale_format`)."""
+
+    def compiled(kernel, types, constexprs, num_warps):
+        signature = tuple(zip(kernel.arg_names, types))
+        return triton_launch.compile_kernel(kernel, signature, tuple(constexprs.items()), num_warps, 90)
+
+    x, codes, scales = "*bf16", gc.code_pointer(fmt), gc.POINTER_TYPES[gc.scale_dtype(scale_format)]
     config = row_kernels.compress_config(group_size)
     kernel, constexprs = row_kernels.compress_kernel(fmt, scale_format, True, group_size, config, jnp.bfloat16)
-    x_type, codes, scales = (
-        gc.POINTER_TYPES[jnp.dtype(jnp.bfloat16)],
-        gc.code_pointer(fmt),
-        gc.scale_dtype(scale_format),
-    )
-    payload = (("payload_ptr", codes), ("multiplier_ptr", "*fp32"))
-    rows = (("n_rows", "i32"), ("in_rows", "i64"))
-    out = [
-        (
-            "compress",
-            triton_launch.compile_kernel(
-                kernel,
-                (("x_ptr", x_type), ("payload_ptr", codes), ("scales_ptr", gc.POINTER_TYPES[scales]))
-                + (("n_rows", "i32"), ("payload_rows", "i64")),
-                tuple(constexprs.items()),
-                config.num_warps,
-                90,
-            ),
-            group_size if isinstance(config, row_kernels.RowConfig) else config.values(group_size),
-        )
-    ]
+    per_thread = group_size if isinstance(config, row_kernels.RowConfig) else config.values(group_size)
+    out = [("compress", compiled(kernel, [x, codes, scales, "i32", "i64"], constexprs, config.num_warps), per_thread)]
     for op, shards, requantize in (
         ("decompress", 1, False),
         ("decompress_sum", SHARDS, False),
@@ -166,12 +153,11 @@ def packed_kernels(fmt: str, group_size: int, scale_format: str) -> list[tuple[s
         kernel, constexprs = split_kernels.decode_kernel(
             fmt, group_size, shards, True, scale_format if requantize else None, config
         )
-        outputs = (
-            (("out_ptr", codes), ("scales_ptr", gc.POINTER_TYPES[scales])) if requantize else (("out_ptr", x_type),)
+        types = (
+            [codes, "*fp32", codes, scales, "i32", "i64", "i64"] if requantize else [codes, "*fp32", x, "i32", "i64"]
         )
-        signature = payload + outputs + rows + ((("payload_rows", "i64"),) if requantize else ())
-        compiled = triton_launch.compile_kernel(kernel, signature, tuple(constexprs.items()), config.num_warps, 90)
-        out.append((op, compiled, config.values(group_size) * config.rows_per_thread))
+        per_thread = config.values(group_size) * config.rows_per_thread
+        out.append((op, compiled(kernel, types, constexprs, config.num_warps), per_thread))
     return out
 
 
