@@ -38,6 +38,7 @@ import taco_jax as tj
 from benchmarks import generation_shapes
 from benchmarks import step as step_benchmark
 from taco_jax import models, strict_json
+from taco_jax.kernels import backends
 from taco_jax.models import flax_modules
 
 
@@ -147,11 +148,13 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], out: Path) -> None:
     """The result file: the presets' own rows (off, taco, taco+) under "rows", the
-    "PRESET/jnp" rows apart."""
+    "PRESET/jnp" rows apart. The command names the sub-byte kernels' flag where it was set,
+    since it decides which codec the sub-byte presets ran."""
+    sub_byte_flag = ["TACO_JAX_SUB_BYTE_KERNELS=1"] if backends.SUB_BYTE_KERNELS else []
     result = {
         "card": jax.devices()[0].device_kind,
         "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python -m benchmarks.codec_cost", *sys.argv[1:]]),
+        "command": " ".join([*sub_byte_flag, "python -m benchmarks.codec_cost", *sys.argv[1:]]),
         "rows": [r for r in rows if "/" not in r["mode"]],
         "jnp_codec_rows": [r for r in rows if "/" in r["mode"]],
     }

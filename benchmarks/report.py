@@ -223,6 +223,21 @@ def kernels(file: str = "kernels.json") -> tuple[str, list[Source]]:
     return _table(head, body), [Source(file, f"python -m benchmarks.kernels --no-sweep --shapes {shape_text}")]
 
 
+def kernels_packed() -> tuple[str, list[Source]]:
+    """Each op of the packed (sub-byte) specs at its default launch, as a share of a
+    copy's bandwidth in GPU time, INT8 beside them."""
+    file = "kernels_packed.json"
+    record = load(file)
+    rows = [r for r in record["packed"] if r["launch"] == "default"]
+    specs = list(dict.fromkeys(f"{r['fmt'].upper()} G{r['group_size']}" for r in rows))
+    shares = {
+        (r["op"], f"{r['fmt'].upper()} G{r['group_size']}"): r["device_tb_per_s"] / record["copy_tb_per_s"]
+        for r in rows
+    }
+    body = [[op, *(_pct(shares[op, spec]) for spec in specs)] for op in dict.fromkeys(r["op"] for r in rows)]
+    return _table(["op", *specs], body), [Source(file, "python -m benchmarks.kernels --packed-only")]
+
+
 def quality(file: str = "quality_stable.json") -> tuple[str, list[Source]]:
     """Paired validation-loss gaps to bf16 per corpus, model and preset."""
     from benchmarks import quality as harness
@@ -473,6 +488,31 @@ def codec_cost() -> tuple[str, list[Source]]:
     return _table(head, body), [Source(file, record["command"]) for file, record in runs.items()]
 
 
+CODEC_COST_BITS_FILES = {"taco6-4": "codec_cost_bits_gpt2.json", "taco4": "codec_cost_taco4_gpt2.json"}
+
+
+def codec_cost_bits() -> tuple[str, list[Source]]:
+    """The sub-byte presets on their kernels beside taco+, one GPU, every site
+    compressed: each preset's time and its cost over `off` of its own run."""
+    runs = {preset: load(file) for preset, file in CODEC_COST_BITS_FILES.items()}
+    cells = {(r["path"], preset, r["mode"]): r["ms"] for preset, record in runs.items() for r in record["rows"]}
+    first = next(iter(runs))
+    body = []
+    for path, name in CODEC_COST_PATHS.items():
+        off = cells[path, first, "off"]
+        row = [
+            name,
+            f"{off:.1f} ms",
+            f"{cells[path, first, 'taco+']:.1f} ms ({_pct(cells[path, first, 'taco+'] / off - 1, 1, sign=True)})",
+        ]
+        for preset in runs:
+            ms = cells[path, preset, preset]
+            row.append(f"{ms:.1f} ms ({_pct(ms / cells[path, preset, 'off'] - 1, 1, sign=True)})")
+        body.append(row)
+    head = ["path (GPT 0.91B)", "off", "taco+", *runs]
+    return _table(head, body), [Source(file, runs[preset]["command"]) for preset, file in CODEC_COST_BITS_FILES.items()]
+
+
 def headline() -> tuple[str, list[Source]]:
     """One line per claim, each from its result file."""
     stable = load("quality_stable.json")
@@ -608,6 +648,8 @@ TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "step_pipe_data": step_pipe_data,
     "permutation_cost": permutation_cost,
     "codec_cost": codec_cost,
+    "codec_cost_bits": codec_cost_bits,
+    "kernels_packed": kernels_packed,
     "maxtext_wire": maxtext_wire,
 }
 

@@ -95,6 +95,15 @@ SPLIT_REQUANTIZE = SplitConfig(values_per_thread=32, num_warps=2)
 SPLIT_ONE_SHARD = SplitConfig(rows_per_thread=2, num_warps=2)
 
 
+# Packed codes (fewer than 8 bits), from the H100 sweep of `benchmarks.kernels
+# --packed-launches` (benchmarks/RESULTS.md): a sum of shards was fastest at 32 values a
+# thread for every format (INT4 G128 85% of a copy against 76% at 8); one shard decoded
+# keeps two rows a thread at no more than 16 values, since INT5's unit of 32 codes there
+# ran at half the speed of 16 (53% of a copy against 84%).
+PACKED_SUM_VALUES = 32
+PACKED_ONE_SHARD_VALUES = 16
+
+
 # Compress of groups larger than the row kernel holds.
 SPLIT_COMPRESS = SplitConfig(values_per_thread=32, num_warps=2)
 
@@ -182,21 +191,27 @@ def decode_config(shards: int, requantize: bool, config: SplitConfig | None = No
       shards: k, the shards summed.
       requantize: whether the sum is requantized.
       config: the launch asked for, or None for the default of the work.
-      fmt: the codes' format: the default launch of packed codes holds at least a
-        packing unit of them a thread (`gluon_codec.codes_per_unit`), so that no row is
-        unpacked twice.
+      fmt: the codes' format: packed codes take `PACKED_SUM_VALUES` a thread in a sum,
+        and in one shard their packing unit (`gluon_codec.codes_per_unit`, so that no
+        unit is unpacked twice) up to `PACKED_ONE_SHARD_VALUES`.
 
     Returns:
       `config`, or the default launch of the work: `SPLIT_REQUANTIZE` for a requantized
-      sum, `SPLIT_ONE_SHARD` for one shard decoded, `SplitConfig()` for a sum.
+      sum, `SPLIT_ONE_SHARD` for one shard decoded, `SplitConfig()` for a sum, with the
+      values a thread of packed codes above.
 
     Raises:
       ValueError: `config` is not a `SplitConfig`.
     """
     if config is None:
         default = SPLIT_REQUANTIZE if requantize else SPLIT_ONE_SHARD if shards == 1 else SplitConfig()
-        unit = codes_per_unit(formats.wire_format(fmt).bits)
-        return dataclasses.replace(default, values_per_thread=max(default.values_per_thread, unit))
+        bits = formats.wire_format(fmt).bits
+        if bits == 8 or requantize:
+            return default
+        if shards > 1:
+            return dataclasses.replace(default, values_per_thread=PACKED_SUM_VALUES)
+        values = min(codes_per_unit(bits), PACKED_ONE_SHARD_VALUES)
+        return dataclasses.replace(default, values_per_thread=max(default.values_per_thread, values))
     if not isinstance(config, SplitConfig):
         raise ValueError(f"the Gluon decode kernels are the split kernels: pass a SplitConfig, got {config!r}")
     return config

@@ -219,7 +219,8 @@ def test_packed_sums_match_the_reference_at_other_launches(fmt, group_size, laun
     x = _groups(4 * 45, group_size, jnp.bfloat16, seed=7).reshape(4, 45, group_size)
     spec = QuantSpec.parse(f"{fmt}:{group_size}:H:bf16")
     layout = message.message_layout(45, spec)
-    messages = kc.compress_message(x, fmt=fmt, scale_format="bf16", transform=True)
+    compress = row_kernels.compress_config(group_size)
+    messages = kc.compress_message(x, fmt=fmt, scale_format="bf16", transform=True, config=compress)
     got = kd.decompress_message(messages[None], layout, transform=True, config=config)
     want = message.decode(messages[None], 45, spec, jnp.float32, codec="jnp")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
@@ -663,9 +664,12 @@ def test_launch_configs_name_the_kernel_the_work_needs():
     assert split_kernels.decode_config(1, requantize=False) == split_kernels.SPLIT_ONE_SHARD
     assert split_kernels.decode_config(2, requantize=True) == split_kernels.SPLIT_REQUANTIZE
     assert split_kernels.decode_config(1, requantize=False, config=SPLIT) == SPLIT
-    # Packed codes: at least a packing unit a thread (8, 16 and 32 codes at 4, 6 and 5 bits).
-    packed = [split_kernels.decode_config(4, False, fmt=fmt).values_per_thread for fmt in ("int4", "e2m3", "int5")]
-    assert packed == [8, 16, 32] and split_kernels.decode_config(4, True, fmt="e2m3") == split_kernels.SPLIT_REQUANTIZE
+    # Packed codes: 32 a thread in a sum; in one shard a packing unit (8, 16 and 32 codes
+    # at 4, 6 and 5 bits) up to 16.
+    values = lambda shards, fmt: split_kernels.decode_config(shards, False, fmt=fmt).values_per_thread
+    assert [values(4, fmt) for fmt in ("int4", "e2m3", "int5")] == [32, 32, 32]
+    assert [values(1, fmt) for fmt in ("int4", "e2m3", "int5", "int8")] == [8, 16, 16, 8]
+    assert split_kernels.decode_config(4, True, fmt="e2m3") == split_kernels.SPLIT_REQUANTIZE
     with pytest.raises(ValueError, match="are the split kernels: pass a SplitConfig"):
         split_kernels.decode_config(1, requantize=False, config=ROWS)
     with pytest.raises(ValueError, match="values_per_thread must be one of"):
