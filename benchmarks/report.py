@@ -488,6 +488,38 @@ def codec_cost() -> tuple[str, list[Source]]:
     return _table(head, body), [Source(file, record["command"]) for file, record in runs.items()]
 
 
+# The presets each packed wire spec serves.
+SPEC_PRESETS = {
+    "INT8 G128": "taco+",
+    "E2M3 G128": "taco+mixed; taco6-4 forward",
+    "INT4 G32": "taco4; taco6-4 backward",
+    "INT4 G128": "",
+    "INT5 G32": "int5",
+}
+
+
+def tp2_messages() -> tuple[str, list[Source]]:
+    """The model's TP=2 time of one 256 MiB bf16 all-reduce per link and wire spec, the
+    codec at the packed kernels' GPU timings."""
+    file = "scaling_model.json"
+    messages = load(file)["tp2_messages"]
+    specs = list(dict.fromkeys(m["spec"] for m in messages))
+    ratio = {m["spec"]: m["wire_ratio"] for m in messages if m["spec"] != "bf16"}
+    head = [
+        "link",
+        "bf16",
+        *(f"{spec} ({SPEC_PRESETS[spec] or 'no preset'}, {_pct(ratio[spec])})" for spec in specs[1:]),
+    ]
+    times = {(m["link"], m["spec"]): m["ms"] for m in messages}
+    links = list(dict.fromkeys(m["link"] for m in messages))
+    body = [[link, *(f"{times[link, spec]:.2f} ms" for spec in specs)] for link in links]
+    sources = [
+        Source(file, "python -m benchmarks.scaling_model", date="2026-12-07"),
+        Source("kernels_packed.json", "python -m benchmarks.kernels --packed-only"),
+    ]
+    return _table(head, body), sources
+
+
 CODEC_COST_BITS_FILES = {"taco6-4": "codec_cost_bits_gpt2.json", "taco4": "codec_cost_taco4_gpt2.json"}
 
 
@@ -650,6 +682,7 @@ TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "codec_cost": codec_cost,
     "codec_cost_bits": codec_cost_bits,
     "kernels_packed": kernels_packed,
+    "tp2_messages": tp2_messages,
     "maxtext_wire": maxtext_wire,
 }
 

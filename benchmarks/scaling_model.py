@@ -7,9 +7,9 @@ TP degree k, M = T * d * 2 bytes of bf16 activation):
   compute   C = 3 * (24 T d^2 + 4 T s d) / (k F)            forward + backward
   bf16      4 all-reduces (2 forward, 2 backward), ring:  2 (k-1)/k * M / B + 2 (k-1) alpha
   taco      4 two-shot all-reduces of r*M bytes (r = wire bytes / bf16 bytes) with the same
-            volume formula, plus the codec kernels: compress (3 bytes/element), requantize
-            the k received shards (1 + 1/k bytes/element), decode the gathered sum
-            (3 bytes/element), each at its measured effective bandwidth
+            volume formula, plus the codec kernels, w = 2r wire bytes an element: compress
+            (2 + w bytes/element), requantize the k received shards (w (1 + 1/k)), decode
+            the gathered sum (w + 2), each at its measured effective bandwidth
   step      L * (C + 4 * t_allreduce * (1 - overlap));  speed-up = step_bf16 / step_taco
 
 F (achieved bf16 FLOP/s) and the kernel bandwidths come from measurements on one H200
@@ -17,6 +17,10 @@ F (achieved bf16 FLOP/s) and the kernel bandwidths come from measurements on one
 slow-link proxy from 2-GPU NCCL measurements on these machines, PCIe and InfiniBand from
 their line rates. Validation: the model's collective times against the 2-GPU collective
 measurements it was not fitted to.
+
+It also states the expected TP=2 message time of each packed wire spec (a 256 MiB bf16
+all-reduce over each link, the codec at the Gluon kernels' GPU timings of
+kernels_packed.json), under "tp2_messages".
 
 Usage:  python -m benchmarks.scaling_model [--out benchmarks/results]
 """
@@ -96,19 +100,47 @@ def _kernel_codecs(results: Path) -> list[Codec]:
     ]
 
 
+def _packed_codecs(results: Path) -> list[Codec]:
+    """One codec per wire spec of kernels_packed.json, at its default launches: the wire
+    ratio from the compress row's bytes (the message's, beside the bf16 input's)."""
+    record = json.loads((results / "kernels_packed.json").read_text())
+    rows = {(r["fmt"], r["group_size"], r["op"]): r for r in record["packed"] if r["launch"] == "default"}
+    codecs = []
+    for fmt, group_size in dict.fromkeys((fmt, group_size) for fmt, group_size, _ in rows):
+        speed = {op: rows[fmt, group_size, op]["device_tb_per_s"] for _, _, op in rows}
+        compress = rows[fmt, group_size, "compress"]
+        elements = compress["tokens"] * compress["channels"]
+        ratio = (compress["bytes"] - 2 * elements) / (2 * elements)
+        name = f"{fmt.upper()} G{group_size}"
+        codecs.append(Codec(name, ratio, speed["compress"], speed["requantize_sum"], speed["decompress"]))
+    return codecs
+
+
+def tp2_messages(links: list[Link], codecs: list[Codec], message_bytes: float = 256 * MIB) -> list[dict]:
+    """The expected time of one bf16 all-reduce of `message_bytes` at TP=2 over each
+    link: plain, and two-shot through each codec."""
+    rows = []
+    for link in links:
+        rows.append({"link": link.name, "spec": "bf16", "ms": 1e3 * allreduce_bf16_s(message_bytes, 2, link)})
+        for codec in codecs:
+            ms = 1e3 * allreduce_taco_s(message_bytes, 2, link, codec)
+            rows.append({"link": link.name, "spec": codec.name, "wire_ratio": codec.wire_ratio, "ms": ms})
+    return rows
+
+
 def allreduce_bf16_s(message_bytes: float, k: int, link: Link) -> float:
     return 2 * (k - 1) / k * message_bytes / (link.bus_gb_s * 1e9) + 2 * (k - 1) * link.alpha_us * 1e-6
 
 
 def allreduce_taco_s(message_bytes: float, k: int, link: Link, codec: Codec) -> float:
-    elements = message_bytes / 2
+    elements, wire_bytes = message_bytes / 2, 2 * codec.wire_ratio
     wire = (
         2 * (k - 1) / k * codec.wire_ratio * message_bytes / (link.bus_gb_s * 1e9) + 2 * (k - 1) * link.alpha_us * 1e-6
     )
     codec_s = (
-        3 * elements / (codec.compress_tb_s * 1e12)
-        + elements * (1 + 1 / k) / (codec.requantize_tb_s * 1e12)
-        + 3 * elements / (codec.decompress_tb_s * 1e12)
+        (2 + wire_bytes) * elements / (codec.compress_tb_s * 1e12)
+        + wire_bytes * elements * (1 + 1 / k) / (codec.requantize_tb_s * 1e12)
+        + (wire_bytes + 2) * elements / (codec.decompress_tb_s * 1e12)
     )
     return wire + codec_s
 
@@ -185,6 +217,7 @@ def main() -> None:
                         }
                     )
     validation = validate(LINKS)
+    messages = tp2_messages(LINKS, _packed_codecs(results))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scaling_model.json").write_text(
         strict_json.dumps(
@@ -195,6 +228,7 @@ def main() -> None:
                 "overlap": args.overlap,
                 "rows": rows,
                 "validation": validation,
+                "tp2_messages": messages,
             },
             indent=1,
         )
@@ -206,6 +240,12 @@ def main() -> None:
         print(
             f"  {v['link']}: predicted {v['predicted_ms']:.2f} ms, measured {v['measured_ms']:.2f} ms ({100 * v['error']:+.0f}%)"
         )
+    specs = list(dict.fromkeys(m["spec"] for m in messages))
+    print("TP=2 all-reduce of 256 MiB of bf16, ms:\n| link | " + " | ".join(specs) + " |")
+    print("|---|" + "---|" * len(specs))
+    for link in LINKS:
+        times = {m["spec"]: m["ms"] for m in messages if m["link"] == link.name}
+        print(f"| {link.name} | " + " | ".join(f"{times[spec]:.2f}" for spec in specs) + " |")
     print("| model | link | TP | speed-up taco | speed-up taco+ |")
     print("|---|---|---|---|---|")
     for i in range(0, len(rows), 2):
