@@ -545,6 +545,72 @@ def codec_cost_bits() -> tuple[str, list[Source]]:
     return _table(head, body), [Source(file, runs[preset]["command"]) for preset, file in CODEC_COST_BITS_FILES.items()]
 
 
+# Each preset's quality, from the panel that measured it at the stable learning rate.
+PRESET_PANELS = {
+    "fp8": "quality_stable.json",
+    "taco": "quality_stable.json",
+    "taco+": "quality_stable.json",
+    "taco+mixed": "quality_bits.json",
+    "taco6-4": "quality_bits.json",
+    "taco4": "quality_bits.json",
+}
+
+
+def _cell_gaps(file: str, variant: str) -> dict[tuple[str, str], tuple[float, int]]:
+    """(corpus, model) -> (the mean paired val-loss gap to bf16 in percent, seeds) of one
+    variant in a quality file."""
+    from benchmarks import quality as harness
+
+    runs = harness.chosen_runs(load(file))
+    cells = {}
+    for corpus, model in dict.fromkeys((r["corpus"], r["model"]) for r in runs):
+        mine = [r for r in runs if (r["corpus"], r["model"]) == (corpus, model)]
+        base = {r["seed"]: r for r in mine if r["variant"] == "off"}
+        gaps = harness._paired_gaps([r for r in mine if r["variant"] == variant], base, "val_loss")
+        if gaps:
+            cells[corpus, model] = (float(np.mean(gaps)), len(gaps))
+    return cells
+
+
+def _tensor_share(run: dict) -> float:
+    """The tensor axis's bytes as a share of bf16's, as the run measured them."""
+    if "wire_fraction" in run:
+        return float(run["wire_fraction"])
+    return run["wire_bytes_by_axis"]["tensor"] / run["wire_bytes_bf16_by_axis"]["tensor"]
+
+
+def presets() -> tuple[str, list[Source]]:
+    """Each preset: what it sends each way, its tensor bytes as measured, and its paired
+    val-loss gap to bf16 over the quality cells (corpus x model, mean over seeds)."""
+    from taco_jax.policy import PRESETS
+
+    body = []
+    for name, file in PRESET_PANELS.items():
+        config = PRESETS[name]
+        sends = f"{config.forward.text} / {config.backward.text}"
+        if config.fewer_bits is not None:
+            sends += " or fewer bits, calibrated per site: " + ", ".join(c.text for c in config.fewer_bits.candidates)
+        shares = [_tensor_share(r) for r in load(file)["runs"] if r["variant"] == name]
+        cells = _cell_gaps(file, name)
+        gaps = [gap for gap, _ in cells.values()]
+        seeds = sorted({n for _, n in cells.values()})
+        within = sum(gap <= 0.1 for gap in gaps)
+        body.append(
+            [
+                f"`{name}`",
+                sends,
+                _pct(min(shares))
+                if _pct(min(shares)) == _pct(max(shares))
+                else f"{_pct(min(shares))}-{_pct(max(shares))}",
+                f"{min(gaps):+.2f} to {max(gaps):+.2f}%",
+                f"{within} of {len(cells)} ({'-'.join(map(str, seeds))} seeds)",
+                f"`{file}`",
+            ]
+        )
+    head = ["preset", "forward / backward", "tensor bytes of bf16", "val-loss gap to bf16", "cells at most +0.1%", "file"]
+    return _table(head, body), [quality_source(file) for file in dict.fromkeys(PRESET_PANELS.values())]
+
+
 def headline() -> tuple[str, list[Source]]:
     """One line per claim, each from its result file."""
     stable = load("quality_stable.json")
@@ -683,6 +749,7 @@ TABLES: dict[str, Callable[[], tuple[str, list[Source]]]] = {
     "codec_cost_bits": codec_cost_bits,
     "kernels_packed": kernels_packed,
     "tp2_messages": tp2_messages,
+    "presets": presets,
     "maxtext_wire": maxtext_wire,
 }
 

@@ -183,3 +183,19 @@ def test_hand_typed_detects_measurements():
     assert report.hand_typed(generated) == []
     assert report.hand_typed("the step took 74.6 ms") and report.hand_typed("| a | 1.20x |")
     assert report.hand_typed("gap +0.02 ± 0.03") and not report.hand_typed("clip to ±fmt_max, `51%`")
+
+
+def test_the_preset_table_has_every_preset():
+    """Each preset but "off" has a quality panel in the README's table, so a new preset
+    cannot be left out of it, and each row's cells come from that panel's runs."""
+    from taco_jax.policy import PRESETS
+
+    assert set(report.PRESET_PANELS) == set(PRESETS) - {"off"}
+    text, _ = report.presets()
+    rows = text.splitlines()[2:]
+    assert [row.split(" | ")[0].strip("| `") for row in rows] == list(report.PRESET_PANELS)
+    assert report._cell_gaps("quality_stable.json", "taco+").keys() == {
+        (corpus, model)
+        for corpus in ("shakespeare", "python-docs", "python-code")
+        for model in ("gpt2-40m", "qwen2-40m")
+    }
