@@ -383,8 +383,17 @@ def device_ms(fn, inputs) -> float:
     """Milliseconds of GPU kernel time per input of fn(*inputs): the union of the kernels'
     intervals in a `jax.profiler` trace of queued calls (benchmarks/profiling.py), so
     host dispatch and launch gaps stay out, as they do from the CUDA-event-timed copy."""
+    return device_profile(fn, inputs)[0]
+
+
+def device_profile(fn, inputs) -> tuple[float, list[dict]]:
+    """`device_ms`, and the kernels it is made of (name, milliseconds per input), the
+    longest first: which of an op's launches (the codec kernel, XLA's fusions around it)
+    takes the time."""
     per_input = len(inputs[0]) if isinstance(inputs[0], (list, tuple)) else 1
-    return profiling.gpu_timeline(lambda: fn(*inputs), calls=3)["compute_ms"] / per_input
+    timeline = profiling.gpu_timeline(lambda: fn(*inputs), calls=3)
+    kernels = [dict(name=k["name"], ms=k["ms"] / per_input) for k in timeline["top_kernels"]]
+    return timeline["compute_ms"] / per_input, kernels
 
 
 def time_shape(key, tokens: int, channels: int, repeats: int) -> list[dict]:
@@ -563,9 +572,9 @@ def time_packed(
     key, tokens: int, channels: int, repeats: int = 4, launch: split_kernels.SplitConfig | None = None
 ) -> list[dict]:
     """The Gluon kernels on wire messages of `PACKED_SPECS` (sub-byte codes packed into
-    words): compress, one shard decoded, four summed, four requantized; GPU time and
-    its bandwidth over the bytes each op reads and writes once. With `launch`, only the
-    decodes, at that launch instead of their default."""
+    words): compress, one shard decoded, four summed, four requantized; GPU time, its
+    bandwidth over the bytes each op reads and writes once, and the kernels it is made
+    of. With `launch`, only the decodes, at that launch instead of their default."""
     results = []
     for fmt, group_size, scale_format in PACKED_SPECS:
         rows_n = tokens * channels // group_size
@@ -599,10 +608,11 @@ def time_packed(
             if launch is not None and op == "compress":
                 continue
             moved = message_bytes * messages_moved + 2 * elements * bf16_side
-            ms = device_ms(fn, (inputs,))
+            ms, kernels = device_profile(fn, (inputs,))
             results.append(
                 dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, tokens=tokens, channels=channels)
                 | dict(launch=_launch_label(launch), device_ms=ms, bytes=moved, device_tb_per_s=moved / ms / 1e9)
+                | dict(kernels=kernels)
             )
             print(f"  {op:15s} {fmt}:{group_size}: {ms:.3f} ms GPU", file=sys.stderr, flush=True)
     return results
@@ -673,11 +683,16 @@ def main() -> None:
                 {"device": device, "date": time.strftime("%Y-%m-%d"), "copy_tb_per_s": copy_bw, "packed": packed}
             )
         )
-        print(f"| op | spec | launch | GPU ms | % of copy ({copy_bw:.2f} TB/s) |\n|---|---|---|---|---|")
+        print(
+            f"| op | spec | launch | GPU ms | % of copy ({copy_bw:.2f} TB/s) | kernels: the longest's share |\n"
+            "|---|---|---|---|---|---|"
+        )
         for r in packed:
+            longest = r["kernels"][0]
             print(
                 f"| {r['op']} | {r['fmt']}:{r['group_size']}:H:{r['scales']} | {r['launch']} | {r['device_ms']:.3f} "
-                f"| {100 * r['device_tb_per_s'] / copy_bw:.0f}% |"
+                f"| {100 * r['device_tb_per_s'] / copy_bw:.0f}% | {len(r['kernels'])}: "
+                f"{100 * longest['ms'] / r['device_ms']:.0f}% {longest['name'][:40]} |"
             )
         return
     if args.split_sweep_only:
