@@ -607,7 +607,14 @@ def presets() -> tuple[str, list[Source]]:
                 f"`{file}`",
             ]
         )
-    head = ["preset", "forward / backward", "tensor bytes of bf16", "val-loss gap to bf16", "cells at most +0.1%", "file"]
+    head = [
+        "preset",
+        "forward / backward",
+        "tensor bytes of bf16",
+        "val-loss gap to bf16",
+        "cells at most +0.1%",
+        "file",
+    ]
     return _table(head, body), [quality_source(file) for file in dict.fromkeys(PRESET_PANELS.values())]
 
 

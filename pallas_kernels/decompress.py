@@ -141,12 +141,24 @@ CODE_FORMATS = {spec.dtype: name for name, spec in formats.WIRE_FORMATS.items() 
 
 
 def _decode(
-    payload, multiplier, groups, *, transform, out_dtype, requantize_to, config, interpret, message_fmt, extra_rows=0
+    payload,
+    multiplier,
+    groups,
+    *,
+    transform,
+    out_dtype,
+    requantize_to,
+    config,
+    interpret,
+    message_fmt,
+    extra_rows=0,
+    message_scales=None,
 ):
     """The decode by the kernel `config` names (`backends.launched_by`): a Gluon split
     kernel (`split_kernels.SplitConfig`; a `RowConfig` is refused by name there), or the
     Pallas kernel (`KernelConfig`); without a config, the first kernel of
-    `backends.BACKENDS` that takes the work. Arguments as `_launch`.
+    `backends.BACKENDS` that takes the work. Arguments as `_launch`; `message_scales`
+    as `split_kernels.gluon_decompress`.
 
     Returns:
       decoded (B, N, G), or with `requantize_to` (payload (B, rows, G), scales packed as
@@ -172,6 +184,7 @@ def _decode(
             requantize_to=requantize_to and requantize_to[1],
             payload_rows=groups + extra_rows,
             config=config,
+            message_scales=message_scales,
         )
     if message_fmt:
         backends.check_pallas_takes(message_fmt)
@@ -347,6 +360,7 @@ def decompress_message(
         interpret=interpret,
         message_fmt=layout.fmt,
         extra_rows=layout.scale_rows,
+        message_scales=layout.scale_format,
     )
     if not requantize:
         return out

@@ -76,6 +76,14 @@ def codes_per_unit(bits: int) -> int:
     return 32 // math.gcd(bits, 32)
 
 
+def reads_message_scales(fmt: str) -> bool:
+    """Whether a decode of whole messages in `fmt` reads each group's multiplier from the
+    message's scale entries in the kernel (`load_multiplier`): packed codes, whose small
+    groups made a separate multiplier array cost the most; 8-bit codes read the array
+    until that is measured for them."""
+    return formats.wire_format(fmt).bits < 8
+
+
 def row_bytes(fmt: str, group_size: int) -> int:
     """Bytes of one group's payload: G for 8-bit codes, G * bits / 8 packed."""
     return formats.wire_format(fmt).payload_bytes(group_size)
@@ -180,6 +188,26 @@ if gluon is not None:
         if HEADROOM > 0:
             prescale = prescale * power_of_two(HEADROOM)
         return prescale
+
+    @gluon.constexpr_function
+    def pair_conversion(dtype):
+        """PTX rounding two float32 to a packed pair of `dtype` (bfloat16 or float16) to
+        nearest, values past its largest finite clamped to it and NaN kept (`.satfinite`)."""
+        pair = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
+        return f"cvt.rn.satfinite.{pair}.f32 $0, $2, $1;"
+
+    @gluon.jit
+    def saturating_cast(values, dtype: gl.constexpr):
+        """`formats.saturating_cast`: float32 to `dtype`, values past its largest finite
+        clamped to it, NaN kept: one conversion instruction per pair of values (a compare
+        and two selects per value otherwise). For float32, a decode that overflowed (a
+        value near its largest plus codec error) is clamped back."""
+        if dtype == gl.float32:
+            overflowed = gl.abs(values) == float("inf")  # False for NaN, which stays NaN
+            return gl.where(overflowed, gl.where(values > 0, FLOAT32_MAX, -FLOAT32_MAX), values)
+        return gl.inline_asm_elementwise(
+            pair_conversion(dtype), "=r,r,r", [values], dtype=dtype.value, is_pure=True, pack=2
+        )
 
     @gluon.jit
     def round_to_int(values):
@@ -487,22 +515,62 @@ if gluon is not None:
         fields = gl.where((offset > -BITS) & (offset < 32), fields & ((1 << BITS) - 1), 0)
         return gl.sum(fields, axis=2).to(gl.int32, bitcast=True)
 
+    @gluon.constexpr_function
+    def entry_itemsize(MESSAGE_SCALES):
+        """Bytes of the element a message's scale entries are read as, by scale format
+        (`SCALE_FORMAT_IDS`): float32 for "dual" and "single", bfloat16, uint8 for "e8m0"."""
+        return (4, 4, 2, 1)[MESSAGE_SCALES]
+
     @gluon.jit
-    def sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS: gl.constexpr):
+    def multiplier_source(n_rows, in_rows, ROW_BYTES: gl.constexpr, MESSAGE_SCALES: gl.constexpr):
+        """(elements between two shards' multipliers, the element a shard's first is at)
+        in the decode's multiplier source: a float32 multiplier array (MESSAGE_SCALES < 0),
+        or the messages themselves read as their scale entries' dtype, whose entries
+        follow the N payload rows of ROW_BYTES each (`wire.scales_of`)."""
+        if MESSAGE_SCALES < 0:
+            stride, first = n_rows, 0
+        else:
+            PER_ROW: gl.constexpr = ROW_BYTES // entry_itemsize(MESSAGE_SCALES)
+            stride, first = in_rows * PER_ROW, n_rows * PER_ROW
+        return stride, first
+
+    @gluon.jit
+    def load_multiplier(source_ptr, rows, in_range, first, MESSAGE_SCALES: gl.constexpr):
+        """float32 multipliers of `rows` of the shard `source_ptr` points at
+        (`multiplier_source`), decoded from a message's entries as
+        `formats.ScaleFormat.decode` does: s / a for "dual", a bfloat16 widened, an
+        E8M0 code's power of two (its NaN code NaN, code 0 as 1 the smallest normal)."""
+        entries = source_ptr + first
+        if MESSAGE_SCALES == 0:
+            prescale = gl.load(entries + 2 * rows, mask=in_range, other=1.0)
+            multiplier = gl.load(entries + 2 * rows + 1, mask=in_range) / prescale
+        elif MESSAGE_SCALES == 3:
+            code = gl.load(entries + rows, mask=in_range).to(gl.int32)
+            bits = gl.where(code == 255, 0x7FC00000, gl.maximum(code, 1) << 23)
+            multiplier = bits.to(gl.float32, bitcast=True)
+        else:
+            multiplier = gl.load(entries + rows, mask=in_range).to(gl.float32)
+        return multiplier
+
+    @gluon.jit
+    def sum_shift(source_ptr, stride, first, rows, in_range, SHARDS: gl.constexpr, MESSAGE_SCALES: gl.constexpr):
         """shift per row (`wire.sum_shift`): the binade of the shards' largest multiplier
         above 1, which the sum is scaled down by, in the layout of `rows`."""
-        largest = gl.load(multiplier_ptr + rows, mask=in_range)
+        largest = load_multiplier(source_ptr, rows, in_range, first, MESSAGE_SCALES)
         for shard in gl.static_range(1, SHARDS):
-            largest = gl.maximum(largest, gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range))
+            largest = gl.maximum(
+                largest, load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
+            )
         return gl.maximum(((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
 
     @gluon.jit
     def packed_sum(
         payload_ptr,
-        multiplier_ptr,
+        source_ptr,
         start,
         n_rows,
         in_rows,
+        MESSAGE_SCALES: gl.constexpr,
         SHARDS: gl.constexpr,
         ROWS: gl.constexpr,
         G: gl.constexpr,
@@ -513,16 +581,17 @@ if gluon is not None:
         EXPONENT_BITS: gl.constexpr,
         MANTISSA_BITS: gl.constexpr,
     ):
-        """`split_kernels`' sum of k shards of packed codes times their multipliers scaled
-        by 2**-shift, (ROWS, G) in the layout they unpack in, and shift (`sum_shift`) in
-        its rows' layout."""
+        """`split_kernels`' sum of k shards of packed codes times their multipliers
+        (`multiplier_source`) scaled by 2**-shift, (ROWS, G) in the layout they unpack
+        in, and shift (`sum_shift`) in its rows' layout."""
         # A carrier's codes are loaded as fields of F (`carrier_unpacking`).
         F: gl.constexpr = carrier_field(EXPONENT_BITS, MANTISSA_BITS)
         units: gl.constexpr = gl.SliceLayout(2, packing_layout(G // F, BITS * F, NUM_WARPS, VALUES // F))
         # Expanded at axis 1, then 2.
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, units)))
         in_range = rows < n_rows
-        shift = sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
+        stride, first = multiplier_source(n_rows, in_rows, G * BITS // 8, MESSAGE_SCALES)
+        shift = sum_shift(source_ptr, stride, first, rows, in_range, SHARDS, MESSAGE_SCALES)
         summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS) // F], gl.float32, units)
         second, third, fourth = summed, summed, summed
         for shard in gl.static_range(SHARDS):
@@ -538,8 +607,10 @@ if gluon is not None:
             )
             # The codes' constant unit goes into the multiplier (exact: it is at most 2
             # after the shift).
-            multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
-            multiplier = (multiplier * code_unit(INTEGER, EXPONENT_BITS, MANTISSA_BITS))[:, None, None]
+            multiplier = load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
+            multiplier = (times_pow2(multiplier, -shift) * code_unit(INTEGER, EXPONENT_BITS, MANTISSA_BITS))[
+                :, None, None
+            ]
             if F == 1:
                 summed = summed + code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS) * multiplier
             else:

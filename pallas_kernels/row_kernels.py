@@ -3,6 +3,18 @@ GPU thread (the row kernel), and every decode (one shard, a sum of k shards, to 
 dtype or requantized) and the compress of larger groups with a group spread over a few
 lanes (the split kernels).
 
+The row kernel's program copies 32 * num_warps groups into shared memory (cp.async,
+coalesced 16-byte vectors, each row's vectors swizzled so the reads below spread over
+the banks), and every thread reads a whole group from there into its registers. The
+group statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
+quantization then run in registers with no warp shuffle; a layout conversion stores the
+results coalesced. It holds groups of at most `ROW_MAX_GROUP`. With its per-group
+scalar math (IEEE divisions and a square root) done once per group it takes 18.6
+instructions per value, where the split compress took 20-27, and ran at 91-92% of copy
+against 80-84%; staging through registers instead (a load, then a layout conversion)
+took 19.5 and ran at 86-88%, and taking 2-8 tiles per program with the next one's copy
+in flight ran at 77-82% (benchmarks/RESULTS.md).
+
 The math is `gluon_codec`'s; `compress.compress_reference` is what the kernel is tested
 against. `compress` dispatches here by default where `gluon_codec.supports` holds
 (`compress_config` picks the row or the split kernel and its launch). There is no

@@ -1,14 +1,10 @@
-"""The row kernel's program copies 32 * num_warps groups into shared memory (cp.async,
-coalesced 16-byte vectors, each row's vectors swizzled so the reads below spread over
-the banks), and every thread reads a whole group from there into its registers. The
-group statistics, the log2 G add/subtract stages of the Walsh-Hadamard transform and the
-quantization then run in registers with no warp shuffle; a layout conversion stores the
-results coalesced. It holds groups of at most `ROW_MAX_GROUP`. With its per-group
-scalar math (IEEE divisions and a square root) done once per group it takes 18.6
-instructions per value, where the split compress took 20-27, and ran at 91-92% of copy
-against 80-84%; staging through registers instead (a load, then a layout conversion)
-took 19.5 and ran at 86-88%, and taking 2-8 tiles per program with the next one's copy
-in flight ran at 77-82% (benchmarks/RESULTS.md).
+"""The split kernels in Gluon: a group spread over G / V lanes of a warp, V consecutive
+values a thread (`SplitConfig`). They run every decode (one shard, a sum of k shards, to
+a float dtype or requantized into a new message) and the compress of groups larger than
+the row kernel holds. A group's statistics are reductions over its lanes, and the
+Walsh-Hadamard stages across lanes are warp shuffles. Packed codes are summed in the
+layout they unpack in; decoding whole messages, they read their multipliers from the
+scale entries there (`gluon_codec.load_multiplier`), other codes from a float32 array.
 
 The math is `gluon_codec`'s; `decompress.decompress_reference` (and, for the compress of
 larger groups, `compress.compress_reference`) is what they are tested against.
@@ -28,12 +24,14 @@ import jax.numpy as jnp
 from . import formats, triton_launch, wire
 from .gluon_codec import (
     POINTER_TYPES,
+    SCALE_FORMAT_IDS,
     code_pointer,
     codes_per_unit,
     element_codes,
     grid,
     inverse_sqrt,
     quantization,
+    reads_message_scales,
     scale_dtype,
     scales_struct,
 )
@@ -129,6 +127,7 @@ def gluon_decompress(
     requantize_to: str | None = None,
     payload_rows: int = 0,
     config: SplitConfig | None = None,
+    message_scales: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """For each of B batches, the sum of its k dequantized shards, decoded or requantized,
     as `decompress.decompress_reference`.
@@ -150,13 +149,18 @@ def gluon_decompress(
         least N; rows past N are left unwritten (a message's scale rows).
       config: the split kernel's launch; the default of the work if None
         (`decode_config`).
+      message_scales: the scale format of `payload`'s own entries, where it holds whole
+        messages: where `gluon_codec.reads_message_scales`, the kernel decodes the
+        multipliers from them, and `multiplier` goes unused.
 
     Returns:
       decoded (B, N, G) in `out_dtype`, or with `requantize_to` (payload (B, payload_rows,
       G) in the dtype of `payload`, scales (B, N, 2) for "dual", else (B, N)).
     """
+    message_scales = message_scales if reads_message_scales(fmt) else None
     launch = functools.partial(
         _launch_decompress,
+        message_scales=message_scales,
         groups=groups,
         fmt=fmt,
         transform=transform,
@@ -181,7 +185,7 @@ def gluon_decompress(
             return outputs.reshape(axis_size, -1, *outputs.shape[1:]), True
         return tuple(out.reshape(axis_size, -1, *out.shape[1:]) for out in outputs), (True, True)
 
-    return batched(payload, multiplier)
+    return batched(payload, multiplier if message_scales is None else payload)
 
 
 def decode_config(shards: int, requantize: bool, config: SplitConfig | None = None, fmt: str = "int8") -> SplitConfig:
@@ -218,11 +222,19 @@ def decode_config(shards: int, requantize: bool, config: SplitConfig | None = No
 
 
 def decode_kernel(
-    fmt: str, group_size: int, shards: int, transform: bool, requantize_to: str | None, config: SplitConfig
+    fmt: str,
+    group_size: int,
+    shards: int,
+    transform: bool,
+    requantize_to: str | None,
+    config: SplitConfig,
+    message_scales: str | None = None,
 ) -> tuple:
     """(the Gluon split kernel, its constexprs) of a decode of `shards` shards, or of
-    their sum requantized into the scale format `requantize_to`."""
-    constexprs = dict(G=group_size, SHARDS=shards, **split_constexprs(group_size, config))
+    their sum requantized into the scale format `requantize_to`; the multipliers read
+    from a float32 array, or from the messages' entries in `message_scales`."""
+    source = -1 if message_scales is None else SCALE_FORMAT_IDS[message_scales]
+    constexprs = dict(G=group_size, SHARDS=shards, MESSAGE_SCALES=source, **split_constexprs(group_size, config))
     if requantize_to is not None:
         return taco_split_requantize, constexprs | quantization(fmt, requantize_to)
     headroom = wire.scale_headroom(formats.wire_format(fmt), group_size, transform)
@@ -230,15 +242,20 @@ def decode_kernel(
     return taco_split_decode, constexprs | element_codes(fmt) | transform_constexprs
 
 
-def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config):
-    """One launch of a decode kernel; arguments as `gluon_decompress`."""
+def _launch_decompress(
+    payload, source, *, groups, fmt, transform, out_dtype, requantize_to, payload_rows, config, message_scales
+):
+    """One launch of a decode kernel; arguments as `gluon_decompress`, the multipliers'
+    source being the float32 multipliers, or with `message_scales` the messages."""
     batch, shards, in_rows, width = payload.shape
     # Packed codes come as uint8 message buffers, G * bits / 8 bytes a group.
     group_size = width * 8 // formats.wire_format(fmt).bits
     config = decode_config(shards, requantize_to is not None, config, fmt)
     codes = code_pointer(fmt)
     scalars = [("n_rows", "i32", groups), ("in_rows", "i64", in_rows)]
-    kernel, constexprs = decode_kernel(fmt, group_size, shards, transform, requantize_to, config)
+    kernel, constexprs = decode_kernel(fmt, group_size, shards, transform, requantize_to, config, message_scales)
+    # A float32 multiplier array reads as "single" scales do.
+    sources = [codes, POINTER_TYPES[scale_dtype(message_scales or "single")]]
     common = dict(
         grid=grid(groups, batch, config.rows_per_program(group_size)),
         num_warps=config.num_warps,
@@ -247,21 +264,21 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
     if requantize_to is None:
         return triton_launch.gluon_call(
             kernel,
-            [payload, multiplier],
+            [payload, source],
             [output_struct((batch, groups, group_size), out_dtype, payload)],
-            pointer_types=[codes, "*fp32", POINTER_TYPES[out_dtype]],
+            pointer_types=[*sources, POINTER_TYPES[out_dtype]],
             scalars=scalars,
             **common,
         )[0]
     return tuple(
         triton_launch.gluon_call(
             kernel,
-            [payload, multiplier],
+            [payload, source],
             [
                 output_struct((batch, payload_rows, width), payload.dtype, payload),
                 scales_struct(batch, groups, requantize_to, payload),
             ],
-            pointer_types=[codes, "*fp32", codes, POINTER_TYPES[scale_dtype(requantize_to)]],
+            pointer_types=[*sources, codes, POINTER_TYPES[scale_dtype(requantize_to)]],
             scalars=[*scalars, ("payload_rows", "i64", payload_rows)],
             **common,
         )
@@ -270,44 +287,26 @@ def _launch_decompress(payload, multiplier, *, groups, fmt, transform, out_dtype
 
 if gluon is not None:
     from .gluon_codec import (
-        FLOAT32_MAX,
         carrier_field,
         carrier_values,
         code_unit,
         code_values,
         interleave_four,
+        load_multiplier,
         load_packed,
+        multiplier_source,
         normalize,
         packed_sum,
         pow2,
         power_of_two,
         row_elements,
+        saturating_cast,
         scaled_codes,
         store_packed,
         sum_shift,
         times_pow2,
         with_headroom,
     )
-
-    @gluon.constexpr_function
-    def _pair_conversion(dtype):
-        """PTX rounding two float32 to a packed pair of `dtype` (bfloat16 or float16) to
-        nearest, values past its largest finite clamped to it and NaN kept (`.satfinite`)."""
-        pair = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
-        return f"cvt.rn.satfinite.{pair}.f32 $0, $2, $1;"
-
-    @gluon.jit
-    def _saturating_cast(values, dtype: gl.constexpr):
-        """`formats.saturating_cast`: float32 to `dtype`, values past its largest finite
-        clamped to it, NaN kept: one conversion instruction per pair of values (a compare
-        and two selects per value otherwise). For float32, a decode that overflowed (a
-        value near its largest plus codec error) is clamped back."""
-        if dtype == gl.float32:
-            overflowed = gl.abs(values) == float("inf")  # False for NaN, which stays NaN
-            return gl.where(overflowed, gl.where(values > 0, FLOAT32_MAX, -FLOAT32_MAX), values)
-        return gl.inline_asm_elementwise(
-            _pair_conversion(dtype), "=r,r,r", [values], dtype=dtype.value, is_pure=True, pack=2
-        )
 
     @gluon.constexpr_function
     def _split_layout(G, VALUES, NUM_WARPS):
@@ -376,13 +375,14 @@ if gluon is not None:
     @gluon.jit
     def _split_sum(
         payload_ptr,
-        multiplier_ptr,
+        source_ptr,
         offsets,
         rows,
         in_range,
         start,
         n_rows,
         in_rows,
+        MESSAGE_SCALES: gl.constexpr,
         SHARDS: gl.constexpr,
         ROWS: gl.constexpr,
         G: gl.constexpr,
@@ -396,23 +396,26 @@ if gluon is not None:
         """The float32 sum over the shards of codes times their groups' multipliers scaled
         by 2**-shift, and shift per row (`wire.sum_shift`), on the tile
         `_split_tile` gives (rows out of range are not read; their values are undefined
-        and never stored); the pointers are at the batch's first shard."""
+        and never stored); the pointers are at the batch's first shard, the multipliers'
+        source as `multiplier_source`."""
         if BITS == 8:
-            shift = sum_shift(multiplier_ptr, rows, in_range, n_rows, SHARDS)
+            stride, first = multiplier_source(n_rows, in_rows, G, MESSAGE_SCALES)
+            shift = sum_shift(source_ptr, stride, first, rows, in_range, SHARDS, MESSAGE_SCALES)
             summed = gl.zeros_like(offsets, dtype=gl.float32)
             for shard in gl.static_range(SHARDS):
                 codes = gl.load(payload_ptr + shard * in_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
-                multiplier = times_pow2(gl.load(multiplier_ptr + shard * n_rows + rows, mask=in_range), -shift)
-                summed = summed + codes * multiplier[:, None]
+                multiplier = load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
+                summed = summed + codes * times_pow2(multiplier, -shift)[:, None]
         else:
             # Summed in the layout the codes unpack in: one layout conversion for the
             # sum, not one a shard.
             summed, shift = packed_sum(
                 payload_ptr,
-                multiplier_ptr,
+                source_ptr,
                 start,
                 n_rows,
                 in_rows,
+                MESSAGE_SCALES,
                 SHARDS,
                 ROWS,
                 G,
@@ -534,7 +537,7 @@ if gluon is not None:
     @gluon.jit
     def taco_split_decode(
         payload_ptr,
-        multiplier_ptr,
+        source_ptr,
         out_ptr,
         n_rows,
         in_rows,
@@ -543,6 +546,7 @@ if gluon is not None:
         ROWS: gl.constexpr,
         NUM_WARPS: gl.constexpr,
         SHARDS: gl.constexpr,
+        MESSAGE_SCALES: gl.constexpr,
         TRANSFORM: gl.constexpr,
         INV_SQRT: gl.constexpr,
         HEADROOM: gl.constexpr,
@@ -556,7 +560,8 @@ if gluon is not None:
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         start = gl.program_id(0) * ROWS
         payload_ptr = payload_ptr + batch * SHARDS * in_rows * row_elements(G, BITS)
-        multiplier_ptr = multiplier_ptr + batch * SHARDS * n_rows
+        stride, first = multiplier_source(n_rows, in_rows, G * BITS // 8, MESSAGE_SCALES)
+        source_ptr = source_ptr + batch * SHARDS * stride
         if TRANSFORM and SHARDS == 1:
             # One shard's codes are transformed first, then scaled (as the reference),
             # so no intermediate overflows near float32's largest.
@@ -575,20 +580,21 @@ if gluon is not None:
                 EXPONENT_BITS,
                 MANTISSA_BITS,
             )
-            multiplier = gl.load(multiplier_ptr + rows, mask=in_range)
+            multiplier = load_multiplier(source_ptr, rows, in_range, first, MESSAGE_SCALES)
             values = _split_hadamard(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
             if HEADROOM > 0:
                 values = values * power_of_two(HEADROOM)
         else:
             values, shift = _split_sum(
                 payload_ptr,
-                multiplier_ptr,
+                source_ptr,
                 offsets,
                 rows,
                 in_range,
                 start,
                 n_rows,
                 in_rows,
+                MESSAGE_SCALES,
                 SHARDS,
                 ROWS,
                 G,
@@ -610,13 +616,13 @@ if gluon is not None:
             else:
                 undo = pow2(half) * pow2(shift - half)
             values = values * undo[:, None]
-        out = _saturating_cast(values, out_ptr.dtype.element_ty)
+        out = saturating_cast(values, out_ptr.dtype.element_ty)
         gl.store(out_ptr + batch * n_rows * G + offsets, out, mask=in_range[:, None])
 
     @gluon.jit
     def taco_split_requantize(
         payload_ptr,
-        multiplier_ptr,
+        source_ptr,
         out_ptr,
         scales_ptr,
         n_rows,
@@ -627,6 +633,7 @@ if gluon is not None:
         ROWS: gl.constexpr,
         NUM_WARPS: gl.constexpr,
         SHARDS: gl.constexpr,
+        MESSAGE_SCALES: gl.constexpr,
         FMT_MAX: gl.constexpr,
         SCALES: gl.constexpr,
         INTEGER: gl.constexpr,
@@ -638,15 +645,17 @@ if gluon is not None:
         the multipliers' units, which carry any headroom, stay)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         start = gl.program_id(0) * ROWS
+        stride = multiplier_source(n_rows, in_rows, G * BITS // 8, MESSAGE_SCALES)[0]
         summed, shift = _split_sum(
             payload_ptr + batch * SHARDS * in_rows * row_elements(G, BITS),
-            multiplier_ptr + batch * SHARDS * n_rows,
+            source_ptr + batch * SHARDS * stride,
             offsets,
             rows,
             in_range,
             start,
             n_rows,
             in_rows,
+            MESSAGE_SCALES,
             SHARDS,
             ROWS,
             G,

@@ -168,6 +168,7 @@ SUB_BYTE = [
     ("int5", 32, "bf16"),
     ("e2m1", 16, "e8m0"),
     ("e2m3", 256, "dual"),
+    ("e2m1", 32, "single"),
 ]
 
 
@@ -649,6 +650,45 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
     compiled = _compile_for_sm90(function, types, constexprs, config.num_warps)
     assert f".entry {compiled.metadata.name}" in compiled.asm["ptx"]
     assert compiled.metadata.shared == 0 or formats.wire_format(fmt).bits < 8
+
+
+@pytest.mark.parametrize(
+    "fmt, group_size, scale_format, shards, requantize, load",
+    [
+        ("int4", 32, "bf16", 4, False, r"ld\.global\.b16"),
+        ("e2m3", 128, "dual", 1, False, r"div\.\w+\.f32"),
+        ("int5", 32, "e8m0", 2, False, r"ld\.global\.b8"),
+        ("int4", 128, "bf16", 4, True, r"ld\.global\.b16"),
+        ("e3m2", 64, "e8m0", 2, True, r"ld\.global\.b8"),
+    ],
+)
+def test_packed_decodes_read_their_messages_scale_entries(fmt, group_size, scale_format, shards, requantize, load):
+    """Decoding whole messages of packed codes, the kernels take the messages a second
+    time as the scale entries' dtype and decode each group's multiplier where it follows
+    the payload: a 16-bit load of a bfloat16, a byte of E8M0, s / a of "dual" (no float32
+    multiplier array); 8-bit codes keep reading the array."""
+    pytest.importorskip("triton.experimental.gluon")
+    assert gluon_codec.reads_message_scales(fmt) and not gluon_codec.reads_message_scales("int8")
+    codes, entries = gluon_codec.code_pointer(fmt), gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(scale_format)]
+    config = split_kernels.decode_config(shards, requantize, fmt=fmt)
+    function, constexprs = split_kernels.decode_kernel(
+        fmt, group_size, shards, True, scale_format if requantize else None, config, scale_format
+    )
+    types = (
+        [codes, entries, codes, entries, "i32", "i64", "i64"] if requantize else [codes, entries, "*bf16", "i32", "i64"]
+    )
+    ptx = _compile_for_sm90(function, types, constexprs, config.num_warps).asm["ptx"]
+    assert constexprs["MESSAGE_SCALES"] == gluon_codec.SCALE_FORMAT_IDS[scale_format]
+    assert re.search(load, ptx)
+
+
+def test_an_e8m0_code_decodes_from_its_bits():
+    """The kernels' E8M0 decode, the code as a float32's exponent field (code 0 as 1, the
+    NaN code as a quiet NaN), is `formats.decode_e8m0` for every code."""
+    code = np.arange(256, dtype=np.int32)
+    bits = np.where(code == 255, 0x7FC00000, np.maximum(code, 1) << 23).astype(np.int32)
+    want = np.asarray(formats.decode_e8m0(jnp.asarray(code, jnp.uint8)))
+    np.testing.assert_array_equal(bits.view(np.float32), want)
 
 
 def test_launch_configs_name_the_kernel_the_work_needs():
