@@ -229,12 +229,10 @@ def kernels_packed() -> tuple[str, list[Source]]:
     file = "kernels_packed.json"
     record = load(file)
     rows = [r for r in record["packed"] if r["launch"] == "default"]
-    specs = list(dict.fromkeys(f"{r['fmt'].upper()} G{r['group_size']}" for r in rows))
-    shares = {
-        (r["op"], f"{r['fmt'].upper()} G{r['group_size']}"): r["device_tb_per_s"] / record["copy_tb_per_s"]
-        for r in rows
-    }
-    body = [[op, *(_pct(shares[op, spec]) for spec in specs)] for op in dict.fromkeys(r["op"] for r in rows)]
+    spec = lambda r: f"{r['fmt'].upper()} G{r['group_size']}"
+    specs = list(dict.fromkeys(map(spec, rows)))
+    shares = {(r["op"], spec(r)): r["device_tb_per_s"] / record["copy_tb_per_s"] for r in rows}
+    body = [[op, *(_pct(shares[op, name]) for name in specs)] for op in dict.fromkeys(r["op"] for r in rows)]
     return _table(["op", *specs], body), [Source(file, "python -m benchmarks.kernels --packed-only")]
 
 
@@ -595,13 +593,12 @@ def presets() -> tuple[str, list[Source]]:
         gaps = [gap for gap, _ in cells.values()]
         seeds = sorted({n for _, n in cells.values()})
         within = sum(gap <= 0.1 for gap in gaps)
+        low, high = _pct(min(shares)), _pct(max(shares))
         body.append(
             [
                 f"`{name}`",
                 sends,
-                _pct(min(shares))
-                if _pct(min(shares)) == _pct(max(shares))
-                else f"{_pct(min(shares))}-{_pct(max(shares))}",
+                low if low == high else f"{low}-{high}",
                 f"{min(gaps):+.2f} to {max(gaps):+.2f}%",
                 f"{within} of {len(cells)} ({'-'.join(map(str, seeds))} seeds)",
                 f"`{file}`",
@@ -624,13 +621,7 @@ def headline() -> tuple[str, list[Source]]:
     from benchmarks import quality as harness
 
     runs = harness.chosen_runs(stable)
-    gaps: dict[str, list[float]] = {}
-    for corpus, model in {(r["corpus"], r["model"]) for r in runs}:
-        mine = [r for r in runs if (r["corpus"], r["model"]) == (corpus, model)]
-        base = {r["seed"]: r for r in mine if r["variant"] == "off"}
-        for variant in ("taco+", "int4+H"):
-            picked = [r for r in mine if r["variant"] == variant]
-            gaps.setdefault(variant, []).append(float(np.mean(harness._paired_gaps(picked, base, "val_loss"))))
+    gaps = {v: [gap for gap, _ in _cell_gaps("quality_stable.json", v).values()] for v in ("taco+", "int4+H")}
     wire = {r["variant"]: harness._bytes(r).removeprefix("tensor ") for r in runs}
     slow, nvlink = _step_ms(TP2_FILES["slow link"]), _step_ms(TP2_FILES["NVLink"])
     gluon = [100 * share for (_, impl, _, _), share in kernel_shares("kernels.json").items() if impl == "gluon"]

@@ -107,7 +107,7 @@ def _packed_codecs(results: Path) -> list[Codec]:
     rows = {(r["fmt"], r["group_size"], r["op"]): r for r in record["packed"] if r["launch"] == "default"}
     codecs = []
     for fmt, group_size in dict.fromkeys((fmt, group_size) for fmt, group_size, _ in rows):
-        speed = {op: rows[fmt, group_size, op]["device_tb_per_s"] for _, _, op in rows}
+        speed = {op: r["device_tb_per_s"] for (f, g, op), r in rows.items() if (f, g) == (fmt, group_size)}
         compress = rows[fmt, group_size, "compress"]
         elements = compress["tokens"] * compress["channels"]
         ratio = (compress["bytes"] - 2 * elements) / (2 * elements)
