@@ -10,7 +10,8 @@ it on their tiles; `launch` holds what the Pallas kernels share about launching,
 the internals without a public form); `compress` and `decompress` hold the fused Pallas
 kernels, each beside its jnp reference; `row_kernels` (the Gluon compress with a group
 per thread) and `split_kernels` (every Gluon decode and the compress of larger groups, a
-group over a few lanes), built on `gluon_codec`'s shared math and launched by
+group over a few lanes), built on `gluon_codec`'s shared math and `gluon_packing`'s
+word packing of sub-byte codes, and launched by
 `triton_launch`, run by default on a CUDA GPU. Which one runs is one table,
 `backends.BACKENDS`, read with the caller's kernel mode (`taco_jax.TacoConfig.kernel_mode`:
 the kernels on GPU by default, the jnp path elsewhere and where no kernel takes the work,

@@ -98,7 +98,7 @@ def _fills_words(work: CodecWork) -> bool:
 
 _EIGHT_BIT = ("e4m3", "e5m2", "int8")
 # The sub-byte formats, whose codes the Gluon kernels pack into 32-bit words
-# (`gluon_codec.store_packed`). Taken where TACO_JAX_SUB_BYTE_KERNELS=1 until their
+# (`gluon_packing.store_packed`). Taken where TACO_JAX_SUB_BYTE_KERNELS=1 until their
 # numerics and speed are measured on a GPU; the jnp path encodes them otherwise.
 _SUB_BYTE = ("int5", "int4", "e2m3", "e3m2", "e2m1")
 SUB_BYTE_KERNELS = os.environ.get("TACO_JAX_SUB_BYTE_KERNELS", "0") == "1"

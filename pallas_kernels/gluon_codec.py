@@ -7,8 +7,6 @@ codes. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) bu
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,12 +68,6 @@ def code_pointer(fmt: str) -> str:
     return POINTER_TYPES[jnp.dtype(element.dtype if element.bits == 8 else jnp.uint32)]
 
 
-def codes_per_unit(bits: int) -> int:
-    """U: the codes of the shortest run that fills whole 32-bit words (the kernels pack
-    and unpack a unit in one thread); 4 for 8-bit codes."""
-    return 32 // math.gcd(bits, 32)
-
-
 def reads_message_scales(fmt: str) -> bool:
     """Whether a decode of whole messages in `fmt` reads each group's multiplier from the
     message's scale entries in the kernel (`load_multiplier`): packed codes, whose small
@@ -106,6 +98,20 @@ def grid(groups: int, batch: int, rows_per_program: int) -> tuple[int, int]:
 
 
 if gluon is not None:
+    from .gluon_packing import (
+        carrier_field,
+        carrier_packing,
+        carrier_scale,
+        carrier_values,
+        code_unit,
+        interleave_four,
+        load_packed,
+        packed_values,
+        packing_layout,
+        row_elements,
+        unit_codes,
+    )
+
     PRESCALE_MIN = gl.constexpr(float(wire.PRESCALE_MIN))
 
     FLOAT32_MAX = gl.constexpr(float(np.finfo(np.float32).max))
@@ -214,61 +220,6 @@ if gluon is not None:
         """int32 round(v), ties to even, for |v| < 2**22 (`formats.round_to_int`)."""
         return (values + ROUNDING_BIAS).to(gl.int32, bitcast=True) - ROUNDING_BIAS_BITS
 
-    @gluon.constexpr_function
-    def fp8_carrier(EXPONENT_BITS, MANTISSA_BITS):
-        """(the PTX name of a pair of the FP8 type, its exponent bias) whose conversion
-        rounds a sub-byte float's values exactly as the format does, once they are
-        scaled by `carrier_scale`: the type with as many mantissa bits (Hopper converts
-        float32 pairs to FP8 in one instruction). None for E2M1 and the integers."""
-        return {(2, 3): ("e4m3x2", 7), (3, 2): ("e5m2x2", 15)}.get((EXPONENT_BITS, MANTISSA_BITS))
-
-    @gluon.constexpr_function
-    def carrier_scale(EXPONENT_BITS, MANTISSA_BITS):
-        """The power of two that maps a sub-byte float's smallest normal onto its FP8
-        carrier's (2**-6: E2M3's 1 to E4M3's 2**-6; 2**-12: E3M2's 2**-2 to E5M2's
-        2**-14): the two grids then coincide over the format's range, and the carrier's
-        exponent field is the format's. 1.0 for formats without a carrier."""
-        if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None:
-            return 1.0
-        return float(2.0 ** ((2 ** (EXPONENT_BITS - 1) - 1) - fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)[1]))
-
-    @gluon.constexpr_function
-    def carrier_field(EXPONENT_BITS, MANTISSA_BITS):
-        """Codes a kernel converts and packs at once: the four of a 24-bit field for a
-        float with an FP8 carrier (`carrier_packing`), else one."""
-        return 1 if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is None else 4
-
-    @gluon.constexpr_function
-    def bit_moves(shift, steps):
-        """PTX moving bit fields of the register w: for each (n, moved, kept), the bits
-        `moved` of w shifted by n (`shift`: "shl" or "shr") joined to the bits `kept`."""
-        return "\n".join(
-            f"{shift}.b32 t, w, {n}; and.b32 t, t, {moved:#010x}; and.b32 w, w, {kept:#010x}; or.b32 w, w, t;"
-            for n, moved, kept in steps
-        )
-
-    @gluon.constexpr_function
-    def carrier_packing(EXPONENT_BITS, MANTISSA_BITS):
-        """PTX of four values ($4..$7, times `carrier_scale`) to their 6-bit codes packed
-        into a 24-bit field ($0, the first code lowest; $1..$3 zero): two conversions to
-        the FP8 carrier (a byte each, its exponent field's top bits zero), each byte's
-        sign moved down next to its 5 fields, then the 6-bit codes closed up, byte pairs
-        into 12 bits, then the two halves into 24. Nine logic operations for four codes,
-        where packing them one by one takes about twenty."""
-        pair = fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)[0]
-        return f"""{{
-        .reg .b16 low, high;
-        .reg .b32 w, t;
-        cvt.rn.satfinite.{pair}.f32 low, $5, $4;
-        cvt.rn.satfinite.{pair}.f32 high, $7, $6;
-        mov.b32 w, {{low, high}};
-        {bit_moves("shr", ((2, 0x20202020, 0x1F1F1F1F), (2, 0x0FC00FC0, 0x003F003F), (4, 0x00FFF000, 0x00000FFF)))}
-        mov.b32 $0, w;
-        mov.b32 $1, 0;
-        mov.b32 $2, 0;
-        mov.b32 $3, 0;
-        }}"""
-
     @gluon.jit
     def sub_byte_codes(
         scaled, INTEGER: gl.constexpr, BITS: gl.constexpr, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr
@@ -308,212 +259,6 @@ if gluon is not None:
             magnitude = ((binade - MIN_BITS) >> (23 - MANTISSA_BITS)) + gl.abs(steps)
             codes = magnitude | ((bits >> (31 - FIELDS)) & (1 << FIELDS))
         return codes
-
-    @gluon.constexpr_function
-    def half_exponent_scale(EXPONENT_BITS):
-        """2**(15 - bias): a sub-byte float's sign, exponent and mantissa bits placed in a
-        float16's (its exponent field at the bottom of float16's) read as float16 times
-        this are its value, subnormals included (float16's own subnormals)."""
-        return float(2.0 ** (15 - (2 ** (EXPONENT_BITS - 1) - 1)))
-
-    @gluon.jit
-    def code_values(
-        codes, INTEGER: gl.constexpr, BITS: gl.constexpr, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr
-    ):
-        """float32 values of int32 sub-byte codes (`formats.WireFormat.from_codes`) over
-        `code_unit`: integers sign-extended; sub-byte floats through a float16
-        (`half_exponent_scale`), a few instructions where decoding the fields takes a
-        dozen."""
-        if INTEGER:
-            sign = 1 << (BITS - 1)
-            values = ((codes ^ sign) - sign).to(gl.float32)
-        else:
-            FIELDS: gl.constexpr = EXPONENT_BITS + MANTISSA_BITS
-            half = (((codes >> FIELDS) & 1) << 15) | ((codes & ((1 << FIELDS) - 1)) << (10 - MANTISSA_BITS))
-            values = half.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-        return values
-
-    @gluon.constexpr_function
-    def code_unit(INTEGER, EXPONENT_BITS, MANTISSA_BITS):
-        """The power of two the decoded codes (`code_values`, `carrier_values`) are in
-        units of, which a multiplier takes on: 1 for integers, `half_exponent_scale` for
-        floats decoded through float16, 1 / `carrier_scale` through an FP8 carrier."""
-        if INTEGER:
-            return 1.0
-        if fp8_carrier(EXPONENT_BITS, MANTISSA_BITS) is not None:
-            return 1.0 / carrier_scale(EXPONENT_BITS, MANTISSA_BITS)
-        return half_exponent_scale(EXPONENT_BITS)
-
-    @gluon.constexpr_function
-    def carrier_unpacking(EXPONENT_BITS, MANTISSA_BITS):
-        """PTX of a 24-bit field of four 6-bit codes ($4, `carrier_packing`'s) to their
-        values as float32 times `carrier_scale` ($0..$3, the first code first): the
-        packing's steps undone (halves, bytes, the sign back to bit 7), then two pair
-        conversions from the FP8 carrier to float16, exact, and on to float32."""
-        pair = fp8_carrier(EXPONENT_BITS, MANTISSA_BITS)[0]
-        return f"""{{
-        .reg .b16 low, high, h0, h1, h2, h3;
-        .reg .b32 w, t, p, q;
-        mov.b32 w, $4;
-        {bit_moves("shl", ((4, 0x0FFF0000, 0x00000FFF), (2, 0x3F003F00, 0x003F003F), (2, 0x80808080, 0x1F1F1F1F)))}
-        mov.b32 {{low, high}}, w;
-        cvt.rn.f16x2.{pair} p, low;
-        cvt.rn.f16x2.{pair} q, high;
-        mov.b32 {{h0, h1}}, p;
-        mov.b32 {{h2, h3}}, q;
-        cvt.f32.f16 $0, h0;
-        cvt.f32.f16 $1, h1;
-        cvt.f32.f16 $2, h2;
-        cvt.f32.f16 $3, h3;
-        }}"""
-
-    @gluon.jit
-    def carrier_values(fields, EXPONENT_BITS: gl.constexpr, MANTISSA_BITS: gl.constexpr):
-        """The four codes of each 24-bit field as float32 times `carrier_scale`: four
-        tensors in the fields' layout, the first codes first (`carrier_unpacking`)."""
-        return gl.inline_asm_elementwise(
-            carrier_unpacking(EXPONENT_BITS, MANTISSA_BITS),
-            "=r,=r,=r,=r,r",
-            [fields],
-            [gl.float32, gl.float32, gl.float32, gl.float32],
-            True,
-            1,
-        )
-
-    @gluon.jit
-    def interleave_four(first, second, third, fourth):
-        """(a, b, 4 n) of four (a, b, n) tensors: element i of each at 4 i, 4 i + 1, ..."""
-        joined = gl.join(gl.join(first, third), gl.join(second, fourth))
-        return joined.reshape([first.shape[0], first.shape[1], first.shape[2] * 4])
-
-    @gluon.constexpr_function
-    def unit_codes(BITS):
-        """`codes_per_unit` at compile time (a constexpr function calls no plain Python
-        function)."""
-        return 32 // math.gcd(BITS, 32)
-
-    @gluon.constexpr_function
-    def unit_words(BITS):
-        """The 32-bit words U codes fill."""
-        return BITS // math.gcd(BITS, 32)
-
-    @gluon.constexpr_function
-    def padded_words(BITS):
-        """`unit_words` rounded up to a power of two (a tensor's extent)."""
-        return 1 << (unit_words(BITS) - 1).bit_length()
-
-    @gluon.constexpr_function
-    def packing_layout(G, BITS, NUM_WARPS, VALUES):
-        """(rows, units, padded words, codes) of packed groups: whole units in one thread,
-        VALUES consecutive codes of a group if that is a whole number of them (as the
-        split layout of V = VALUES holds them, so that no values move between the two),
-        at least one, and at most 32 lanes a group."""
-        U = unit_codes(BITS)
-        values = max(VALUES, U, G // 32)
-        return gl.BlockedLayout(
-            [1, values // U, padded_words(BITS), U],
-            [32 // (G // values), G // values, 1, 1],
-            [NUM_WARPS, 1, 1, 1],
-            [3, 2, 1, 0],
-        )
-
-    @gluon.constexpr_function
-    def row_elements(G, BITS):
-        """Elements of the payload pointer's type a group takes: G codes, or its packed
-        codes' G * BITS / 32 words."""
-        return G if BITS == 8 else G * BITS // 32
-
-    @gluon.jit
-    def _field_offsets(G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr, VALUES: gl.constexpr):
-        """(1, 1, WP, U): where code i of a unit starts in its word k, BITS * i - 32 * k
-        (negative: it started in the word before). Past the unit's words every code
-        lies wholly before the word."""
-        layout: gl.constexpr = packing_layout(G, BITS, NUM_WARPS, VALUES)
-        # Each expanded axis by axis, left to right, as its layout is sliced.
-        words = gl.arange(0, padded_words(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
-        codes = gl.arange(0, unit_codes(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
-        return BITS * codes[None, None, None, :] - 32 * words[None, None, :, None]
-
-    @gluon.jit
-    def packed_offsets(
-        start,
-        n_rows,
-        ROWS: gl.constexpr,
-        G: gl.constexpr,
-        BITS: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        VALUES: gl.constexpr,
-    ):
-        """(word offsets, mask) of rows [start, start + ROWS) of packed groups (G * BITS
-        / 32 words a row), as (rows, units, padded words) in `packing_layout`; the mask
-        drops rows past n_rows and the padding words."""
-        layout: gl.constexpr = gl.SliceLayout(3, packing_layout(G, BITS, NUM_WARPS, VALUES))
-        U: gl.constexpr = unit_codes(BITS)
-        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-        units = gl.arange(0, G // U, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-        words = gl.arange(0, padded_words(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
-        offsets = (
-            rows.to(gl.int64)[:, None, None] * row_elements(G, BITS)
-            + (units * unit_words(BITS))[None, :, None]
-            + words[None, None, :]
-        )
-        return offsets, (rows < n_rows)[:, None, None] & (words < unit_words(BITS))[None, None, :]
-
-    @gluon.jit
-    def store_packed(
-        base,
-        codes,
-        start,
-        n_rows,
-        ROWS: gl.constexpr,
-        G: gl.constexpr,
-        BITS: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        VALUES: gl.constexpr,
-    ):
-        """Store int32 codes (ROWS, G) (their low BITS bits) packed as `formats.pack_codes`
-        packs them (32-bit words, little-endian) into rows [start, ...) at `base` (a
-        uint32 pointer); rows past n_rows are not stored. `codes` may also be (ROWS, G /
-        F) fields of F consecutive codes each (`sub_byte_codes`), packed alike."""
-        # Fields: FIELDS of FIELD_BITS bits a row, packed as codes are.
-        FIELDS: gl.constexpr = codes.shape[1]
-        FIELD_BITS: gl.constexpr = G * BITS // FIELDS
-        VALUE_FIELDS: gl.constexpr = VALUES * FIELDS // G
-        U: gl.constexpr = unit_codes(FIELD_BITS)
-        layout: gl.constexpr = packing_layout(FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
-        units = gl.convert_layout(codes.reshape([ROWS, FIELDS // U, U]), gl.SliceLayout(2, layout))
-        offset = _field_offsets(FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
-        fields = units.to(gl.uint32, bitcast=True)[:, :, None, :]
-        placed = gl.where(
-            offset >= 0, fields << gl.maximum(offset, 0).to(gl.uint32), fields >> gl.maximum(-offset, 0).to(gl.uint32)
-        )
-        # The fields of a word are disjoint: their sum is their bitwise or.
-        words = gl.sum(gl.where((offset > -FIELD_BITS) & (offset < 32), placed, 0), axis=3)
-        offsets, mask = packed_offsets(start, n_rows, ROWS, FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
-        gl.store(base + offsets, words, mask=mask)
-
-    @gluon.jit
-    def load_packed(
-        base,
-        start,
-        n_rows,
-        ROWS: gl.constexpr,
-        G: gl.constexpr,
-        BITS: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-        VALUES: gl.constexpr,
-    ):
-        """int32 codes (ROWS, G / U, U) of rows [start, ...) of packed groups at `base` (a
-        uint32 pointer), in `packing_layout` sliced at its words: `store_packed`'s
-        inverse; rows past n_rows are not read (their codes are undefined)."""
-        offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
-        words = gl.load(base + offsets, mask=mask)[:, :, :, None]
-        offset = _field_offsets(G, BITS, NUM_WARPS, VALUES)
-        fields = gl.where(
-            offset >= 0, words >> gl.maximum(offset, 0).to(gl.uint32), words << gl.maximum(-offset, 0).to(gl.uint32)
-        )
-        fields = gl.where((offset > -BITS) & (offset < 32), fields & ((1 << BITS) - 1), 0)
-        return gl.sum(fields, axis=2).to(gl.int32, bitcast=True)
 
     @gluon.constexpr_function
     def entry_itemsize(MESSAGE_SCALES):
@@ -595,16 +340,7 @@ if gluon is not None:
         summed = gl.zeros([ROWS, G // unit_codes(BITS), unit_codes(BITS) // F], gl.float32, units)
         second, third, fourth = summed, summed, summed
         for shard in gl.static_range(SHARDS):
-            codes = load_packed(
-                payload_ptr + shard * in_rows * row_elements(G, BITS),
-                start,
-                n_rows,
-                ROWS,
-                G // F,
-                BITS * F,
-                NUM_WARPS,
-                VALUES // F,
-            )
+            shard_ptr = payload_ptr + shard * in_rows * row_elements(G, BITS)
             # The codes' constant unit goes into the multiplier (exact: it is at most 2
             # after the shift).
             multiplier = load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
@@ -612,8 +348,12 @@ if gluon is not None:
                 :, None, None
             ]
             if F == 1:
-                summed = summed + code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS) * multiplier
+                values = packed_values(
+                    shard_ptr, start, n_rows, ROWS, G, NUM_WARPS, VALUES, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS
+                )
+                summed = summed + values * multiplier
             else:
+                codes = load_packed(shard_ptr, start, n_rows, ROWS, G // F, BITS * F, NUM_WARPS, VALUES // F)
                 values = carrier_values(codes, EXPONENT_BITS, MANTISSA_BITS)
                 summed = summed + values[0] * multiplier
                 second = second + values[1] * multiplier

@@ -218,12 +218,11 @@ if gluon is not None:
     from .gluon_codec import (
         hadamard_in_registers,
         normalize,
-        row_elements,
         row_layout,
         scaled_codes,
-        store_packed,
         with_headroom,
     )
+    from .gluon_packing import row_elements, store_packed
 
     @gluon.constexpr_function
     def _tile_layout(NUM_WARPS, VECTOR, LANES):

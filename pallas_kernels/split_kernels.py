@@ -26,7 +26,6 @@ from .gluon_codec import (
     POINTER_TYPES,
     SCALE_FORMAT_IDS,
     code_pointer,
-    codes_per_unit,
     element_codes,
     grid,
     inverse_sqrt,
@@ -35,6 +34,7 @@ from .gluon_codec import (
     scale_dtype,
     scales_struct,
 )
+from .gluon_packing import codes_per_unit
 from .launch import output_struct
 
 try:
@@ -196,7 +196,7 @@ def decode_config(shards: int, requantize: bool, config: SplitConfig | None = No
       requantize: whether the sum is requantized.
       config: the launch asked for, or None for the default of the work.
       fmt: the codes' format: packed codes take `PACKED_SUM_VALUES` a thread in a sum,
-        and in one shard their packing unit (`gluon_codec.codes_per_unit`, so that no
+        and in one shard their packing unit (`gluon_packing.codes_per_unit`, so that no
         unit is unpacked twice) up to `PACKED_ONE_SHARD_VALUES`.
 
     Returns:
@@ -287,26 +287,19 @@ def _launch_decompress(
 
 if gluon is not None:
     from .gluon_codec import (
-        carrier_field,
-        carrier_values,
-        code_unit,
-        code_values,
-        interleave_four,
         load_multiplier,
-        load_packed,
         multiplier_source,
         normalize,
         packed_sum,
         pow2,
         power_of_two,
-        row_elements,
         saturating_cast,
         scaled_codes,
-        store_packed,
         sum_shift,
         times_pow2,
         with_headroom,
     )
+    from .gluon_packing import group_values, row_elements, store_packed
 
     @gluon.constexpr_function
     def _split_layout(G, VALUES, NUM_WARPS):
@@ -361,15 +354,10 @@ if gluon is not None:
         if BITS == 8:
             values = gl.load(shard_ptr + offsets, mask=in_range[:, None]).to(gl.float32)
         else:
-            F: gl.constexpr = carrier_field(EXPONENT_BITS, MANTISSA_BITS)
-            codes = load_packed(shard_ptr, start, n_rows, ROWS, G // F, BITS * F, NUM_WARPS, VALUES // F)
-            if F == 1:
-                values = code_values(codes, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS)
-            else:
-                values = carrier_values(codes, EXPONENT_BITS, MANTISSA_BITS)
-                values = interleave_four(values[0], values[1], values[2], values[3])
-            unit = code_unit(INTEGER, EXPONENT_BITS, MANTISSA_BITS)
-            values = gl.convert_layout(values.reshape([ROWS, G]) * unit, offsets.type.layout)
+            values = group_values(
+                shard_ptr, start, n_rows, ROWS, G, NUM_WARPS, VALUES, INTEGER, BITS, EXPONENT_BITS, MANTISSA_BITS
+            )
+            values = gl.convert_layout(values, offsets.type.layout)
         return values
 
     @gluon.jit

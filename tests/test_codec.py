@@ -141,7 +141,7 @@ def test_sub_byte_floats_are_the_ocp_mx_formats(fmt):
 
 
 # The Gluon kernels encode and decode the 6-bit floats through an FP8 carrier with as many
-# mantissa bits (`gluon_codec.fp8_carrier`).
+# mantissa bits (`gluon_packing.fp8_carrier`).
 CARRIERS = {"e2m3": ml_dtypes.float8_e4m3fn, "e3m2": ml_dtypes.float8_e5m2}
 
 

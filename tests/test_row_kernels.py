@@ -682,6 +682,38 @@ def test_packed_decodes_read_their_messages_scale_entries(fmt, group_size, scale
     assert re.search(load, ptx)
 
 
+@pytest.mark.parametrize("fmt, shards, requantize", [("int4", 4, False), ("int5", 1, False), ("int4", 2, True)])
+def test_packed_integers_decode_in_place(fmt, shards, requantize):
+    """Packed integer codes decode in a float32's mantissa (`gluon_packing.integer_values`):
+    a three-input logic operation a code and no integer-to-float conversion."""
+    pytest.importorskip("triton.experimental.gluon")
+    codes = gluon_codec.code_pointer(fmt)
+    config = split_kernels.decode_config(shards, requantize, fmt=fmt)
+    # No transform: its stages across lanes convert a sign from the lane index.
+    function, constexprs = split_kernels.decode_kernel(fmt, 32, shards, False, "bf16" if requantize else None, config)
+    bf16 = gluon_codec.POINTER_TYPES[jnp.dtype(jnp.bfloat16)]
+    types = [codes, "*fp32", codes, bf16, "i32", "i64", "i64"] if requantize else [codes, "*fp32", bf16, "i32", "i64"]
+    ptx = _compile_for_sm90(function, types, constexprs, config.num_warps).asm["ptx"]
+    assert re.search(r"lop3\.b32 \S+, \S+, \S+, \S+, 0x6A;", ptx)
+    assert not re.search(r"cvt\.rn\.f32\.[su]32", ptx)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_an_integer_code_decodes_at_every_place_in_a_mantissa(bits):
+    """The in-place decode's arithmetic: code c (two's complement) at bit p <= 23 - bits,
+    masked, its sign bit flipped and the exponent 150 - p set above it, is the float32
+    2**(23 - p) + c + 2**(bits - 1); less the same at c = 0 it is c, exact."""
+    codes = np.arange(1 << bits, dtype=np.int64)
+    want = np.where(codes >= 1 << (bits - 1), codes - (1 << bits), codes).astype(np.float64)
+    for place in range(24 - bits):
+        neighbours = np.int64(0x7FFFFFFF) & ~(((1 << bits) - 1) << place)  # other codes' bits
+        words = (codes << place) | neighbours
+        magic = ((150 - place) << 23) | (1 << (bits - 1) << place)
+        biased = (words & (((1 << bits) - 1) << place)) ^ magic
+        got = biased.astype(np.uint32).view(np.float32) - np.array([magic], np.uint32).view(np.float32)
+        np.testing.assert_array_equal(got.astype(np.float64), want)
+
+
 def test_an_e8m0_code_decodes_from_its_bits():
     """The kernels' E8M0 decode, the code as a float32's exponent field (code 0 as 1, the
     NaN code as a quiet NaN), is `formats.decode_e8m0` for every code."""
