@@ -153,7 +153,8 @@ if gluon is not None:
 
     @gluon.jit
     def normalize(groups, FMT_MAX: gl.constexpr, G: gl.constexpr):
-        """`wire.normalize_groups`: (normalized, factor, prescale)."""
+        """`wire.normalize_groups`: (normalized, factor, prescale, the normalized groups'
+        absmax: their absmax times the same power of two, exact)."""
         absmax = gl.max(gl.abs(groups), axis=1)
         shift = gl.minimum(((absmax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 126)
         normalized = groups * pow2(-shift)[:, None]
@@ -163,7 +164,7 @@ if gluon is not None:
         # max() skips NaN in a kernel; the mean square does not (`wire.prescale_of`).
         finite = (absmax < float("inf")) & (gl.abs(mean_square) < float("inf"))
         prescale = gl.where(finite, prescale, float("nan"))
-        return normalized, times_pow2(prescale, shift), prescale
+        return normalized, times_pow2(prescale, shift), prescale, absmax * pow2(-shift)
 
     @gluon.jit
     def round_up_to_bf16(ratio):
@@ -366,6 +367,7 @@ if gluon is not None:
     @gluon.jit
     def scaled_codes(
         values,
+        absmax,
         factor,
         prescale,
         codes_dtype: gl.constexpr,
@@ -379,11 +381,12 @@ if gluon is not None:
         EXPONENT_BITS: gl.constexpr,
         MANTISSA_BITS: gl.constexpr,
     ):
-        """`wire.quantize_scaled` of a tile of groups y = values * factor: stores
+        """`wire.quantize_scaled` of a tile of groups y = values * factor (`absmax`: the
+        rows' max |values|, which a caller may have at hand): stores
         the packed scales of its `rows` (along the tile's rows; `in_range` masks them) at
         `scales_ptr` and returns the codes in the layout of `values`: 8-bit codes in
         `codes_dtype`, sub-byte codes as int32 (`sub_byte_codes`)."""
-        scale = gl.div_rn(gl.max(gl.abs(values), axis=1) * factor, gl.full_like(factor, FMT_MAX))
+        scale = gl.div_rn(absmax * factor, gl.full_like(factor, FMT_MAX))
         scale = gl.where(scale < SCALE_MIN, SCALE_MIN, scale)  # NaN stays NaN
         # A requantized sum beyond float32's range: its multiplier held at MAX_SCALE
         # (`wire.scale_entries`), so the group decodes finite.

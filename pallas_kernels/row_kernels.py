@@ -319,13 +319,15 @@ if gluon is not None:
         async_copy.wait_group(0)
         gl.thread_barrier()  # every thread's copies have landed
         groups = staging.load(row_layout(G, NUM_WARPS)).to(gl.float32)
-        values, factor, prescale = normalize(groups, FMT_MAX, G)
+        values, factor, prescale, absmax = normalize(groups, FMT_MAX, G)
         if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
             values = hadamard_in_registers(values, G, LOG_G, NUM_WARPS)
             factor = factor * INV_SQRT
+            absmax = gl.max(gl.abs(values), axis=1)
         rows = _rows(start, ROWS, row_layout(G, NUM_WARPS))
         codes = scaled_codes(
             values,
+            absmax,
             factor,
             with_headroom(prescale, HEADROOM),
             payload_ptr.dtype.element_ty,

@@ -489,12 +489,14 @@ if gluon is not None:
         sub-byte codes)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         groups = gl.load(x_ptr + batch * n_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
-        values, factor, prescale = normalize(groups, FMT_MAX, G)
+        values, factor, prescale, absmax = normalize(groups, FMT_MAX, G)
         if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
             values = _split_hadamard(values, ROWS, G, VALUES)
             factor = factor * INV_SQRT
+            absmax = gl.max(gl.abs(values), axis=1)
         codes = scaled_codes(
             values,
+            absmax,
             factor,
             with_headroom(prescale, HEADROOM),
             payload_ptr.dtype.element_ty,
@@ -656,9 +658,10 @@ if gluon is not None:
         )
         # No transform (the sum is already in the transformed domain); the pre-scale is
         # the unscaled sum's.
-        values, factor, prescale = normalize(summed, FMT_MAX, G)
+        values, factor, prescale, absmax = normalize(summed, FMT_MAX, G)
         codes = scaled_codes(
             values,
+            absmax,
             factor,
             times_pow2(prescale, -shift),
             out_ptr.dtype.element_ty,
