@@ -345,4 +345,7 @@ if gluon is not None:
         if BITS == 8:
             _store_groups(payload_ptr, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
         else:
-            store_packed(payload_ptr, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, 1)
+            # Packed where they were computed, a group per thread: regrouping the codes
+            # over lanes first held all of them at once (255 registers at G = 128, 167
+            # without; `benchmarks.kernel_sass --packed`).
+            store_packed(payload_ptr, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, G)

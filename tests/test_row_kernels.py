@@ -660,15 +660,23 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
         ("int5", 32, "e8m0", 2, False, r"ld\.global\.b8"),
         ("int4", 128, "bf16", 4, True, r"ld\.global\.b16"),
         ("e3m2", 64, "e8m0", 2, True, r"ld\.global\.b8"),
+        ("int8", 128, "bf16", 4, True, r"ld\.global\.b16"),
+        ("e4m3", 128, "dual", 2, False, r"div\.\w+\.f32"),
     ],
 )
-def test_packed_decodes_read_their_messages_scale_entries(fmt, group_size, scale_format, shards, requantize, load):
-    """Decoding whole messages of packed codes, the kernels take the messages a second
+def test_decodes_read_their_messages_scale_entries(
+    fmt, group_size, scale_format, shards, requantize, load, monkeypatch
+):
+    """Decoding whole messages, the kernels take the messages a second
     time as the scale entries' dtype and decode each group's multiplier where it follows
     the payload: a 16-bit load of a bfloat16, a byte of E8M0, s / a of "dual" (no float32
-    multiplier array); 8-bit codes keep reading the array."""
+    multiplier array); 8-bit codes as packed ones where TACO_JAX_8BIT_MESSAGE_SCALES=1, and
+    from the array otherwise."""
     pytest.importorskip("triton.experimental.gluon")
-    assert gluon_codec.reads_message_scales(fmt) and not gluon_codec.reads_message_scales("int8")
+    monkeypatch.delenv("TACO_JAX_8BIT_MESSAGE_SCALES", raising=False)
+    assert gluon_codec.reads_message_scales(fmt) == (formats.wire_format(fmt).bits < 8)
+    monkeypatch.setenv("TACO_JAX_8BIT_MESSAGE_SCALES", "1")
+    assert gluon_codec.reads_message_scales(fmt)
     codes, entries = gluon_codec.code_pointer(fmt), gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(scale_format)]
     config = split_kernels.decode_config(shards, requantize, fmt=fmt)
     function, constexprs = split_kernels.decode_kernel(
