@@ -298,8 +298,8 @@ if gluon is not None:
         """float32 values of the two's-complement codes `load_packed` loads, in its layout.
         The codes are read in windows of `window_codes` (a word, or two words' funnel
         shift); code i of a window, at bit p, is masked in place, its sign bit flipped and
-        a float32 exponent set above it: the float 2**(23 - p) + code + 2**(BITS - 1),
-        less the same constant at code 0, is the code's value, exact. One logic operation
+        a float32 exponent set above it: for a code of value v, the float 2**(23 - p) + v +
+        2**(BITS - 1), which less the same float at v = 0 is v, exact. One logic operation
         and one addition a code, where shifting each down and converting it takes three."""
         offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
         words = gl.load(base + offsets, mask=mask)[:, :, :, None]
