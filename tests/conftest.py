@@ -24,6 +24,11 @@ from collections import defaultdict  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run (a fixed seed, no example database).
+settings.register_profile("fixed_seed", derandomize=True, database=None)
+settings.load_profile("fixed_seed")
 
 
 def cpu_env(devices: int) -> dict[str, str]:
