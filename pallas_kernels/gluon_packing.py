@@ -187,6 +187,13 @@ if gluon is not None:
         return G if BITS == 8 else G * BITS // 32
 
     @gluon.jit
+    def _shift_down(words, offset):
+        """uint32 words >> offset, a negative offset shifting them up instead."""
+        return gl.where(
+            offset >= 0, words >> gl.maximum(offset, 0).to(gl.uint32), words << gl.maximum(-offset, 0).to(gl.uint32)
+        )
+
+    @gluon.jit
     def _field_offsets(G: gl.constexpr, BITS: gl.constexpr, NUM_WARPS: gl.constexpr, VALUES: gl.constexpr):
         """(1, 1, WP, U): where code i of a unit starts in its word k, BITS * i - 32 * k
         (negative: it started in the word before). Past the unit's words every code
@@ -247,9 +254,7 @@ if gluon is not None:
         units = gl.convert_layout(codes.reshape([ROWS, FIELDS // U, U]), gl.SliceLayout(2, layout))
         offset = _field_offsets(FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
         fields = units.to(gl.uint32, bitcast=True)[:, :, None, :]
-        placed = gl.where(
-            offset >= 0, fields << gl.maximum(offset, 0).to(gl.uint32), fields >> gl.maximum(-offset, 0).to(gl.uint32)
-        )
+        placed = _shift_down(fields, -offset)
         # The fields of a word are disjoint: their sum is their bitwise or.
         words = gl.sum(gl.where((offset > -FIELD_BITS) & (offset < 32), placed, 0), axis=3)
         offsets, mask = packed_offsets(start, n_rows, ROWS, FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
@@ -272,10 +277,7 @@ if gluon is not None:
         offsets, mask = packed_offsets(start, n_rows, ROWS, G, BITS, NUM_WARPS, VALUES)
         words = gl.load(base + offsets, mask=mask)[:, :, :, None]
         offset = _field_offsets(G, BITS, NUM_WARPS, VALUES)
-        fields = gl.where(
-            offset >= 0, words >> gl.maximum(offset, 0).to(gl.uint32), words << gl.maximum(-offset, 0).to(gl.uint32)
-        )
-        fields = gl.where((offset > -BITS) & (offset < 32), fields & ((1 << BITS) - 1), 0)
+        fields = gl.where((offset > -BITS) & (offset < 32), _shift_down(words, offset) & ((1 << BITS) - 1), 0)
         return gl.sum(fields, axis=2).to(gl.int32, bitcast=True)
 
     @gluon.constexpr_function
@@ -309,11 +311,8 @@ if gluon is not None:
         code = gl.arange(0, unit_codes(BITS), layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
         # Where each code's window starts, relative to each word of its unit.
         offset = ((code // C) * (C * BITS))[None, None, None, :] - 32 * word[None, None, :, None]
-        pieces = gl.where(
-            offset >= 0, words >> gl.maximum(offset, 0).to(gl.uint32), words << gl.maximum(-offset, 0).to(gl.uint32)
-        )
         in_window = (offset > -C * BITS) & (offset < 32) & (word < unit_words(BITS))[None, None, :, None]
-        windows = gl.sum(gl.where(in_window, pieces, 0), axis=2).to(gl.int32, bitcast=True)
+        windows = gl.sum(gl.where(in_window, _shift_down(words, offset), 0), axis=2).to(gl.int32, bitcast=True)
         position = ((code % C) * BITS)[None, None, :]
         magic = ((150 - position) << 23) | ((1 << (BITS - 1)) << position)
         # (windows & field) ^ magic in one instruction: written apart, each constant takes
