@@ -150,13 +150,11 @@ def packed_kernels(fmt: str, group_size: int, scale_format: str) -> list[tuple[s
         ("requantize_sum", SHARDS, True),
     ):
         config = split_kernels.decode_config(shards, requantize, fmt=fmt)
-        # As `decompress.decompress_message` launches them.
-        message_scales = scale_format if gc.reads_message_scales(fmt) else None
+        # As `decompress.decompress_message` launches them: the scales read from the message.
         kernel, constexprs = split_kernels.decode_kernel(
-            fmt, group_size, shards, True, scale_format if requantize else None, config, message_scales
+            fmt, group_size, shards, True, scale_format if requantize else None, config, scale_format
         )
-        source = scales if message_scales else "*fp32"
-        types = [codes, source, codes, scales, "i32", "i64", "i64"] if requantize else [codes, source, x, "i32", "i64"]
+        types = [codes, scales, codes, scales, "i32", "i64", "i64"] if requantize else [codes, scales, x, "i32", "i64"]
         per_thread = config.values(group_size) * config.rows_per_thread
         out.append((op, compiled(kernel, types, constexprs, config.num_warps), per_thread))
     return out

@@ -7,8 +7,6 @@ codes. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) bu
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,15 +66,6 @@ def code_pointer(fmt: str) -> str:
     dtype's for 8-bit codes, 32-bit words for packed codes."""
     element = formats.wire_format(fmt)
     return POINTER_TYPES[jnp.dtype(element.dtype if element.bits == 8 else jnp.uint32)]
-
-
-def reads_message_scales(fmt: str) -> bool:
-    """Whether a decode of whole messages in `fmt` reads each group's multiplier from the
-    message's scale entries in the kernel (`load_multiplier`) rather than from a float32
-    multiplier array computed first: packed codes, whose small groups made the array cost
-    the most; 8-bit codes with TACO_JAX_8BIT_MESSAGE_SCALES=1, until the two are timed
-    against each other on a GPU."""
-    return formats.wire_format(fmt).bits < 8 or os.environ.get("TACO_JAX_8BIT_MESSAGE_SCALES", "0") == "1"
 
 
 def row_bytes(fmt: str, group_size: int) -> int:

@@ -3,8 +3,9 @@ values a thread (`SplitConfig`). They run every decode (one shard, a sum of k sh
 a float dtype or requantized into a new message) and the compress of groups larger than
 the row kernel holds. A group's statistics are reductions over its lanes, and the
 Walsh-Hadamard stages across lanes are warp shuffles. Packed codes are summed in the
-layout they unpack in; decoding whole messages, they read their multipliers from the
-scale entries there (`gluon_codec.load_multiplier`), other codes from a float32 array.
+layout they unpack in. Decoding whole messages, every kernel reads its multipliers from
+the scale entries there (`gluon_codec.load_multiplier`); groups decoded apart from a
+message take them from a float32 array.
 
 The math is `gluon_codec`'s; `decompress.decompress_reference` (and, for the compress of
 larger groups, `compress.compress_reference`) is what they are tested against.
@@ -30,7 +31,6 @@ from .gluon_codec import (
     grid,
     inverse_sqrt,
     quantization,
-    reads_message_scales,
     scale_dtype,
     scales_struct,
 )
@@ -150,14 +150,13 @@ def gluon_decompress(
       config: the split kernel's launch; the default of the work if None
         (`decode_config`).
       message_scales: the scale format of `payload`'s own entries, where it holds whole
-        messages: where `gluon_codec.reads_message_scales`, the kernel decodes the
-        multipliers from them, and `multiplier` goes unused.
+        messages: the kernel decodes the multipliers from them, and `multiplier` goes
+        unused.
 
     Returns:
       decoded (B, N, G) in `out_dtype`, or with `requantize_to` (payload (B, payload_rows,
       G) in the dtype of `payload`, scales (B, N, 2) for "dual", else (B, N)).
     """
-    message_scales = message_scales if reads_message_scales(fmt) else None
     launch = functools.partial(
         _launch_decompress,
         message_scales=message_scales,

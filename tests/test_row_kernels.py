@@ -664,19 +664,12 @@ def test_decode_kernels_compile_for_sm90(kernel, fmt, out, shards, transform):
         ("e4m3", 128, "dual", 2, False, r"div\.\w+\.f32"),
     ],
 )
-def test_decodes_read_their_messages_scale_entries(
-    fmt, group_size, scale_format, shards, requantize, load, monkeypatch
-):
+def test_decodes_read_their_messages_scale_entries(fmt, group_size, scale_format, shards, requantize, load):
     """Decoding whole messages, the kernels take the messages a second
     time as the scale entries' dtype and decode each group's multiplier where it follows
     the payload: a 16-bit load of a bfloat16, a byte of E8M0, s / a of "dual" (no float32
-    multiplier array); 8-bit codes as packed ones where TACO_JAX_8BIT_MESSAGE_SCALES=1, and
-    from the array otherwise."""
+    multiplier array), for packed and 8-bit codes alike."""
     pytest.importorskip("triton.experimental.gluon")
-    monkeypatch.delenv("TACO_JAX_8BIT_MESSAGE_SCALES", raising=False)
-    assert gluon_codec.reads_message_scales(fmt) == (formats.wire_format(fmt).bits < 8)
-    monkeypatch.setenv("TACO_JAX_8BIT_MESSAGE_SCALES", "1")
-    assert gluon_codec.reads_message_scales(fmt)
     codes, entries = gluon_codec.code_pointer(fmt), gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(scale_format)]
     config = split_kernels.decode_config(shards, requantize, fmt=fmt)
     function, constexprs = split_kernels.decode_kernel(
