@@ -263,7 +263,8 @@ QUALITY_COMMANDS = {
     "shakespeare --variants off,taco6-4,e2m3fwd-int4g16bwd,taco+mixed, cut at 525 s (python-code: off, and "
     "seeds 0-1 of the others); then --corpora python-code --variants off,taco+mixed,int5,taco6-4,"
     "e2m3fwd-int4g16bwd --jobs 12 (python-code, 3 seeds); then --corpora python-docs --variants "
-    "off,taco+mixed,taco6-4 --seeds 2 --jobs 12",
+    "off,taco+mixed,taco6-4 --seeds 2 --jobs 12; then --corpora python-docs --variants "
+    "off,taco+,taco+mixed,taco6-4 --seeds 3 --jobs 12 (seed 2, and taco+)",
 }
 QUALITY_DATES = {
     "quality_stable.json": "2026-12-02 to 2026-12-03",
