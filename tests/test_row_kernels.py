@@ -289,7 +289,11 @@ def _compile_for_sm90(kernel, pointer_types, constexprs, num_warps):
 def test_compress_kernels_compile_for_sm90(fmt, scale_format, kernel):
     """Triton builds the compress kernels for an H100/H200 (no GPU needed): the row
     kernel with its layout conversions through shared memory, the split kernel (G = 512,
-    16 lanes a group) with none for 8-bit codes; sub-byte codes packed into words."""
+    16 lanes a group) with none for 8-bit codes; sub-byte codes packed into words, by the
+    row kernel in the thread that holds the group where a packing unit is a power of two
+    of words (INT4), else over lanes through shared memory (E2M3's units of 3 words,
+    INT5's of 5, whose scalar stores from one thread a group would lie a group's bytes
+    apart across a warp)."""
     pytest.importorskip("triton.experimental.gluon")
     scale_pointer = gluon_codec.POINTER_TYPES[gluon_codec.scale_dtype(scale_format)]
     types = ["*bf16", gluon_codec.code_pointer(fmt), scale_pointer, "i32", "i64"]
@@ -302,6 +306,9 @@ def test_compress_kernels_compile_for_sm90(fmt, scale_format, kernel):
     assert (compiled.metadata.shared > 0) == (kernel == "row") or packed
     # Packed codes are stored as 32-bit words (vectors of them where a thread's are adjacent).
     assert re.search(r"st\.global(\.v[24])?\.b32", compiled.asm["ptx"]) or not packed
+    if packed and kernel == "row":
+        regrouped = "st.shared" in compiled.asm["ptx"]
+        assert regrouped == (fmt in ("e2m3", "int5")), (fmt, regrouped)
 
 
 def test_gluon_call_rejects_scalars_out_of_place():
