@@ -12,6 +12,12 @@ and a random-sign Hadamard ("+rs": a fixed +-1 per channel from a seed, the same
 rank, applied before the transform; measured through the codec on the signed tensor,
 whose errors are those of the tensor itself, the signs undone).
 
+Beside each spec, what no code of its bits a value can beat on a Gaussian source (the
+messages after the transform quantize as Gaussian ones do): the rate-distortion bound
+2**-R of any code, and the error of the best fixed-rate scalar code (a Lloyd-Max
+quantizer of floor(2**R) levels, fitted to the Gaussian itself: a message buffer of
+fixed size takes no entropy coding).
+
 Usage:
   python -m benchmarks.fewer_bits [--tokens 1024] [--channels 4096] [--out FILE.json]
 """
@@ -19,6 +25,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 
@@ -139,6 +146,46 @@ class TwoLevel:
         }
 
 
+_erf = np.vectorize(math.erf)
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def _normal_pdf(x: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * np.square(x)) / math.sqrt(2.0 * math.pi)
+
+
+def lloyd_max_rel_rmse(levels: int, iterations: int = 2000) -> float:
+    """RMS error of the best scalar quantizer with `levels` levels on a unit Gaussian
+    (Lloyd-Max: each level the mean of its cell, each threshold halfway between two
+    levels, iterated to the fixed point)."""
+    if levels < 1:
+        raise ValueError(f"a quantizer needs at least one level, got {levels}")
+    # The outer cells end at +-40 standard deviations, where the density is 0 in float64.
+    tail = np.array([40.0])
+    points = np.linspace(-3.0, 3.0, levels) if levels > 1 else np.zeros(1)
+    for _ in range(iterations + 1):
+        edges = np.concatenate([-tail, (points[1:] + points[:-1]) / 2, tail])
+        low, high = edges[:-1], edges[1:]
+        mass = _normal_cdf(high) - _normal_cdf(low)
+        first = _normal_pdf(low) - _normal_pdf(high)  # the integral of x over a cell
+        error = mass - (high * _normal_pdf(high) - low * _normal_pdf(low)) - 2 * points * first
+        error = error + np.square(points) * mass  # of (x - level)^2 over each cell
+        points = first / mass
+    return float(np.sqrt(np.sum(error)))
+
+
+def gaussian_limits(bits_per_element: float) -> dict[str, float]:
+    """The least relative RMS error on a Gaussian source at `bits_per_element`: of any
+    code (the rate-distortion bound), and of a fixed-rate scalar code."""
+    return {
+        "any_code_rel_rmse": 2.0**-bits_per_element,
+        "scalar_code_rel_rmse": lloyd_max_rel_rmse(math.floor(2.0**bits_per_element)),
+    }
+
+
 def random_signs(channels: int, seed: int = SIGN_SEED) -> np.ndarray:
     """The fixed +-1 per channel that every rank applies before the transform."""
     return np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), channels)
@@ -154,9 +201,11 @@ def measure_form(text: str, x: np.ndarray, parts: np.ndarray) -> dict:
         x, parts = x * signs, parts * signs
     if base.endswith(":e4m3x2"):
         form = TwoLevel.parse(base)
-        return {"emulated": True, "bits_per_element": form.bits_per_element, **form.measure(x, parts)}
-    spec = tj.QuantSpec.parse(base)
-    return {"emulated": False, "bits_per_element": spec.bits_per_element, **measure(x, parts, spec)}
+        bits, emulated, errors = form.bits_per_element, True, form.measure(x, parts)
+    else:
+        spec = tj.QuantSpec.parse(base)
+        bits, emulated, errors = spec.bits_per_element, False, measure(x, parts, spec)
+    return {"emulated": emulated, "bits_per_element": bits, **errors, **gaussian_limits(bits)}
 
 
 def run(tokens: int, channels: int, ranks: int) -> list[dict]:
@@ -172,12 +221,13 @@ def run(tokens: int, channels: int, ranks: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: relative RMSE single-shot / two-shot per tensor kind, and each spec's
-    worst single-shot error as a multiple of E4M3's on the same tensor."""
+    """Markdown: relative RMSE single-shot / two-shot per tensor kind, each spec's
+    worst single-shot error as a multiple of E4M3's on the same tensor, and the least
+    error of any code / of a fixed-rate scalar code at its bits on a Gaussian."""
     kinds = tp_tensors.KINDS
     lines = [
-        "| spec | wire/bf16 | " + " | ".join(kinds) + " | worst x E4M3 |",
-        "|" + "---|" * (3 + len(kinds)),
+        "| spec | wire/bf16 | " + " | ".join(kinds) + " | worst x E4M3 | least on a Gaussian: any / scalar |",
+        "|" + "---|" * (4 + len(kinds)),
     ]
     error = {(r["spec"], r["tensor"]): r for r in rows}
     for text in SPECS:
@@ -185,9 +235,9 @@ def table(rows: list[dict]) -> str:
             f"{100 * error[text, k]['rel_rmse']:.2f}% / {100 * error[text, k]['two_shot_rel_rmse']:.2f}%" for k in kinds
         ]
         worst = max(error[text, k]["rel_rmse"] / error[SPECS[0], k]["rel_rmse"] for k in kinds)
-        lines.append(
-            f"| {text} | {error[text, kinds[0]]['wire_ratio']:.3f} | " + " | ".join(cells) + f" | {worst:.2f} |"
-        )
+        first = error[text, kinds[0]]
+        limits = f"{100 * first['any_code_rel_rmse']:.2f}% / {100 * first['scalar_code_rel_rmse']:.2f}%"
+        lines.append(f"| {text} | {first['wire_ratio']:.3f} | " + " | ".join(cells) + f" | {worst:.2f} | {limits} |")
     return "\n".join(lines)
 
 
