@@ -230,13 +230,15 @@ if gluon is not None:
         return offsets, (rows < n_rows)[:, None, None] & (words < unit_words(BITS))[None, None, :]
 
     @gluon.constexpr_function
-    def stored_fields(FIELD_BITS, FIELDS):
-        """Fields a thread of `store_packed` packs, of the FIELDS asked for: all where a
-        unit fills a power of two of words, stored as vectors; else the fewest, so that a
-        warp's scalar stores of its units' words are contiguous across its lanes (with a
-        G = 128 group of E2M3 a thread they lay 96 bytes apart, and the compress ran at
-        36% of a copy against 92%: `kernels_packed.json`)."""
-        return FIELDS if unit_words(FIELD_BITS) == padded_words(FIELD_BITS) else 0
+    def group_store_values(G, BITS, FIELDS):
+        """`store_packed`'s VALUES for codes held a group a thread, in FIELDS fields a
+        group: the whole group where a unit fills a power of two of words, stored as
+        vectors; else one unit a thread, so that a warp's scalar stores of its units'
+        words are contiguous across its lanes (from a G = 128 group of E2M3 a thread they
+        lay 96 bytes apart, and the row compress ran at 36% of a copy against 92%:
+        `kernels_packed_ab_in_place.json`)."""
+        field_bits = G * BITS // FIELDS
+        return G if unit_words(field_bits) == padded_words(field_bits) else 1
 
     @gluon.jit
     def store_packed(
@@ -253,12 +255,11 @@ if gluon is not None:
         """Store int32 codes (ROWS, G) (their low BITS bits) packed as `formats.pack_codes`
         packs them (32-bit words, little-endian) into rows [start, ...) at `base` (a
         uint32 pointer); rows past n_rows are not stored. `codes` may also be (ROWS, G /
-        F) fields of F consecutive codes each (`sub_byte_codes`), packed alike. A thread
-        packs VALUES consecutive codes where `stored_fields` allows."""
+        F) fields of F consecutive codes each (`sub_byte_codes`), packed alike."""
         # Fields: FIELDS of FIELD_BITS bits a row, packed as codes are.
         FIELDS: gl.constexpr = codes.shape[1]
         FIELD_BITS: gl.constexpr = G * BITS // FIELDS
-        VALUE_FIELDS: gl.constexpr = stored_fields(FIELD_BITS, VALUES * FIELDS // G)
+        VALUE_FIELDS: gl.constexpr = VALUES * FIELDS // G
         U: gl.constexpr = unit_codes(FIELD_BITS)
         layout: gl.constexpr = packing_layout(FIELDS, FIELD_BITS, NUM_WARPS, VALUE_FIELDS)
         units = gl.convert_layout(codes.reshape([ROWS, FIELDS // U, U]), gl.SliceLayout(2, layout))

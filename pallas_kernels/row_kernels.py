@@ -222,7 +222,7 @@ if gluon is not None:
         scaled_codes,
         with_headroom,
     )
-    from .gluon_packing import row_elements, store_packed
+    from .gluon_packing import group_store_values, row_elements, store_packed
 
     @gluon.constexpr_function
     def _tile_layout(NUM_WARPS, VECTOR, LANES):
@@ -346,7 +346,8 @@ if gluon is not None:
             _store_groups(payload_ptr, codes, start, n_rows, G, NUM_WARPS, OUT_VECTOR, OUT_LANES)
         else:
             # Packed where they were computed, a group per thread, where its units store
-            # as vectors (`stored_fields`): regrouping INT4's codes over lanes first held
-            # all of them at once (255 registers at G = 128, 167 without; `benchmarks.
-            # kernel_sass --packed`) and ran at 78% of a copy against 97%.
-            store_packed(payload_ptr, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, G)
+            # as vectors (`group_store_values`): regrouping INT4's codes over lanes first
+            # held all of them at once (255 registers at G = 128, 167 without;
+            # `benchmarks.kernel_sass --packed`) and ran at 78% of a copy against 97%.
+            STORE_VALUES: gl.constexpr = group_store_values(G, BITS, codes.shape[1])
+            store_packed(payload_ptr, codes, start, n_rows, ROWS, G, BITS, NUM_WARPS, STORE_VALUES)
