@@ -25,6 +25,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -165,18 +166,24 @@ def lloyd_max_rel_rmse(levels: int, iterations: int = 2000) -> float:
         raise ValueError(f"a quantizer needs at least one level, got {levels}")
     # The outer cells end at +-40 standard deviations, where the density is 0 in float64.
     tail = np.array([40.0])
-    points = np.linspace(-3.0, 3.0, levels) if levels > 1 else np.zeros(1)
-    for _ in range(iterations + 1):
+
+    def cells(points):
         edges = np.concatenate([-tail, (points[1:] + points[:-1]) / 2, tail])
         low, high = edges[:-1], edges[1:]
-        mass = _normal_cdf(high) - _normal_cdf(low)
-        first = _normal_pdf(low) - _normal_pdf(high)  # the integral of x over a cell
-        error = mass - (high * _normal_pdf(high) - low * _normal_pdf(low)) - 2 * points * first
-        error = error + np.square(points) * mass  # of (x - level)^2 over each cell
+        # Each cell's probability and integral of x.
+        return low, high, _normal_cdf(high) - _normal_cdf(low), _normal_pdf(low) - _normal_pdf(high)
+
+    points = np.linspace(-3.0, 3.0, levels) if levels > 1 else np.zeros(1)
+    for _ in range(iterations):
+        _, _, mass, first = cells(points)
         points = first / mass
+    low, high, mass, first = cells(points)
+    # The integral of (x - level)^2 over each cell.
+    error = mass - (high * _normal_pdf(high) - low * _normal_pdf(low)) - 2 * points * first + np.square(points) * mass
     return float(np.sqrt(np.sum(error)))
 
 
+@functools.cache
 def gaussian_limits(bits_per_element: float) -> dict[str, float]:
     """The least relative RMS error on a Gaussian source at `bits_per_element`: of any
     code (the rate-distortion bound), and of a fixed-rate scalar code."""
