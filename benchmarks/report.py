@@ -264,13 +264,14 @@ QUALITY_COMMANDS = {
     "seeds 0-1 of the others); then --corpora python-code --variants off,taco+mixed,int5,taco6-4,"
     "e2m3fwd-int4g16bwd --jobs 12 (python-code, 3 seeds); then --corpora python-docs --variants "
     "off,taco+mixed,taco6-4 --seeds 2 --jobs 12; then --corpora python-docs --variants "
-    "off,taco+,taco+mixed,taco6-4 --seeds 3 --jobs 12 (seed 2, and taco+)",
+    "off,taco+,taco+mixed,taco6-4 --seeds 3 --jobs 12 (seed 2, and taco+); then --corpora python-code,python-docs "
+    "--variants off,taco4 --seeds 3 --jobs 12; then --corpora python-code --variants off,taco+ --seeds 3 --jobs 6",
 }
 QUALITY_DATES = {
     "quality_stable.json": "2026-12-02 to 2026-12-03",
     "quality_pipe_data.json": "2026-11-30",
     "quality_bits_direction.json": "2026-12-06",
-    "quality_bits.json": "2026-12-06 to 2026-12-07",
+    "quality_bits.json": "2026-12-06 to 2026-12-08",
 }
 QUALITY_CARDS = {"quality_bits_direction.json": "NVIDIA H100 80GB HBM3", "quality_bits.json": "NVIDIA H100 80GB HBM3"}
 
