@@ -148,9 +148,9 @@ def table(rows: list[dict]) -> str:
 
 def write(rows: list[dict], out: Path) -> None:
     """The result file: the presets' own rows (off, taco, taco+) under "rows", the
-    "PRESET/jnp" rows apart. The command names the sub-byte kernels' flag where it was set,
-    since it decides which codec the sub-byte presets ran."""
-    sub_byte_flag = ["TACO_JAX_SUB_BYTE_KERNELS=1"] if backends.SUB_BYTE_KERNELS else []
+    "PRESET/jnp" rows apart. The command names the sub-byte kernels' switch where they
+    were off, since it decides which codec the sub-byte presets ran."""
+    sub_byte_flag = [] if backends.SUB_BYTE_KERNELS else ["TACO_JAX_SUB_BYTE_KERNELS=0"]
     result = {
         "card": jax.devices()[0].device_kind,
         "date": datetime.date.today().isoformat(),

@@ -223,6 +223,9 @@ def kernels(file: str = "kernels.json") -> tuple[str, list[Source]]:
     return _table(head, body), [Source(file, f"python -m benchmarks.kernels --no-sweep --shapes {shape_text}")]
 
 
+KERNELS_PACKED_COMMAND = "python -m benchmarks.kernels --packed-only --packed-launches 32:2:2,32:4:2"
+
+
 def kernels_packed() -> tuple[str, list[Source]]:
     """Each op of the packed (sub-byte) specs at its default launch, as a share of a
     copy's bandwidth in GPU time, INT8 beside them."""
@@ -233,7 +236,7 @@ def kernels_packed() -> tuple[str, list[Source]]:
     specs = list(dict.fromkeys(map(spec, rows)))
     shares = {(r["op"], spec(r)): r["device_tb_per_s"] / record["copy_tb_per_s"] for r in rows}
     body = [[op, *(_pct(shares[op, name]) for name in specs)] for op in dict.fromkeys(r["op"] for r in rows)]
-    return _table(["op", *specs], body), [Source(file, "python -m benchmarks.kernels --packed-only")]
+    return _table(["op", *specs], body), [Source(file, KERNELS_PACKED_COMMAND)]
 
 
 def quality(file: str = "quality_stable.json") -> tuple[str, list[Source]]:
@@ -516,8 +519,8 @@ def tp2_messages() -> tuple[str, list[Source]]:
     links = list(dict.fromkeys(m["link"] for m in messages))
     body = [[link, *(f"{times[link, spec]:.2f} ms" for spec in specs)] for link in links]
     sources = [
-        Source(file, "python -m benchmarks.scaling_model", date="2026-12-07"),
-        Source("kernels_packed.json", "python -m benchmarks.kernels --packed-only"),
+        Source(file, "python -m benchmarks.scaling_model", date="2026-12-08"),
+        Source("kernels_packed.json", KERNELS_PACKED_COMMAND),
     ]
     return _table(head, body), sources
 

@@ -98,10 +98,11 @@ def _fills_words(work: CodecWork) -> bool:
 
 _EIGHT_BIT = ("e4m3", "e5m2", "int8")
 # The sub-byte formats, whose codes the Gluon kernels pack into 32-bit words
-# (`gluon_packing.store_packed`). Taken where TACO_JAX_SUB_BYTE_KERNELS=1 until their
-# numerics and speed are measured on a GPU; the jnp path encodes them otherwise.
+# (`gluon_packing.store_packed`): checked against the jnp path by the GPU suite, and
+# faster in the step than it (`benchmarks.codec_cost`). TACO_JAX_SUB_BYTE_KERNELS=0 turns
+# them off, and the jnp path encodes them.
 _SUB_BYTE = ("int5", "int4", "e2m3", "e3m2", "e2m1")
-SUB_BYTE_KERNELS = os.environ.get("TACO_JAX_SUB_BYTE_KERNELS", "0") == "1"
+SUB_BYTE_KERNELS = os.environ.get("TACO_JAX_SUB_BYTE_KERNELS", "1") != "0"
 # The scale encodings the kernels write (`gluon_codec.SCALE_FORMAT_IDS`, `wire`).
 _KERNEL_SCALES = ("dual", "single", "bf16", "e8m0")
 
@@ -135,7 +136,7 @@ def check_pallas_takes(fmt: str) -> None:
     if fmt not in _EIGHT_BIT:
         raise ValueError(
             f"the Pallas kernels take the 8-bit formats {list(_EIGHT_BIT)}, got {fmt!r}: packed codes are "
-            "the Gluon kernels' (a CUDA GPU, TACO_JAX_SUB_BYTE_KERNELS=1) or the jnp path's"
+            "the Gluon kernels' (a CUDA GPU) or the jnp path's"
         )
 
 

@@ -101,6 +101,13 @@ SPLIT_ONE_SHARD = SplitConfig(rows_per_thread=2, num_warps=2)
 PACKED_SUM_VALUES = 32
 PACKED_ONE_SHARD_VALUES = 16
 
+# A requantized sum of packed sub-byte floats takes two groups a thread: its minifloat
+# decode and encode cost more instructions a value than the integers', and the second
+# group halves each value's share of the thread's fixed work (E2M3 G128 89% of a copy
+# against 83% on the H100; the integer formats gained at most a point, and INT5 lost two:
+# `kernels_packed.json`).
+PACKED_FLOAT_REQUANTIZE_ROWS = 2
+
 
 # Compress of groups larger than the row kernel holds.
 SPLIT_COMPRESS = SplitConfig(values_per_thread=32, num_warps=2)
@@ -196,7 +203,8 @@ def decode_config(shards: int, requantize: bool, config: SplitConfig | None = No
       config: the launch asked for, or None for the default of the work.
       fmt: the codes' format: packed codes take `PACKED_SUM_VALUES` a thread in a sum,
         and in one shard their packing unit (`gluon_packing.codes_per_unit`, so that no
-        unit is unpacked twice) up to `PACKED_ONE_SHARD_VALUES`.
+        unit is unpacked twice) up to `PACKED_ONE_SHARD_VALUES`; a requantized sum of
+        packed floats takes `PACKED_FLOAT_REQUANTIZE_ROWS` groups a thread.
 
     Returns:
       `config`, or the default launch of the work: `SPLIT_REQUANTIZE` for a requantized
@@ -208,7 +216,10 @@ def decode_config(shards: int, requantize: bool, config: SplitConfig | None = No
     """
     if config is None:
         default = SPLIT_REQUANTIZE if requantize else SPLIT_ONE_SHARD if shards == 1 else SplitConfig()
-        bits = formats.wire_format(fmt).bits
+        element = formats.wire_format(fmt)
+        bits = element.bits
+        if requantize and bits < 8 and not element.is_integer:
+            return dataclasses.replace(default, rows_per_thread=PACKED_FLOAT_REQUANTIZE_ROWS)
         if bits == 8 or requantize:
             return default
         if shards > 1:

@@ -4,6 +4,7 @@ on a GPU, and that the codec dispatches to them by default there, with no Pallas
 kernel on the default path. Off GPU their compilation for sm_90 and their batching
 under vmap are checked (where Triton with Gluon is installed)."""
 
+import os
 import re
 import types
 
@@ -234,15 +235,19 @@ def test_packed_sums_match_the_reference_at_other_launches(fmt, group_size, laun
     np.testing.assert_allclose(decode(summed), decode(reference), rtol=0, atol=0.02 * np.abs(decode(reference)).max())
 
 
-def test_sub_byte_formats_take_the_gluon_kernels_behind_a_flag():
-    """The Gluon kernels take the sub-byte formats where TACO_JAX_SUB_BYTE_KERNELS=1, at
+def test_sub_byte_formats_take_the_gluon_kernels_unless_turned_off():
+    """The Gluon kernels take the sub-byte formats unless TACO_JAX_SUB_BYTE_KERNELS=0, at
     group sizes whose codes fill whole 32-bit words; the Pallas kernels refuse them by
     name."""
     work = lambda fmt, group_size: backends.CodecWork(fmt, group_size, jnp.dtype(jnp.bfloat16))
-    assert not backends.GLUON.takes(work("int4", 32)) and not backends.PALLAS.takes(work("e2m3", 128))
-    flagged = backends._kernels("gluon", backends._EIGHT_BIT + backends._SUB_BYTE, lambda _: True)
-    assert flagged.takes(work("int4", 32)) and flagged.takes(work("e2m3", 16)) and flagged.takes(work("int5", 32))
-    assert not flagged.takes(work("int5", 16))  # 80 bits: not whole words
+    turned_off = os.environ.get("TACO_JAX_SUB_BYTE_KERNELS") == "0"
+    assert backends.GLUON.takes(work("int4", 32)) is not turned_off
+    assert not backends.PALLAS.takes(work("e2m3", 128))
+    gluon = backends._kernels("gluon", backends._EIGHT_BIT + backends._SUB_BYTE, lambda _: True)
+    assert gluon.takes(work("int4", 32)) and gluon.takes(work("e2m3", 16)) and gluon.takes(work("int5", 32))
+    assert not gluon.takes(work("int5", 16))  # 80 bits: not whole words
+    eight_bit = backends._kernels("gluon", backends._EIGHT_BIT, lambda _: True)
+    assert eight_bit.takes(work("int8", 32)) and not eight_bit.takes(work("int4", 32))
     x = _groups(8, 32, jnp.float32)
     with pytest.raises(ValueError, match="Pallas kernels take the 8-bit formats .* got 'int4'"):
         kc.compress_groups(x, fmt="int4", scale_format="bf16", transform=True, interpret=True)
@@ -263,15 +268,16 @@ def test_gluon_kernels_need_an_ampere_or_newer_gpu(monkeypatch):
         triton_launch.available.cache_clear()
 
 
-def test_gluon_kernels_take_8_bit_groups_up_to_512():
-    """The table's Gluon entry takes groups of 16 to 512 in the 8-bit formats, and not
-    int4, G = 1024, three shards or stochastic rounding; off GPU it does not run."""
+def test_gluon_kernels_take_groups_up_to_512():
+    """The table's Gluon entry takes groups of 16 to 512, and not G = 1024, three shards,
+    stochastic rounding or sub-byte codes that do not fill whole words; off GPU it does
+    not run."""
 
     def take(group_size, dtype, fmt, shards=1, stochastic=False):
         return backends.GLUON.takes(backends.CodecWork(fmt, group_size, jnp.dtype(dtype), shards, stochastic))
 
     assert take(16, jnp.bfloat16, "e4m3") and take(512, jnp.float16, "int8", shards=8)
-    assert not take(1024, jnp.bfloat16, "int8") and not take(128, jnp.bfloat16, "int4")
+    assert not take(1024, jnp.bfloat16, "int8") and not take(16, jnp.bfloat16, "int5")
     assert not take(128, jnp.bfloat16, "int8", shards=3) and not take(128, jnp.bfloat16, "int8", stochastic=True)
     assert backends.GLUON.runs(False) is triton_launch.available()
 
@@ -749,7 +755,10 @@ def test_launch_configs_name_the_kernel_the_work_needs():
     values = lambda shards, fmt: split_kernels.decode_config(shards, False, fmt=fmt).values_per_thread
     assert [values(4, fmt) for fmt in ("int4", "e2m3", "int5")] == [32, 32, 32]
     assert [values(1, fmt) for fmt in ("int4", "e2m3", "int5", "int8")] == [8, 16, 16, 8]
-    assert split_kernels.decode_config(4, True, fmt="e2m3") == split_kernels.SPLIT_REQUANTIZE
+    # A requantized sum: two groups a thread for packed floats, one for integers.
+    rows = lambda fmt: split_kernels.decode_config(4, True, fmt=fmt).rows_per_thread
+    assert [rows(fmt) for fmt in ("e2m3", "e3m2", "e2m1", "int4", "int5", "int8", "e4m3")] == [2, 2, 2, 1, 1, 1, 1]
+    assert split_kernels.decode_config(4, True, fmt="int4") == split_kernels.SPLIT_REQUANTIZE
     with pytest.raises(ValueError, match="are the split kernels: pass a SplitConfig"):
         split_kernels.decode_config(1, requantize=False, config=ROWS)
     with pytest.raises(ValueError, match="values_per_thread must be one of"):
