@@ -2,6 +2,8 @@
 piece of work gets, from the one table the codec and the kernels read."""
 
 import dataclasses
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -9,6 +11,7 @@ import pytest
 import taco_jax as tj
 from taco_jax import message
 from taco_jax.kernels import backends, jax_compat, launch, triton_launch
+from tests.conftest import cpu_env
 
 INT8 = tj.QuantSpec.parse("int8:128:H:bf16")
 
@@ -69,3 +72,22 @@ def test_a_scale_format_no_kernel_writes_runs_the_jnp_path():
     work = backends.CodecWork("int8", 128, jnp.dtype(jnp.bfloat16), scales="toy-scales")
     assert backends.choose(work, "interpret") == backends.JNP_PATH
     assert backends.choose(dataclasses.replace(work, scales="e8m0"), "interpret").name == "pallas"
+
+
+@pytest.mark.parametrize("switch, sub_byte", [(None, True), ("0", False)], ids=["default", "turned-off"])
+def test_the_sub_byte_kernels_are_on_unless_turned_off(switch, sub_byte):
+    """The Gluon entry of the table takes the sub-byte formats by default;
+    TACO_JAX_SUB_BYTE_KERNELS=0 (read at import) leaves them to the jnp path, and the
+    8-bit formats stay on the kernels either way."""
+    env = {key: value for key, value in cpu_env(1).items() if key != "TACO_JAX_SUB_BYTE_KERNELS"}
+    if switch is not None:
+        env["TACO_JAX_SUB_BYTE_KERNELS"] = switch
+    code = "from pallas_kernels import backends; print(*backends.GLUON.formats)"
+    taken = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert {fmt: fmt in taken.split() for fmt in ("int4", "int5", "e2m3", "int8", "e4m3")} == {
+        "int4": sub_byte,
+        "int5": sub_byte,
+        "e2m3": sub_byte,
+        "int8": True,
+        "e4m3": True,
+    }
