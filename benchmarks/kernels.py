@@ -565,7 +565,15 @@ def _launch_label(launch: split_kernels.SplitConfig | None) -> str:
     """A decode launch as the packed rows name it: "default", or V, rows and warps."""
     if launch is None:
         return "default"
-    return f"V{launch.values_per_thread} R{launch.rows_per_thread} W{launch.num_warps}"
+    return _config_label(launch)
+
+
+def _config_label(config: split_kernels.SplitConfig | row_kernels.RowConfig) -> str:
+    """The launch an op ran at: a split kernel's V, rows and warps, or the row kernel's
+    warps (a packed row's `config`, which names its default as it was when it ran)."""
+    if isinstance(config, split_kernels.SplitConfig):
+        return f"V{config.values_per_thread} R{config.rows_per_thread} W{config.num_warps}"
+    return f"row W{config.num_warps}"
 
 
 def time_packed(
@@ -573,8 +581,9 @@ def time_packed(
 ) -> list[dict]:
     """The Gluon kernels on wire messages of `PACKED_SPECS` (sub-byte codes packed into
     words): compress, one shard decoded, four summed, four requantized; GPU time, its
-    bandwidth over the bytes each op reads and writes once, and the kernels it is made
-    of. With `launch`, only the decodes, at that launch instead of their default."""
+    bandwidth over the bytes each op reads and writes once, the launch it ran at, and the
+    kernels it is made of. With `launch`, only the decodes, at that launch instead of
+    their default."""
     results = []
     for fmt, group_size, scale_format in PACKED_SPECS:
         rows_n = tokens * channels // group_size
@@ -586,6 +595,10 @@ def time_packed(
         compress = row_kernels.compress_config(group_size)
         messages = [kc.compress_message(x, config=compress, **kw) for x in xs]
         shards = [jnp.stack([messages[i], *messages[:3]][:SHARDS], axis=1) for i in range(repeats)]
+        decode_configs = {
+            (shard_count, requantize): split_kernels.decode_config(shard_count, requantize, launch, fmt=fmt)
+            for shard_count, requantize in ((1, False), (SHARDS, False), (SHARDS, True))
+        }
         decode = lambda shard_count, requantize: _over_list(
             lambda m: kd.decompress_message(
                 m,
@@ -593,17 +606,17 @@ def time_packed(
                 transform=True,
                 out_dtype=jnp.bfloat16,
                 requantize=requantize,
-                config=split_kernels.decode_config(shard_count, requantize, launch, fmt=fmt),
+                config=decode_configs[shard_count, requantize],
             )
         )
         elements, message_bytes = rows_n * group_size, layout.nbytes
         # Each op's bytes: the messages it reads or writes, and the bf16 side (none for
         # a requantized sum).
-        for op, fn, inputs, messages_moved, bf16_side in (
-            ("compress", _over_list(lambda v: kc.compress_message(v, config=compress, **kw)), xs, 1, True),
-            ("decompress", decode(1, False), [m[:, None] for m in messages], 1, True),
-            ("decompress_sum", decode(SHARDS, False), shards, SHARDS, True),
-            ("requantize_sum", decode(SHARDS, True), shards, SHARDS + 1, False),
+        for op, fn, inputs, messages_moved, bf16_side, config in (
+            ("compress", _over_list(lambda v: kc.compress_message(v, config=compress, **kw)), xs, 1, True, compress),
+            ("decompress", decode(1, False), [m[:, None] for m in messages], 1, True, decode_configs[1, False]),
+            ("decompress_sum", decode(SHARDS, False), shards, SHARDS, True, decode_configs[SHARDS, False]),
+            ("requantize_sum", decode(SHARDS, True), shards, SHARDS + 1, False, decode_configs[SHARDS, True]),
         ):
             if launch is not None and op == "compress":
                 continue
@@ -611,7 +624,8 @@ def time_packed(
             ms, kernels = device_profile(fn, (inputs,))
             results.append(
                 dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, tokens=tokens, channels=channels)
-                | dict(launch=_launch_label(launch), device_ms=ms, bytes=moved, device_tb_per_s=moved / ms / 1e9)
+                | dict(launch=_launch_label(launch), config=_config_label(config))
+                | dict(device_ms=ms, bytes=moved, device_tb_per_s=moved / ms / 1e9)
                 | dict(kernels=kernels)
             )
             print(f"  {op:15s} {fmt}:{group_size}: {ms:.3f} ms GPU", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ word packing of sub-byte codes, and launched by
 `triton_launch`, run by default on a CUDA GPU. Which one runs is one table,
 `backends.BACKENDS`, read with the caller's kernel mode (`taco_jax.TacoConfig.kernel_mode`:
 the kernels on GPU by default, the jnp path elsewhere and where no kernel takes the work,
-e.g. groups over 512 or formats below 8 bits).
+e.g. groups over 512 or stochastic rounding).
 """
 
 from .formats import SCALE_ENCODINGS, SCALE_FORMATS, WIRE_FORMATS, ScaleFormat, WireFormat

@@ -58,9 +58,9 @@ class QuantSpec:
     Attributes:
       fmt: element format on the wire, a key of `WIRE_FORMATS` (defining a
         `pallas_kernels.formats.WireFormat` class adds one): "e4m3", "e5m2" or "int8";
-        below 8 bits, packed and run by the jnp path (no kernel yet): "int4" (two per
-        byte), the OCP MX floats "e2m3" and "e3m2" (6 bits, four per three bytes) and
-        "e2m1" (4 bits).
+        below 8 bits, packed: "int5", "int4" (two per byte), the OCP MX floats "e2m3"
+        and "e3m2" (6 bits, four per three bytes) and "e2m1" (4 bits), on the Gluon
+        kernels on a GPU where a group's codes fill whole 32-bit words, else the jnp path.
       group_size: G, contiguous elements of the last axis sharing one scale; a power of
         two (the Hadamard transform needs one) from `MIN_GROUP_SIZE` (16: below it the
         scales cost more than a quarter of the payload's bits) to `MAX_GROUP_SIZE` (1024:

@@ -21,7 +21,7 @@ INT8 = tj.QuantSpec.parse("int8:128:H:bf16")
     [
         (INT8, jnp.bfloat16, 4, "pallas"),
         (tj.QuantSpec.parse("e4m3:512:H:dual"), jnp.float32, 1, "pallas"),
-        (tj.QuantSpec.parse("int4:32:H:bf16"), jnp.bfloat16, 1, "jnp"),  # no 4-bit kernel
+        (tj.QuantSpec.parse("int4:32:H:bf16"), jnp.bfloat16, 1, "jnp"),  # no 4-bit Pallas kernel
         (tj.QuantSpec.parse("int8:1024:H:bf16"), jnp.bfloat16, 1, "jnp"),  # past the kernels' groups
         (tj.QuantSpec.parse("int8:128:H:bf16:sr"), jnp.bfloat16, 1, "jnp"),  # stochastic rounding
         (INT8, jnp.bfloat16, 3, "jnp"),  # a sum of three shards
