@@ -233,17 +233,16 @@ def table(rows: list[dict]) -> str:
     error of any code / of a fixed-rate scalar code at its bits on a Gaussian."""
     kinds = tp_tensors.KINDS
     lines = [
-        "| spec | wire/bf16 | " + " | ".join(kinds) + " | worst x E4M3 | least on a Gaussian: any / scalar |",
+        "| spec | wire / bf16 | " + " | ".join(kinds) + " | worst x E4M3 | least on a Gaussian: any / scalar code |",
         "|" + "---|" * (4 + len(kinds)),
     ]
     error = {(r["spec"], r["tensor"]): r for r in rows}
-    for text in SPECS:
-        cells = [
-            f"{100 * error[text, k]['rel_rmse']:.2f}% / {100 * error[text, k]['two_shot_rel_rmse']:.2f}%" for k in kinds
-        ]
+    pct = lambda value: f"{100 * value:.2f}%"
+    for text in dict.fromkeys(r["spec"] for r in rows):
+        cells = [f"{pct(error[text, k]['rel_rmse'])} / {pct(error[text, k]['two_shot_rel_rmse'])}" for k in kinds]
         worst = max(error[text, k]["rel_rmse"] / error[SPECS[0], k]["rel_rmse"] for k in kinds)
         first = error[text, kinds[0]]
-        limits = f"{100 * first['any_code_rel_rmse']:.2f}% / {100 * first['scalar_code_rel_rmse']:.2f}%"
+        limits = f"{pct(first['any_code_rel_rmse'])} / {pct(first['scalar_code_rel_rmse'])}"
         lines.append(f"| {text} | {first['wire_ratio']:.3f} | " + " | ".join(cells) + f" | {worst:.2f} | {limits} |")
     return "\n".join(lines)
 

@@ -341,20 +341,12 @@ def codec_error() -> tuple[str, list[Source]]:
 
 
 def fewer_bits() -> tuple[str, list[Source]]:
-    """Relative RMSE of the formats below 8 bits against E4M3's."""
+    """Relative RMSE of the formats below 8 bits against E4M3's (`fewer_bits.table`)."""
+    from benchmarks import fewer_bits as harness
+
     file = "fewer_bits_error.json"
-    rows = _rows(file)
-    reference = {r["tensor"]: r["rel_rmse"] for r in rows if r["spec"] == "e4m3:128:H:dual"}
-    body = []
-    for spec in dict.fromkeys(r["spec"] for r in rows):
-        mine = {r["tensor"]: r for r in rows if r["spec"] == spec}
-        worst = max(mine[t]["rel_rmse"] / reference[t] for t in TENSORS)
-        cells = [f"{_pct(mine[t]['rel_rmse'], 2)} / {_pct(mine[t]['two_shot_rel_rmse'], 2)}" for t in TENSORS]
-        first = mine[TENSORS[0]]
-        limits = f"{_pct(first['any_code_rel_rmse'], 2)} / {_pct(first['scalar_code_rel_rmse'], 2)}"
-        body.append([spec, f"{first['wire_ratio']:.3f}", *cells, f"{worst:.2f}", limits])
-    head = ["spec", "wire / bf16", *TENSORS, "worst x E4M3", "least on a Gaussian: any / scalar code"]
-    return _table(head, body), [Source(file, load(file)["meta"]["command"], card="CPU", date="2026-12-07")]
+    source = Source(file, load(file)["meta"]["command"], card="CPU", date="2026-12-07")
+    return harness.table(_rows(file)), [source]
 
 
 def captured_error() -> tuple[str, list[Source]]:
