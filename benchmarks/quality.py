@@ -425,6 +425,7 @@ def main() -> None:
     results = earlier["runs"]
     for run in results:  # runs measured before the learning rate was recorded per run
         run.setdefault("lr", float(earlier["settings"].get("lr", args.lr)))
+    sweep = earlier["settings"].get("lr_sweep", {})
     if not args.report_only:
         try:
             described = {c: _check_budget(args, c) for c in names}
@@ -435,11 +436,8 @@ def main() -> None:
         settings = {k: str(v) for k, v in vars(args).items() if k not in ("one", "report_only")} | {
             "corpora": described
         }
-        settings["lr_sweep"] = earlier["settings"].get("lr_sweep", {})
-        # A panel run in pieces reports every piece's models and variants.
-        for key in ("models", "variants"):
-            pieces = [*earlier["settings"].get(key, "").split(","), *settings[key].split(",")]
-            settings[key] = ",".join(dict.fromkeys(name for name in pieces if name))
+        settings["lr_sweep"] = sweep
+        settings |= {key: ",".join(listed) for key, listed in _pieces(earlier["settings"], args).items()}
         run = lambda todo: _run_all(args, todo, results, path, settings)
         if args.lr_sweep:
             controls = ("off", "off-control")
@@ -452,15 +450,23 @@ def main() -> None:
                     for v in controls
                 ]
             )
-            settings["lr_sweep"] |= {
-                m: sweep_learning_rate(results, names[0], m, args, settings["lr_sweep"].get(m, {})) for m in models
-            }
-        lrs = _learning_rates(settings["lr_sweep"], models, args.lr)
+            sweep |= {m: sweep_learning_rate(results, names[0], m, args, sweep.get(m, {})) for m in models}
+        lrs = _learning_rates(sweep, models, args.lr)
         run([(c, m, v, s, lrs[m]) for c in names for s in range(args.seeds) for m in models for v in variants])
-    else:
-        lrs = _learning_rates(earlier["settings"].get("lr_sweep", {}), models, args.lr)
+    shown = _pieces(earlier["settings"], args)
+    lrs = _learning_rates(sweep, shown["models"], args.lr)
     chosen = [r for r in results if r["model"] in lrs and r["lr"] == lrs[r["model"]]]
-    print(report(chosen, models, variants, args.out, name, ",".join(map(str, args.mesh))))
+    print(report(chosen, shown["models"], shown["variants"], args.out, name, ",".join(map(str, args.mesh))))
+
+
+def _pieces(earlier: dict, args: argparse.Namespace) -> dict[str, list[str]]:
+    """The models and variants of a panel run in pieces: every earlier piece's (in the
+    file's settings) and this invocation's, in first-seen order. The report shows them
+    all, so that a piece's invocation does not hide the runs of the others."""
+    return {
+        key: list(dict.fromkeys(n for n in [*earlier.get(key, "").split(","), *getattr(args, key).split(",")] if n))
+        for key in ("models", "variants")
+    }
 
 
 def _run_all(args: argparse.Namespace, todo: list[tuple], results: list[dict], path: Path, settings: dict) -> None:
