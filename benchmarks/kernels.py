@@ -514,7 +514,9 @@ def _baselines(name: str, group_size: int) -> list:
     return [kc.default_config(group_size, transformed), row_kernels.compress_config(group_size)]
 
 
-def _launch_label(config) -> str:
+def _sweep_label(config) -> str:
+    """A split sweep's launch as its rows name it: "pallas default", the row kernel's
+    warps, or a split kernel's V, rows and warps."""
     if isinstance(config, KernelConfig):
         return "pallas default"
     if isinstance(config, row_kernels.RowConfig):
@@ -535,7 +537,7 @@ def sweep_split(key, tokens: int, channels: int, ops: list[str], group_size: int
         for config in dict.fromkeys([*_baselines(name, group_size), *launches]):
             fn, inputs, nbytes = _sweep_op(name, xs, config)
             gpu_ms = device_ms(fn, inputs)
-            label = _launch_label(config)
+            label = _sweep_label(config)
             results.append(
                 dict(
                     op=name,
