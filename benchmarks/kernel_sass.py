@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import re
 import subprocess
 import sys
@@ -133,7 +134,8 @@ def ptx_sass(ptx: str) -> dict:
 def packed_kernels(fmt: str, group_size: int, scale_format: str) -> list[tuple[str, object, int]]:
     """(op, compiled Gluon kernel, values of a group one thread takes) of each op
     `benchmarks.kernels.time_packed` times, at its default launch (the transform on; the
-    requantized sum's scales in `scale_format`)."""
+    requantized sum's scales in `scale_format`), and INT4's requantized sum in float16
+    pairs (`SplitConfig.half_sums`)."""
 
     def compiled(kernel, types, constexprs, num_warps):
         signature = tuple(zip(kernel.arg_names, types))
@@ -144,12 +146,13 @@ def packed_kernels(fmt: str, group_size: int, scale_format: str) -> list[tuple[s
     kernel, constexprs = row_kernels.compress_kernel(fmt, scale_format, True, group_size, config, jnp.bfloat16)
     per_thread = group_size if isinstance(config, row_kernels.RowConfig) else config.values(group_size)
     out = [("compress", compiled(kernel, [x, codes, scales, "i32", "i64"], constexprs, config.num_warps), per_thread)]
-    for op, shards, requantize in (
-        ("decompress", 1, False),
-        ("decompress_sum", SHARDS, False),
-        ("requantize_sum", SHARDS, True),
-    ):
+    decodes = [("decompress", 1, False, False), ("decompress_sum", SHARDS, False, False)]
+    decodes.append(("requantize_sum", SHARDS, True, False))
+    if fmt == "int4":
+        decodes.append(("requantize_sum half sums", SHARDS, True, True))
+    for op, shards, requantize, half_sums in decodes:
         config = split_kernels.decode_config(shards, requantize, fmt=fmt)
+        config = dataclasses.replace(config, half_sums=half_sums)
         # As `decompress.decompress_message` launches them: the scales read from the message.
         kernel, constexprs = split_kernels.decode_kernel(
             fmt, group_size, shards, True, scale_format if requantize else None, config, scale_format

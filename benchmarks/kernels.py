@@ -570,11 +570,21 @@ def _launch_label(launch: split_kernels.SplitConfig | None) -> str:
     return _config_label(launch)
 
 
+def _packed_launch(text: str) -> split_kernels.SplitConfig:
+    """A `--packed-launches` entry, V:ROWS:WARPS with an optional ":half"."""
+    fields = text.split(":")
+    if len(fields) not in (3, 4) or fields[3:] not in ([], ["half"]):
+        raise SystemExit(f"--packed-launches takes V:ROWS:WARPS or V:ROWS:WARPS:half, got {text!r}")
+    values, rows, warps = (int(n) for n in fields[:3])
+    return split_kernels.SplitConfig(values, rows, warps, half_sums=fields[3:] == ["half"])
+
+
 def _config_label(config: split_kernels.SplitConfig | row_kernels.RowConfig) -> str:
     """The launch an op ran at: a split kernel's V, rows and warps, or the row kernel's
     warps (a packed row's `config`, which names its default as it was when it ran)."""
     if isinstance(config, split_kernels.SplitConfig):
-        return f"V{config.values_per_thread} R{config.rows_per_thread} W{config.num_warps}"
+        half = " half sums" if config.half_sums else ""
+        return f"V{config.values_per_thread} R{config.rows_per_thread} W{config.num_warps}{half}"
     return f"row W{config.num_warps}"
 
 
@@ -585,7 +595,7 @@ def time_packed(
     words): compress, one shard decoded, four summed, four requantized; GPU time, its
     bandwidth over the bytes each op reads and writes once, the launch it ran at, and the
     kernels it is made of. With `launch`, only the decodes, at that launch instead of
-    their default."""
+    their default (with `half_sums`, only INT4's requantized sums)."""
     results = []
     for fmt, group_size, scale_format in PACKED_SPECS:
         rows_n = tokens * channels // group_size
@@ -620,7 +630,9 @@ def time_packed(
             ("decompress_sum", decode(SHARDS, False), shards, SHARDS, True, decode_configs[SHARDS, False]),
             ("requantize_sum", decode(SHARDS, True), shards, SHARDS + 1, False, decode_configs[SHARDS, True]),
         ):
-            if launch is not None and op == "compress":
+            if launch is not None and (
+                op == "compress" or launch.half_sums and (op, fmt) != ("requantize_sum", "int4")
+            ):
                 continue
             moved = message_bytes * messages_moved + 2 * elements * bf16_side
             ms, kernels = device_profile(fn, (inputs,))
@@ -672,7 +684,8 @@ def main() -> None:
     parser.add_argument(
         "--packed-launches",
         default="",
-        help="with --packed-only, also the decodes at these split launches, V:ROWS:WARPS comma-separated",
+        help="with --packed-only, also the decodes at these split launches, V:ROWS:WARPS comma-separated "
+        "(V:ROWS:WARPS:half for INT4's requantized sums in float16 pairs, `SplitConfig.half_sums`)",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -691,8 +704,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         packed = time_packed(key, *SWEEP_SHAPE)
         for launch in args.packed_launches.split(",") if args.packed_launches else ():
-            values, rows, warps = (int(n) for n in launch.split(":"))
-            packed += time_packed(key, *SWEEP_SHAPE, launch=split_kernels.SplitConfig(values, rows, warps))
+            packed += time_packed(key, *SWEEP_SHAPE, launch=_packed_launch(launch))
         copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
         (args.out / "kernels_packed.json").write_text(
             strict_json.dumps(

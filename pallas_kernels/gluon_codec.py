@@ -1,8 +1,8 @@
 """What the Gluon codec kernels share (Gluon: Triton with explicit layouts): their launch
 helpers, and the per-group math in registers, step for
 step `wire`'s (IEEE division and square root for the per-group scalars): the
-binade normalization, the Walsh-Hadamard stages within a thread, the scales and the
-codes. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) build on it.
+binade normalization, the Walsh-Hadamard stages within a thread and across a group's
+lanes, the scales and the codes, and INT4's sum in float16 pairs. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) build on it.
 """
 
 from __future__ import annotations
@@ -91,13 +91,17 @@ def grid(groups: int, batch: int, rows_per_program: int) -> tuple[int, int]:
 
 if gluon is not None:
     from .gluon_packing import (
+        accumulate_int4_pairs,
         carrier_field,
         carrier_packing,
         carrier_scale,
         carrier_values,
         code_unit,
+        half_pairs,
+        int4_pair_values,
         interleave_four,
         load_packed,
+        packed_offsets,
         packed_values,
         packing_layout,
         row_elements,
@@ -143,20 +147,63 @@ if gluon is not None:
             values = gl.join(low + high, low - high).reshape([32 * NUM_WARPS, G])
         return gl.convert_layout(values, row_layout(G, NUM_WARPS))
 
+    @gluon.constexpr_function
+    def butterfly_shuffle(lane_mask):
+        """PTX of a warp shuffle taking the value of lane (this lane xor `lane_mask`)."""
+        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
+
+    @gluon.constexpr_function
+    def log2_of(n):
+        """log2 of a power of two."""
+        return n.bit_length() - 1
+
+    @gluon.jit
+    def hadamard_across_lanes(values, ROWS: gl.constexpr, G: gl.constexpr, VALUES: gl.constexpr):
+        """values @ H (unnormalized, Sylvester order) along each group of a tile spreading a
+        group over G / VALUES lanes (`split_kernels`'). H_G =
+        H_{G/V} x H_V: the log2 V stages within a thread's V values run in registers
+        (as `hadamard_in_registers`), then one stage per lane bit exchanges values with the lane
+        holding the partner slice by a warp shuffle."""
+        layout: gl.constexpr = values.type.layout
+        LANES: gl.constexpr = G // VALUES
+        if VALUES > 1:
+            slices = values.reshape([ROWS, LANES, VALUES])
+            for _ in gl.static_range(log2_of(VALUES)):
+                low, high = gl.split(gl.permute(slices.reshape([ROWS, LANES, 2, VALUES // 2]), [0, 1, 3, 2]))
+                slices = gl.join(low + high, low - high).reshape([ROWS, LANES, VALUES])
+            values = gl.convert_layout(slices.reshape([ROWS, G]), layout)
+        lane = gl.arange(0, G, layout=gl.SliceLayout(0, layout)) // VALUES
+        for stage in gl.static_range(log2_of(LANES)):
+            partner = gl.inline_asm_elementwise(
+                butterfly_shuffle(1 << stage), "=r,r", [values], dtype=gl.float32, is_pure=True, pack=1
+            )
+            # +1 on the low slice of a pair, -1 on the high one: low + high and low - high,
+            # each one exact rounding.
+            sign = (1 - 2 * ((lane >> stage) & 1)).to(gl.float32)[None, :]
+            values = values * sign + partner
+        return values
+
     @gluon.jit
     def normalize(groups, FMT_MAX: gl.constexpr, G: gl.constexpr):
         """`wire.normalize_groups`: (normalized, factor, prescale, the normalized groups'
         absmax: their absmax times the same power of two, exact)."""
+        return normalize_scaled(groups, 0, FMT_MAX, G)
+
+    @gluon.jit
+    def normalize_scaled(groups, exponent, FMT_MAX: gl.constexpr, G: gl.constexpr):
+        """`normalize` of groups * 2**exponent (per row, at most 0), without forming them:
+        the power of two joins the normalizing one, so a float16 sum (`int4_half_sum`)
+        pays no multiply a value for its scale."""
         absmax = gl.max(gl.abs(groups), axis=1)
-        shift = gl.minimum(((absmax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 126)
-        normalized = groups * pow2(-shift)[:, None]
+        shift = gl.minimum(((absmax.to(gl.int32, bitcast=True) >> 23) & 0xFF) + exponent - 126, 126)
+        normalized = groups * pow2(exponent - shift)[:, None]
         mean_square = gl.sum(normalized * normalized, axis=1) * (1.0 / G)
         prescale = times_pow2(gl.div_rn(gl.full_like(mean_square, FMT_MAX), gl.sqrt_rn(mean_square)), -shift)
         prescale = gl.minimum(gl.maximum(prescale, PRESCALE_MIN), PRESCALE_MAX)
         # max() skips NaN in a kernel; the mean square does not (`wire.prescale_of`).
         finite = (absmax < float("inf")) & (gl.abs(mean_square) < float("inf"))
         prescale = gl.where(finite, prescale, float("nan"))
-        return normalized, times_pow2(prescale, shift), prescale, absmax * pow2(-shift)
+        return normalized, times_pow2(prescale, shift), prescale, absmax * pow2(exponent - shift)
 
     @gluon.jit
     def round_up_to_bf16(ratio):
@@ -355,6 +402,51 @@ if gluon is not None:
         if F > 1:
             summed = interleave_four(summed, second, third, fourth)
         return summed.reshape([ROWS, G]), shift
+
+    @gluon.jit
+    def int4_half_sum(
+        payload_ptr,
+        source_ptr,
+        start,
+        n_rows,
+        in_rows,
+        MESSAGE_SCALES: gl.constexpr,
+        SHARDS: gl.constexpr,
+        ROWS: gl.constexpr,
+        G: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+        VALUES: gl.constexpr,
+    ):
+        """`packed_sum` of INT4 codes in float16 pairs (`accumulate_int4_pairs`), for a
+        sum that is requantized: (the sum times 2**-(shift + exponent) as float32 (ROWS,
+        G), shift, exponent), with shift as `sum_shift` and exponent <= 0 what takes the
+        values to `packed_sum`'s (`normalize_scaled` applies it).
+
+        Each shard's multipliers are scaled by the binade of the row's largest, so the
+        sum is at most SHARDS * 8 and a code times its multiplier rounds to float16's
+        11 bits, a shard whose multiplier is 2**-24 of the largest vanishing: error
+        about 2**-11 of the sum, against INT4's step of 2**-3 of its absmax, which
+        moves a code one step for about 0.1% of the values (NaN multipliers make their
+        rows NaN)."""
+        layout: gl.constexpr = gl.SliceLayout(3, packing_layout(G, 4, NUM_WARPS, VALUES))
+        # Expanded at axis 1, then 2.
+        rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+        in_range = rows < n_rows
+        stride, first = multiplier_source(n_rows, in_rows, G // 2, MESSAGE_SCALES)
+        largest = load_multiplier(source_ptr, rows, in_range, first, MESSAGE_SCALES)
+        for shard in gl.static_range(1, SHARDS):
+            largest = gl.maximum(
+                largest, load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
+            )
+        binade = ((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126
+        offsets, mask = packed_offsets(start, n_rows, ROWS, G, 4, NUM_WARPS, VALUES)
+        zero = gl.zeros(offsets.shape, gl.int32, layout)
+        sums = (zero, zero, zero, zero)
+        for shard in gl.static_range(SHARDS):
+            multiplier = load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
+            words = gl.load(payload_ptr + shard * in_rows * row_elements(G, 4) + offsets, mask=mask)
+            sums = accumulate_int4_pairs(sums, words, half_pairs(times_pow2(multiplier, -binade))[:, None, None])
+        return int4_pair_values(sums), gl.maximum(binade, 0), gl.minimum(binade, 0)
 
     @gluon.jit
     def scaled_codes(

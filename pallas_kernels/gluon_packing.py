@@ -338,6 +338,81 @@ if gluon is not None:
         )
         return biased.to(gl.float32, bitcast=True) - magic.to(gl.float32, bitcast=True)
 
+    @gluon.constexpr_function
+    def int4_pair_sums():
+        """PTX adding the eight INT4 codes of a word ($4; code i at bits 4 i, two's
+        complement) times a float16 pair ($5: r, r) to four float16x2 sums ($6..$9 in,
+        $0..$3 out) of codes (0, 4), (1, 5), (2, 6) and (3, 7). A field masked in place,
+        its sign bit flipped and float16's exponent of 1024 set above it reads as 1032 +
+        c (a field at bit 0 of its half) or 1152 + 16 c (at bit 4), from which one fused
+        multiply-add takes c exactly; a second adds c r. Two codes an instruction: about
+        1.6 instructions a code, where a float32 decode and sum take three."""
+        return """{
+        .reg .b32 t, h, c, one, low, sixteenth, high;
+        mov.b32 one, 0x3C003C00;
+        mov.b32 low, 0xE408E408;
+        mov.b32 sixteenth, 0x2C002C00;
+        mov.b32 high, 0xD480D480;
+        lop3.b32 h, $4, 0x000F000F, 0x64086408, 0x6A;
+        fma.rn.f16x2 c, h, one, low;
+        fma.rn.f16x2 $0, c, $5, $6;
+        lop3.b32 h, $4, 0x00F000F0, 0x64806480, 0x6A;
+        fma.rn.f16x2 c, h, sixteenth, high;
+        fma.rn.f16x2 $1, c, $5, $7;
+        shr.b32 t, $4, 8;
+        lop3.b32 h, t, 0x000F000F, 0x64086408, 0x6A;
+        fma.rn.f16x2 c, h, one, low;
+        fma.rn.f16x2 $2, c, $5, $8;
+        lop3.b32 h, t, 0x00F000F0, 0x64806480, 0x6A;
+        fma.rn.f16x2 c, h, sixteenth, high;
+        fma.rn.f16x2 $3, c, $5, $9;
+        }"""
+
+    @gluon.jit
+    def half_pairs(values):
+        """int32 words holding (v, v) as float16, rounded to nearest (NaN kept)."""
+        return gl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $1, $1;", "=r,r", [values], dtype=gl.int32, is_pure=True, pack=1
+        )
+
+    @gluon.jit
+    def accumulate_int4_pairs(sums, words, ratio_pairs):
+        """`int4_pair_sums` over tensors: the four float16x2 sums (a tuple of int32
+        tensors shaped as `words`) plus each word's codes times its row's pair."""
+        return gl.inline_asm_elementwise(
+            int4_pair_sums(),
+            "=r,=r,=r,=r,r,r,r,r,r,r",
+            [words, ratio_pairs, sums[0], sums[1], sums[2], sums[3]],
+            [gl.int32, gl.int32, gl.int32, gl.int32],
+            True,
+            1,
+        )
+
+    @gluon.jit
+    def half_pair_values(pairs):
+        """(low, high) float32 of float16x2 words."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 low, high; mov.b32 {low, high}, $2; cvt.f32.f16 $0, low; cvt.f32.f16 $1, high; }",
+            "=r,=r,r",
+            [pairs],
+            [gl.float32, gl.float32],
+            True,
+            1,
+        )
+
+    @gluon.jit
+    def int4_pair_values(sums):
+        """float32 (rows, words * 8) of `accumulate_int4_pairs`' sums over (rows, words,
+        1) words, each word's eight values in code order."""
+        c0, c4 = half_pair_values(sums[0])
+        c1, c5 = half_pair_values(sums[1])
+        c2, c6 = half_pair_values(sums[2])
+        c3, c7 = half_pair_values(sums[3])
+        # The last join picks the lowest bit of a code's index (`interleave_four`).
+        even = gl.join(gl.join(c0, c4), gl.join(c2, c6))
+        odd = gl.join(gl.join(c1, c5), gl.join(c3, c7))
+        return gl.join(even, odd).reshape([c0.shape[0], c0.shape[1] * 8])
+
     @gluon.jit
     def packed_values(
         base,

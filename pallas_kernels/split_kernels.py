@@ -60,11 +60,16 @@ class SplitConfig:
         spans at most one warp).
       rows_per_thread: groups each thread holds a slice of: 1, 2 or 4.
       num_warps: warps per program: 1, 2, 4 or 8.
+      half_sums: a requantized sum of INT4 codes summed in float16 pairs
+        (`gluon_codec.int4_half_sum`): half the instructions of the float32 sum, for
+        about 2**-11 of the sum's error, which moves a requantized code one step for
+        about 0.1% of the values. Off by default until timed on a GPU.
     """
 
     values_per_thread: int = 8
     rows_per_thread: int = 1
     num_warps: int = 4
+    half_sums: bool = False
     backend: ClassVar[str] = "gluon"
 
     def __post_init__(self):
@@ -243,10 +248,13 @@ def decode_kernel(
     """(the Gluon split kernel, its constexprs) of a decode of `shards` shards, or of
     their sum requantized into the scale format `requantize_to`; the multipliers read
     from a float32 array, or from the messages' entries in `message_scales`."""
+    if config.half_sums and (requantize_to is None or fmt != "int4"):
+        work = "a decode" if requantize_to is None else f"a requantized sum of {fmt}"
+        raise ValueError(f"SplitConfig.half_sums sums INT4 codes that are requantized, not {work}")
     source = -1 if message_scales is None else SCALE_FORMAT_IDS[message_scales]
     constexprs = dict(G=group_size, SHARDS=shards, MESSAGE_SCALES=source, **split_constexprs(group_size, config))
     if requantize_to is not None:
-        return taco_split_requantize, constexprs | quantization(fmt, requantize_to)
+        return taco_split_requantize, constexprs | quantization(fmt, requantize_to) | dict(HALF_SUMS=config.half_sums)
     headroom = wire.scale_headroom(formats.wire_format(fmt), group_size, transform)
     transform_constexprs = dict(TRANSFORM=transform, INV_SQRT=inverse_sqrt(group_size), HEADROOM=headroom)
     return taco_split_decode, constexprs | element_codes(fmt) | transform_constexprs
@@ -297,9 +305,12 @@ def _launch_decompress(
 
 if gluon is not None:
     from .gluon_codec import (
+        hadamard_across_lanes,
+        int4_half_sum,
         load_multiplier,
         multiplier_source,
         normalize,
+        normalize_scaled,
         packed_sum,
         pow2,
         power_of_two,
@@ -316,11 +327,6 @@ if gluon is not None:
         """VALUES consecutive values of a group per thread, G / VALUES lanes per group."""
         return gl.BlockedLayout([1, VALUES], [32 // (G // VALUES), G // VALUES], [NUM_WARPS, 1], [1, 0])
 
-    @gluon.constexpr_function
-    def _butterfly_shuffle(lane_mask):
-        """PTX of a warp shuffle taking the value of lane (this lane xor `lane_mask`)."""
-        return f"shfl.sync.bfly.b32 $0, $1, {lane_mask}, 0x1f, 0xffffffff;"
-
     @gluon.jit
     def _split_tile(start, n_rows, ROWS: gl.constexpr, G: gl.constexpr, layout: gl.constexpr):
         """(element offsets, row indices, rows in range) of rows [start, start + ROWS) of
@@ -328,11 +334,6 @@ if gluon is not None:
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, G, layout=gl.SliceLayout(0, layout))
         return rows.to(gl.int64)[:, None] * G + cols[None, :], rows, rows < n_rows
-
-    @gluon.constexpr_function
-    def _log2(n):
-        """log2 of a power of two."""
-        return n.bit_length() - 1
 
     @gluon.jit
     def _program_tile(n_rows, G: gl.constexpr, VALUES: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr):
@@ -428,31 +429,6 @@ if gluon is not None:
         return summed, shift
 
     @gluon.jit
-    def _split_hadamard(values, ROWS: gl.constexpr, G: gl.constexpr, VALUES: gl.constexpr):
-        """values @ H (unnormalized, Sylvester order) along each group of a split tile. H_G =
-        H_{G/V} x H_V: the log2 V stages within a thread's V values run in registers
-        (as `hadamard_in_registers`), then one stage per lane bit exchanges values with the lane
-        holding the partner slice by a warp shuffle."""
-        layout: gl.constexpr = values.type.layout
-        LANES: gl.constexpr = G // VALUES
-        if VALUES > 1:
-            slices = values.reshape([ROWS, LANES, VALUES])
-            for _ in gl.static_range(_log2(VALUES)):
-                low, high = gl.split(gl.permute(slices.reshape([ROWS, LANES, 2, VALUES // 2]), [0, 1, 3, 2]))
-                slices = gl.join(low + high, low - high).reshape([ROWS, LANES, VALUES])
-            values = gl.convert_layout(slices.reshape([ROWS, G]), layout)
-        lane = gl.arange(0, G, layout=gl.SliceLayout(0, layout)) // VALUES
-        for stage in gl.static_range(_log2(LANES)):
-            partner = gl.inline_asm_elementwise(
-                _butterfly_shuffle(1 << stage), "=r,r", [values], dtype=gl.float32, is_pure=True, pack=1
-            )
-            # +1 on the low slice of a pair, -1 on the high one: low + high and low - high,
-            # each one exact rounding.
-            sign = (1 - 2 * ((lane >> stage) & 1)).to(gl.float32)[None, :]
-            values = values * sign + partner
-        return values
-
-    @gluon.jit
     def _store_codes(
         base,
         codes,
@@ -501,7 +477,7 @@ if gluon is not None:
         groups = gl.load(x_ptr + batch * n_rows * G + offsets, mask=in_range[:, None]).to(gl.float32)
         values, factor, prescale, absmax = normalize(groups, FMT_MAX, G)
         if TRANSFORM:  # the unnormalized transform: 1/sqrt(G) goes into the factor
-            values = _split_hadamard(values, ROWS, G, VALUES)
+            values = hadamard_across_lanes(values, ROWS, G, VALUES)
             factor = factor * INV_SQRT
             absmax = gl.max(gl.abs(values), axis=1)
         codes = scaled_codes(
@@ -581,7 +557,7 @@ if gluon is not None:
                 MANTISSA_BITS,
             )
             multiplier = load_multiplier(source_ptr, rows, in_range, first, MESSAGE_SCALES)
-            values = _split_hadamard(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
+            values = hadamard_across_lanes(codes, ROWS, G, VALUES) * (multiplier * INV_SQRT)[:, None]
             if HEADROOM > 0:
                 values = values * power_of_two(HEADROOM)
         else:
@@ -611,7 +587,7 @@ if gluon is not None:
             shift = shift + HEADROOM
             half = shift >> 1
             if TRANSFORM:
-                values = _split_hadamard(values, ROWS, G, VALUES)
+                values = hadamard_across_lanes(values, ROWS, G, VALUES)
                 undo = pow2(half) * INV_SQRT * pow2(shift - half)
             else:
                 undo = pow2(half) * pow2(shift - half)
@@ -640,35 +616,47 @@ if gluon is not None:
         BITS: gl.constexpr,
         EXPONENT_BITS: gl.constexpr,
         MANTISSA_BITS: gl.constexpr,
+        HALF_SUMS: gl.constexpr,
     ):
         """The sum of k dequantized shards quantized again (in the transformed domain;
-        the multipliers' units, which carry any headroom, stay)."""
+        the multipliers' units, which carry any headroom, stay); INT4 codes summed in
+        float16 pairs with HALF_SUMS (`SplitConfig.half_sums`)."""
         offsets, rows, in_range, batch = _program_tile(n_rows, G, VALUES, ROWS, NUM_WARPS)
         start = gl.program_id(0) * ROWS
         stride = multiplier_source(n_rows, in_rows, G * BITS // 8, MESSAGE_SCALES)[0]
-        summed, shift = _split_sum(
-            payload_ptr + batch * SHARDS * in_rows * row_elements(G, BITS),
-            source_ptr + batch * SHARDS * stride,
-            offsets,
-            rows,
-            in_range,
-            start,
-            n_rows,
-            in_rows,
-            MESSAGE_SCALES,
-            SHARDS,
-            ROWS,
-            G,
-            NUM_WARPS,
-            VALUES,
-            INTEGER,
-            BITS,
-            EXPONENT_BITS,
-            MANTISSA_BITS,
-        )
+        payload_ptr = payload_ptr + batch * SHARDS * in_rows * row_elements(G, BITS)
+        source_ptr = source_ptr + batch * SHARDS * stride
+        if HALF_SUMS:
+            summed, shift, exponent = int4_half_sum(
+                payload_ptr, source_ptr, start, n_rows, in_rows, MESSAGE_SCALES, SHARDS, ROWS, G, NUM_WARPS, VALUES
+            )
+            summed = gl.convert_layout(summed, offsets.type.layout)
+            shift, exponent = gl.convert_layout(shift, rows.type.layout), gl.convert_layout(exponent, rows.type.layout)
+        else:
+            summed, shift = _split_sum(
+                payload_ptr,
+                source_ptr,
+                offsets,
+                rows,
+                in_range,
+                start,
+                n_rows,
+                in_rows,
+                MESSAGE_SCALES,
+                SHARDS,
+                ROWS,
+                G,
+                NUM_WARPS,
+                VALUES,
+                INTEGER,
+                BITS,
+                EXPONENT_BITS,
+                MANTISSA_BITS,
+            )
+            exponent = gl.zeros_like(shift)
         # No transform (the sum is already in the transformed domain); the pre-scale is
         # the unscaled sum's.
-        values, factor, prescale, absmax = normalize(summed, FMT_MAX, G)
+        values, factor, prescale, absmax = normalize_scaled(summed, exponent, FMT_MAX, G)
         codes = scaled_codes(
             values,
             absmax,
