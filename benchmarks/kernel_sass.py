@@ -17,14 +17,13 @@ take (their code runs once per thread).
 
 Usage:  pip install triton==3.6.0
         python -m benchmarks.kernel_sass [--ops compress/taco+,decompress_sum/taco+] [--out FILE]
-        python -m benchmarks.kernel_sass --packed
+        python -m benchmarks.kernel_sass --packed [--packed-launches 32:2:2,32:1:2:half]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import re
 import subprocess
 import sys
@@ -35,13 +34,22 @@ import jax
 import jax.numpy as jnp
 from jax._src.pallas.triton import lowering
 
-from benchmarks.kernels import GROUP, PACKED_SPECS, PRESETS, SHARDS, SWEEP_OPS
-from pallas_kernels import gluon_codec as gc
-from pallas_kernels import row_kernels, split_kernels, triton_launch
+from benchmarks.kernels import (
+    GROUP,
+    PACKED_SPECS,
+    PRESETS,
+    SHARDS,
+    SWEEP_OPS,
+    config_label,
+    launch_applies,
+    launch_label,
+    packed_launch,
+)
 from taco_jax import strict_json
 from taco_jax.kernels import compress as kc
 from taco_jax.kernels import decompress as kd
-from taco_jax.kernels import formats
+from taco_jax.kernels import formats, row_kernels, split_kernels, triton_launch
+from taco_jax.kernels import gluon_codec as gc
 
 ROWS = 1 << 20  # (ROWS, G) groups; the kernels' code does not depend on it
 SASS_LINE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
@@ -131,52 +139,62 @@ def ptx_sass(ptx: str) -> dict:
     )
 
 
-def packed_kernels(fmt: str, group_size: int, scale_format: str) -> list[tuple[str, object, int]]:
-    """(op, compiled Gluon kernel, values of a group one thread takes) of each op
-    `benchmarks.kernels.time_packed` times, at its default launch (the transform on; the
-    requantized sum's scales in `scale_format`), and INT4's requantized sum in float16
-    pairs (`SplitConfig.half_sums`)."""
+def packed_kernels(
+    fmt: str, group_size: int, scale_format: str, launch: split_kernels.SplitConfig | None = None
+) -> list[tuple[str, split_kernels.SplitConfig | row_kernels.RowConfig, object, int]]:
+    """(op, its launch, compiled Gluon kernel, values of a group one thread takes) of each
+    op `benchmarks.kernels.time_packed` times (the transform on; the requantized sum's
+    scales in `scale_format`), at its default launch or at `launch` where that applies
+    (`benchmarks.kernels.launch_applies`)."""
 
     def compiled(kernel, types, constexprs, num_warps):
         signature = tuple(zip(kernel.arg_names, types))
         return triton_launch.compile_kernel(kernel, signature, tuple(constexprs.items()), num_warps, 90)
 
     x, codes, scales = "*bf16", gc.code_pointer(fmt), gc.POINTER_TYPES[gc.scale_dtype(scale_format)]
-    config = row_kernels.compress_config(group_size)
-    kernel, constexprs = row_kernels.compress_kernel(fmt, scale_format, True, group_size, config, jnp.bfloat16)
-    per_thread = group_size if isinstance(config, row_kernels.RowConfig) else config.values(group_size)
-    out = [("compress", compiled(kernel, [x, codes, scales, "i32", "i64"], constexprs, config.num_warps), per_thread)]
-    decodes = [("decompress", 1, False, False), ("decompress_sum", SHARDS, False, False)]
-    decodes.append(("requantize_sum", SHARDS, True, False))
-    if fmt == "int4":
-        decodes.append(("requantize_sum half sums", SHARDS, True, True))
-    for op, shards, requantize, half_sums in decodes:
-        config = split_kernels.decode_config(shards, requantize, fmt=fmt)
-        config = dataclasses.replace(config, half_sums=half_sums)
+    out = []
+    if launch_applies(launch, "compress", fmt):
+        config = row_kernels.compress_config(group_size)
+        kernel, constexprs = row_kernels.compress_kernel(fmt, scale_format, True, group_size, config, jnp.bfloat16)
+        per_thread = group_size if isinstance(config, row_kernels.RowConfig) else config.values(group_size)
+        types = [x, codes, scales, "i32", "i64"]
+        out.append(("compress", config, compiled(kernel, types, constexprs, config.num_warps), per_thread))
+    for op, shards, requantize in (
+        ("decompress", 1, False),
+        ("decompress_sum", SHARDS, False),
+        ("requantize_sum", SHARDS, True),
+    ):
+        if not launch_applies(launch, op, fmt):
+            continue
+        config = split_kernels.decode_config(shards, requantize, launch, fmt=fmt)
         # As `decompress.decompress_message` launches them: the scales read from the message.
         kernel, constexprs = split_kernels.decode_kernel(
             fmt, group_size, shards, True, scale_format if requantize else None, config, scale_format
         )
         types = [codes, scales, codes, scales, "i32", "i64", "i64"] if requantize else [codes, scales, x, "i32", "i64"]
         per_thread = config.values(group_size) * config.rows_per_thread
-        out.append((op, compiled(kernel, types, constexprs, config.num_warps), per_thread))
+        out.append((op, config, compiled(kernel, types, constexprs, config.num_warps), per_thread))
     return out
 
 
-def packed_rows() -> list[dict]:
-    """SASS of the packed-code Gluon kernels on `benchmarks.kernels.PACKED_SPECS`, per value
-    of a group (a kernel's code runs once per thread on the values it takes)."""
+def packed_rows(launches: list[split_kernels.SplitConfig | None]) -> list[dict]:
+    """SASS of the packed-code Gluon kernels on `benchmarks.kernels.PACKED_SPECS` at each
+    of `launches` (None: the defaults), per value of a group (a kernel's code runs once
+    per thread on the values it takes)."""
     rows = []
-    for fmt, group_size, scale_format in PACKED_SPECS:
-        for op, compiled, values in packed_kernels(fmt, group_size, scale_format):
-            row = dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, values_per_thread=values)
-            row |= ptx_sass(compiled.asm["ptx"])
-            row["per_value"] = row["sass"] / values
-            rows.append(row)
-            print(
-                f"| {op} | {fmt}:{group_size} | {row['registers']} | {row['sass']} | {row['per_value']:.1f} |",
-                flush=True,
-            )
+    for launch in launches:
+        for fmt, group_size, scale_format in PACKED_SPECS:
+            for op, config, compiled, values in packed_kernels(fmt, group_size, scale_format, launch):
+                row = dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, values_per_thread=values)
+                row |= dict(launch=launch_label(launch), config=config_label(config))
+                row |= ptx_sass(compiled.asm["ptx"])
+                row["per_value"] = row["sass"] / values
+                rows.append(row)
+                print(
+                    f"| {op} | {fmt}:{group_size} | {row['config']} | {row['registers']} | {row['sass']} | "
+                    f"{row['per_value']:.1f} |",
+                    flush=True,
+                )
     return rows
 
 
@@ -189,10 +207,16 @@ def main() -> None:
         action="store_true",
         help="the Gluon kernels on packed sub-byte codes instead, to kernel_sass_packed.json",
     )
+    parser.add_argument(
+        "--packed-launches",
+        default="",
+        help="with --packed, also the decodes at these launches, as `benchmarks.kernels --packed-launches`",
+    )
     args = parser.parse_args()
     if args.packed:
-        print("| op | spec | registers | SASS | per value |\n|---|---|---|---|---|")
-        rows = packed_rows()
+        print("| op | spec | launch | registers | SASS | per value |\n|---|---|---|---|---|---|")
+        launches = [packed_launch(text) for text in args.packed_launches.split(",") if text]
+        rows = packed_rows([None, *launches])
         out = args.out.with_name("kernel_sass_packed.json")
         out.write_text(strict_json.dumps({"shards": SHARDS, "rows": rows}, indent=1))
         return

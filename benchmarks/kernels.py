@@ -563,14 +563,22 @@ PACKED_SPECS = [
 ]
 
 
-def _launch_label(launch: split_kernels.SplitConfig | None) -> str:
+def launch_label(launch: split_kernels.SplitConfig | None) -> str:
     """A decode launch as the packed rows name it: "default", or V, rows and warps."""
     if launch is None:
         return "default"
-    return _config_label(launch)
+    return config_label(launch)
 
 
-def _packed_launch(text: str) -> split_kernels.SplitConfig:
+def launch_applies(launch: split_kernels.SplitConfig | None, op: str, fmt: str) -> bool:
+    """Whether a packed op runs at `launch` (None: its default): a launch other than the
+    default takes the decodes, and one with `half_sums` only INT4's requantized sum."""
+    if launch is None:
+        return True
+    return op != "compress" and (not launch.half_sums or (op, fmt) == ("requantize_sum", "int4"))
+
+
+def packed_launch(text: str) -> split_kernels.SplitConfig:
     """A `--packed-launches` entry, V:ROWS:WARPS with an optional ":half"."""
     fields = text.split(":")
     if len(fields) not in (3, 4) or fields[3:] not in ([], ["half"]):
@@ -579,7 +587,7 @@ def _packed_launch(text: str) -> split_kernels.SplitConfig:
     return split_kernels.SplitConfig(values, rows, warps, half_sums=fields[3:] == ["half"])
 
 
-def _config_label(config: split_kernels.SplitConfig | row_kernels.RowConfig) -> str:
+def config_label(config: split_kernels.SplitConfig | row_kernels.RowConfig) -> str:
     """The launch an op ran at: a split kernel's V, rows and warps, or the row kernel's
     warps (a packed row's `config`, which names its default as it was when it ran)."""
     if isinstance(config, split_kernels.SplitConfig):
@@ -630,15 +638,13 @@ def time_packed(
             ("decompress_sum", decode(SHARDS, False), shards, SHARDS, True, decode_configs[SHARDS, False]),
             ("requantize_sum", decode(SHARDS, True), shards, SHARDS + 1, False, decode_configs[SHARDS, True]),
         ):
-            if launch is not None and (
-                op == "compress" or launch.half_sums and (op, fmt) != ("requantize_sum", "int4")
-            ):
+            if not launch_applies(launch, op, fmt):
                 continue
             moved = message_bytes * messages_moved + 2 * elements * bf16_side
             ms, kernels = device_profile(fn, (inputs,))
             results.append(
                 dict(op=op, fmt=fmt, group_size=group_size, scales=scale_format, tokens=tokens, channels=channels)
-                | dict(launch=_launch_label(launch), config=_config_label(config))
+                | dict(launch=launch_label(launch), config=config_label(config))
                 | dict(device_ms=ms, bytes=moved, device_tb_per_s=moved / ms / 1e9)
                 | dict(kernels=kernels)
             )
@@ -704,7 +710,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         packed = time_packed(key, *SWEEP_SHAPE)
         for launch in args.packed_launches.split(",") if args.packed_launches else ():
-            packed += time_packed(key, *SWEEP_SHAPE, launch=_packed_launch(launch))
+            packed += time_packed(key, *SWEEP_SHAPE, launch=packed_launch(launch))
         copy_bw = torch_copy_tb_per_s(SWEEP_SHAPE[0] * SWEEP_SHAPE[1])
         (args.out / "kernels_packed.json").write_text(
             strict_json.dumps(

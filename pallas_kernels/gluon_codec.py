@@ -187,23 +187,33 @@ if gluon is not None:
     def normalize(groups, FMT_MAX: gl.constexpr, G: gl.constexpr):
         """`wire.normalize_groups`: (normalized, factor, prescale, the normalized groups'
         absmax: their absmax times the same power of two, exact)."""
-        return normalize_scaled(groups, 0, FMT_MAX, G)
+        absmax = gl.max(gl.abs(groups), axis=1)
+        shift = gl.minimum(((absmax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 126)
+        normalized = groups * pow2(-shift)[:, None]
+        mean_square = gl.sum(normalized * normalized, axis=1) * (1.0 / G)
+        prescale = prescale_of(absmax, mean_square, -shift, FMT_MAX)
+        return normalized, times_pow2(prescale, shift), prescale, absmax * pow2(-shift)
 
     @gluon.jit
-    def normalize_scaled(groups, exponent, FMT_MAX: gl.constexpr, G: gl.constexpr):
-        """`normalize` of groups * 2**exponent (per row, at most 0), without forming them:
-        the power of two joins the normalizing one, so a float16 sum (`int4_half_sum`)
-        pays no multiply a value for its scale."""
-        absmax = gl.max(gl.abs(groups), axis=1)
-        shift = gl.minimum(((absmax.to(gl.int32, bitcast=True) >> 23) & 0xFF) + exponent - 126, 126)
-        normalized = groups * pow2(exponent - shift)[:, None]
-        mean_square = gl.sum(normalized * normalized, axis=1) * (1.0 / G)
-        prescale = times_pow2(gl.div_rn(gl.full_like(mean_square, FMT_MAX), gl.sqrt_rn(mean_square)), -shift)
+    def prescale_of(absmax, mean_square, exponent, FMT_MAX: gl.constexpr):
+        """`wire.prescale_of`: FMT_MAX / sqrt(mean_square) * 2**exponent, clamped, NaN for
+        a group holding NaN or Inf."""
+        prescale = times_pow2(gl.div_rn(gl.full_like(mean_square, FMT_MAX), gl.sqrt_rn(mean_square)), exponent)
         prescale = gl.minimum(gl.maximum(prescale, PRESCALE_MIN), PRESCALE_MAX)
         # max() skips NaN in a kernel; the mean square does not (`wire.prescale_of`).
         finite = (absmax < float("inf")) & (gl.abs(mean_square) < float("inf"))
-        prescale = gl.where(finite, prescale, float("nan"))
-        return normalized, times_pow2(prescale, shift), prescale, absmax * pow2(exponent - shift)
+        return gl.where(finite, prescale, float("nan"))
+
+    @gluon.jit
+    def normalize_half_sum(sums, exponent, FMT_MAX: gl.constexpr, G: gl.constexpr):
+        """`normalize` of sums * 2**exponent, for a float16 sum (`int4_half_sum`), whose
+        squares add up within float32's normal range: the sums stand for the normalized
+        values and the powers of two go into the factor (exact), so the codes and scales
+        are those `normalize` leads to, with no multiply a value."""
+        absmax = gl.max(gl.abs(sums), axis=1)
+        mean_square = gl.sum(sums * sums, axis=1) * (1.0 / G)
+        prescale = prescale_of(absmax, mean_square, -exponent, FMT_MAX)
+        return sums, times_pow2(prescale, exponent), prescale, absmax
 
     @gluon.jit
     def round_up_to_bf16(ratio):
@@ -420,7 +430,7 @@ if gluon is not None:
         """`packed_sum` of INT4 codes in float16 pairs (`accumulate_int4_pairs`), for a
         sum that is requantized: (the sum times 2**-(shift + exponent) as float32 (ROWS,
         G), shift, exponent), with shift as `sum_shift` and exponent <= 0 what takes the
-        values to `packed_sum`'s (`normalize_scaled` applies it).
+        values to `packed_sum`'s (`normalize_half_sum` applies it).
 
         Each shard's multipliers are scaled by the binade of the row's largest, so the
         sum is at most SHARDS * 8 and a code times its multiplier rounds to float16's

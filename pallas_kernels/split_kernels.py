@@ -310,7 +310,7 @@ if gluon is not None:
         load_multiplier,
         multiplier_source,
         normalize,
-        normalize_scaled,
+        normalize_half_sum,
         packed_sum,
         pow2,
         power_of_two,
@@ -632,6 +632,7 @@ if gluon is not None:
             )
             summed = gl.convert_layout(summed, offsets.type.layout)
             shift, exponent = gl.convert_layout(shift, rows.type.layout), gl.convert_layout(exponent, rows.type.layout)
+            values, factor, prescale, absmax = normalize_half_sum(summed, exponent, FMT_MAX, G)
         else:
             summed, shift = _split_sum(
                 payload_ptr,
@@ -653,10 +654,9 @@ if gluon is not None:
                 EXPONENT_BITS,
                 MANTISSA_BITS,
             )
-            exponent = gl.zeros_like(shift)
+            values, factor, prescale, absmax = normalize(summed, FMT_MAX, G)
         # No transform (the sum is already in the transformed domain); the pre-scale is
         # the unscaled sum's.
-        values, factor, prescale, absmax = normalize_scaled(summed, exponent, FMT_MAX, G)
         codes = scaled_codes(
             values,
             absmax,

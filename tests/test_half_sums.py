@@ -92,8 +92,8 @@ def test_half_sums_keep_nan_in_its_group():
 
 def test_packed_launches_name_half_sums():
     """`benchmarks.kernels --packed-launches` reads V:ROWS:WARPS with an optional ":half"."""
-    assert kernel_benchmarks._packed_launch("32:1:2:half") == HALF
-    assert kernel_benchmarks._packed_launch("32:2:2") == split_kernels.SplitConfig(32, 2, 2)
-    assert kernel_benchmarks._config_label(HALF) == "V32 R1 W2 half sums"
+    assert kernel_benchmarks.packed_launch("32:1:2:half") == HALF
+    assert kernel_benchmarks.packed_launch("32:2:2") == split_kernels.SplitConfig(32, 2, 2)
+    assert kernel_benchmarks.config_label(HALF) == "V32 R1 W2 half sums"
     with pytest.raises(SystemExit, match="V:ROWS:WARPS:half"):
-        kernel_benchmarks._packed_launch("32:1:2:float16")
+        kernel_benchmarks.packed_launch("32:1:2:float16")
