@@ -1,8 +1,9 @@
 """What the Gluon codec kernels share (Gluon: Triton with explicit layouts): their launch
-helpers, and the per-group math in registers, step for
-step `wire`'s (IEEE division and square root for the per-group scalars): the
-binade normalization, the Walsh-Hadamard stages within a thread and across a group's
-lanes, the scales and the codes, and INT4's sum in float16 pairs. The row kernel (`row_kernels`) and the split kernels (`split_kernels`) build on it.
+helpers, and the per-group math in registers, step for step `wire`'s (IEEE division and
+square root for the per-group scalars): the binade normalization, the Walsh-Hadamard
+stages within a thread and across a group's lanes, the scales and the codes, and INT4's
+sum in float16 pairs. The row kernel (`row_kernels`) and the split kernels
+(`split_kernels`) build on it.
 """
 
 from __future__ import annotations
