@@ -349,15 +349,23 @@ if gluon is not None:
         return multiplier
 
     @gluon.jit
-    def sum_shift(source_ptr, stride, first, rows, in_range, SHARDS: gl.constexpr, MESSAGE_SCALES: gl.constexpr):
-        """shift per row (`wire.sum_shift`): the binade of the shards' largest multiplier
-        above 1, which the sum is scaled down by, in the layout of `rows`."""
+    def multiplier_binade(
+        source_ptr, stride, first, rows, in_range, SHARDS: gl.constexpr, MESSAGE_SCALES: gl.constexpr
+    ):
+        """The binade of the shards' largest multiplier per row, in the layout of `rows`:
+        2**-binade takes it into [0.5, 1)."""
         largest = load_multiplier(source_ptr, rows, in_range, first, MESSAGE_SCALES)
         for shard in gl.static_range(1, SHARDS):
             largest = gl.maximum(
                 largest, load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
             )
-        return gl.maximum(((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126, 0)
+        return ((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126
+
+    @gluon.jit
+    def sum_shift(source_ptr, stride, first, rows, in_range, SHARDS: gl.constexpr, MESSAGE_SCALES: gl.constexpr):
+        """shift per row (`wire.sum_shift`): the binade of the shards' largest multiplier
+        above 1, which the sum is scaled down by, in the layout of `rows`."""
+        return gl.maximum(multiplier_binade(source_ptr, stride, first, rows, in_range, SHARDS, MESSAGE_SCALES), 0)
 
     @gluon.jit
     def packed_sum(
@@ -444,12 +452,7 @@ if gluon is not None:
         rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
         in_range = rows < n_rows
         stride, first = multiplier_source(n_rows, in_rows, G // 2, MESSAGE_SCALES)
-        largest = load_multiplier(source_ptr, rows, in_range, first, MESSAGE_SCALES)
-        for shard in gl.static_range(1, SHARDS):
-            largest = gl.maximum(
-                largest, load_multiplier(source_ptr + shard * stride, rows, in_range, first, MESSAGE_SCALES)
-            )
-        binade = ((largest.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 126
+        binade = multiplier_binade(source_ptr, stride, first, rows, in_range, SHARDS, MESSAGE_SCALES)
         offsets, mask = packed_offsets(start, n_rows, ROWS, G, 4, NUM_WARPS, VALUES)
         zero = gl.zeros(offsets.shape, gl.int32, layout)
         sums = (zero, zero, zero, zero)
