@@ -82,7 +82,7 @@ def test_the_sub_byte_kernels_are_on_unless_turned_off(switch, sub_byte):
     env = {key: value for key, value in cpu_env(1).items() if key != "TACO_JAX_SUB_BYTE_KERNELS"}
     if switch is not None:
         env["TACO_JAX_SUB_BYTE_KERNELS"] = switch
-    code = "from pallas_kernels import backends; print(*backends.GLUON.formats)"
+    code = "from taco_jax.kernels import backends; print(*backends.GLUON.formats)"
     taken = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert {fmt: fmt in taken.split() for fmt in ("int4", "int5", "e2m3", "int8", "e4m3")} == {
         "int4": sub_byte,
